@@ -1,0 +1,44 @@
+# The two commands of the project: `make test` and `make demo`. Each creates or reuses its
+# virtual environment(s) and installs what it needs.
+#
+#   .venv          the engine (Python 3.12, jax 0.11.2 CPU)
+#   .venv-oracle   the numerics oracle (Python 3.11, CPU torch 2.13.0 + transformers 5.23.0);
+#                  it only writes fixtures under .cache/oracle, the engine never imports torch.
+
+PY312 ?= $(firstword $(wildcard $(shell pyenv prefix 3.12.1 2>/dev/null)/bin/python3.12 \
+                                 $(HOME)/.pyenv/versions/3.12.1/bin/python3.12) python3.12)
+PY311 ?= python3.11
+VENV := .venv
+ORACLE_VENV := .venv-oracle
+ORACLE_DIR ?= .cache/oracle
+PYTEST_ARGS ?=
+
+export JAX_PLATFORMS ?= cpu
+export DEEPINFER_ORACLE_DIR := $(abspath $(ORACLE_DIR))
+
+.PHONY: test demo oracle env clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PY312) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[test]'
+	touch $@
+
+$(ORACLE_VENV)/.installed: tests/oracle/requirements.txt
+	$(PY311) -m venv $(ORACLE_VENV)
+	$(ORACLE_VENV)/bin/pip install -q -r tests/oracle/requirements.txt
+	touch $@
+
+env: $(VENV)/.installed
+
+oracle: $(ORACLE_VENV)/.installed
+	$(ORACLE_VENV)/bin/python tests/oracle/build.py --out $(ORACLE_DIR)
+
+test: $(VENV)/.installed oracle
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/python -m deepinfer_jax.demo
+
+clean:
+	rm -rf $(VENV) $(ORACLE_VENV) .cache

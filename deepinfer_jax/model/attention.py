@@ -1,0 +1,61 @@
+"""DeepSeek-V4 attention: one shared K=V head, low-rank queries, sinks, grouped output.
+
+Per token: q = rope(rmsnorm_unweighted(W_qb rmsnorm(W_qa x))) per head; kv = rope(rmsnorm(W_kv x)),
+used as key and value by all heads. A query attends to raw window rows and, in CSA/HCA layers,
+to compressed rows, in one softmax that also holds a per-head sink logit (zero value). Because
+V = K carries rope, the output's rope slice is rotated back at the query position. The output
+projection is grouped low-rank: each group of heads -> L dims, then all groups -> D.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.model.norms import rms_norm, unweighted_rms_norm
+from deepinfer_jax.model.params import AttentionParams
+from deepinfer_jax.model.rope import apply_rope
+
+
+def project_queries(x: jax.Array, p: AttentionParams, cos: jax.Array, sin: jax.Array,
+                    cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """x [..., D] -> (q [..., H, hd] roped, q_latent [..., R]: the indexer's query input)."""
+    q_latent = rms_norm(x @ p.wq_a, p.q_norm, cfg.rms_norm_eps)
+    q = (q_latent @ p.wq_b).reshape(*x.shape[:-1], cfg.num_heads, cfg.head_dim)
+    q = unweighted_rms_norm(q, cfg.rms_norm_eps)
+    return apply_rope(q, cos[..., None, :], sin[..., None, :]), q_latent
+
+
+def project_kv(x: jax.Array, p: AttentionParams, cos: jax.Array, sin: jax.Array,
+               cfg: ModelConfig) -> jax.Array:
+    """x [..., D] -> the token's raw K=V row [..., hd], roped at its position."""
+    kv = rms_norm(x @ p.wkv, p.kv_norm, cfg.rms_norm_eps)
+    return apply_rope(kv, cos, sin)
+
+
+def sink_attention(q: jax.Array, keys: jax.Array, visible: jax.Array, sinks: jax.Array) -> jax.Array:
+    """One softmax over visible keys plus a per-head sink logit with a zero value vector.
+
+    q [B, S, H, hd], keys [B, T, hd] (also the values), visible bool[B, S, T],
+    sinks f32[H] -> [B, S, H, hd].
+    """
+    scale = q.shape[-1] ** -0.5
+    logits = jnp.einsum("bshd,btd->bsht", q, keys, preferred_element_type=jnp.float32) * scale
+    logits = jnp.where(visible[:, :, None, :], logits, -jnp.inf)
+    peak = jnp.maximum(jnp.max(logits, axis=-1), sinks)                  # [B, S, H]
+    probs = jnp.exp(logits - peak[..., None])
+    denom = jnp.sum(probs, axis=-1) + jnp.exp(sinks - peak)
+    out = jnp.einsum("bsht,btd->bshd", probs.astype(keys.dtype), keys,
+                     preferred_element_type=jnp.float32)
+    return (out / denom[..., None]).astype(q.dtype)
+
+
+def output_projection(o: jax.Array, p: AttentionParams, cos: jax.Array, sin: jax.Array,
+                      cfg: ModelConfig) -> jax.Array:
+    """Attention output o [..., H, hd] -> [..., D]: de-rope at the query position, then the
+    grouped low-rank projection (groups of consecutive heads)."""
+    o = apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
+    grouped = o.reshape(*o.shape[:-2], cfg.o_groups, -1)                 # [..., G, H*hd/G]
+    low_rank = jnp.einsum("...gi,gil->...gl", grouped, p.wo_a)           # [..., G, L]
+    return low_rank.reshape(*o.shape[:-2], -1) @ p.wo_b

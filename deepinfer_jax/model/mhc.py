@@ -1,0 +1,59 @@
+"""Manifold-constrained hyper-connections (mHC): the residual is `hc` parallel streams.
+
+Each sublayer reads one collapsed input (`pre`-weighted sum of the streams) and writes back
+`post_k * f + sum_j comb[j, k] * X_j`, where `comb` is pushed towards a doubly-stochastic
+matrix by Sinkhorn iterations. All mixing math is float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_jax.model.norms import unweighted_rms_norm
+from deepinfer_jax.model.params import HyperConnectionParams, HyperHeadParams
+
+
+def _mixes(streams: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
+    """streams [..., hc, D] -> f32[..., n_mix]: a linear map of the RMS-normalised flat streams."""
+    flat = streams.reshape(*streams.shape[:-2], -1).astype(jnp.float32)
+    return unweighted_rms_norm(flat, eps) @ fn
+
+
+def sinkhorn(comb_logits: jax.Array, iters: int, eps: float) -> jax.Array:
+    """f32[..., hc, hc] -> near doubly-stochastic: row softmax, then alternate column/row scaling
+    (1 softmax + `iters` column and `iters - 1` row normalisations)."""
+    comb = jax.nn.softmax(comb_logits, axis=-1) + eps
+    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (jnp.sum(comb, axis=-1, keepdims=True) + eps)
+        comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
+    return comb
+
+
+def hc_pre(streams: jax.Array, p: HyperConnectionParams, *, hc_eps: float, norm_eps: float,
+           sinkhorn_iters: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """streams [..., hc, D] -> (collapsed [..., D], post f32[..., hc], comb f32[..., hc, hc])."""
+    hc = streams.shape[-2]
+    mixes = _mixes(streams, p.fn, norm_eps)
+    pre_w, post_w, comb_w = mixes[..., :hc], mixes[..., hc:2 * hc], mixes[..., 2 * hc:]
+    pre = jax.nn.sigmoid(pre_w * p.scale[0] + p.base[:hc]) + hc_eps
+    post = 2.0 * jax.nn.sigmoid(post_w * p.scale[1] + p.base[hc:2 * hc])
+    comb_logits = (comb_w * p.scale[2] + p.base[2 * hc:]).reshape(*comb_w.shape[:-1], hc, hc)
+    comb = sinkhorn(comb_logits, sinkhorn_iters, hc_eps)
+    collapsed = jnp.sum(pre[..., None] * streams.astype(jnp.float32), axis=-2)
+    return collapsed.astype(streams.dtype), post, comb
+
+
+def hc_post(block_out: jax.Array, streams: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
+    """X'_k = post_k * f + sum_j comb[j, k] X_j.  block_out [..., D], streams [..., hc, D]."""
+    dtype = streams.dtype
+    mixed = jnp.einsum("...jk,...jd->...kd", comb.astype(dtype), streams)
+    return post.astype(dtype)[..., None] * block_out[..., None, :] + mixed
+
+
+def hc_head(streams: jax.Array, p: HyperHeadParams, *, hc_eps: float, norm_eps: float) -> jax.Array:
+    """Final collapse of the streams [..., hc, D] -> [..., D] (sigmoid weights, no Sinkhorn)."""
+    mixes = _mixes(streams, p.fn, norm_eps)
+    pre = jax.nn.sigmoid(mixes * p.scale[0] + p.base) + hc_eps
+    return jnp.sum(pre[..., None] * streams.astype(jnp.float32), axis=-2).astype(streams.dtype)

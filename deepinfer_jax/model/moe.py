@@ -1,0 +1,83 @@
+"""Mixture of experts: a router (learned top-k or hash table), grouped routed experts, a shared expert.
+
+Routing: scores = f(x W_g) with f in {sqrt(softplus), softmax, sigmoid} (float32). Routed
+layers pick top-k of `scores + bias` (the bias steers selection only); hash layers take
+`tid2eid[token]`. Weights are the chosen scores, renormalised when `norm_topk_prob`, times
+`routed_scaling_factor`. Each expert is a clamped SwiGLU: silu(min(a, L)) * clamp(b, -L, L).
+
+Routed experts run grouped: the (token, expert) pairs are sorted by expert and pushed through
+one grouped matmul (`jax.lax.ragged_dot`) over the stacked weights; then each token's K
+outputs are summed in a fixed order (slot 0..K-1), whatever the grouping.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_jax.config import MlpKind, ModelConfig, ScoringFunc
+from deepinfer_jax.model.params import ExpertParams, MoEParams, SharedExpertParams
+
+
+def score(logits: jax.Array, func: ScoringFunc) -> jax.Array:
+    match func:
+        case ScoringFunc.SQRTSOFTPLUS:
+            return jnp.sqrt(jax.nn.softplus(logits))
+        case ScoringFunc.SOFTMAX:
+            return jax.nn.softmax(logits, axis=-1)
+        case ScoringFunc.SIGMOID:
+            return jax.nn.sigmoid(logits)
+
+
+def route(x: jax.Array, token_ids: jax.Array, p: MoEParams, kind: MlpKind,
+          cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """x [N, D], token_ids i32[N] -> (experts i32[N, K], weights f32[N, K])."""
+    scores = score(x.astype(jnp.float32) @ p.gate.astype(jnp.float32), cfg.scoring_func)
+    if kind is MlpKind.HASH_MOE:
+        experts = p.tid2eid[token_ids]
+    else:
+        _, experts = jax.lax.top_k(scores + p.bias, cfg.num_experts_per_tok)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return experts.astype(jnp.int32), weights * cfg.routed_scaling_factor
+
+
+def swiglu(gate_up: jax.Array, limit: float) -> jax.Array:
+    """gate_up [..., 2I] -> silu(min(gate, L)) * clamp(up, -L, L) [..., I] (no clamp if L = 0)."""
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    if limit > 0:
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+    return jax.nn.silu(gate) * up
+
+
+def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, p: ExpertParams,
+                   limit: float) -> jax.Array:
+    """x [N, D], experts i32[N, K], weights f32[N, K] -> [N, D]."""
+    n_tokens, top_k = experts.shape
+    n_experts = p.w13.shape[0]
+    flat_expert = experts.reshape(-1)                                    # [N*K]
+    order = jnp.argsort(flat_expert, stable=True)                        # pairs sorted by expert
+    group_sizes = jnp.bincount(flat_expert, length=n_experts).astype(jnp.int32)
+    sorted_x = x[order // top_k]                                         # [N*K, D]
+    hidden = swiglu(jax.lax.ragged_dot(sorted_x, p.w13, group_sizes), limit)
+    out = jax.lax.ragged_dot(hidden.astype(x.dtype), p.w2, group_sizes)  # [N*K, D]
+    out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
+    # Back to (token, slot) order, then a fixed-order sum over the K slots.
+    unsorted = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
+    return jnp.sum(unsorted.reshape(n_tokens, top_k, -1), axis=1)
+
+
+def shared_expert(x: jax.Array, p: SharedExpertParams, limit: float) -> jax.Array:
+    return swiglu(x @ p.w13, limit).astype(x.dtype) @ p.w2
+
+
+def moe(x: jax.Array, token_ids: jax.Array, p: MoEParams, kind: MlpKind, cfg: ModelConfig) -> jax.Array:
+    """x [..., D], token_ids i32[...] -> [..., D]."""
+    flat = x.reshape(-1, x.shape[-1])
+    experts, weights = route(flat, token_ids.reshape(-1), p, kind, cfg)
+    out = routed_experts(flat, experts, weights, p.experts, cfg.swiglu_limit)
+    if p.shared is not None:
+        out = out + shared_expert(flat, p.shared, cfg.swiglu_limit)
+    return out.reshape(x.shape)

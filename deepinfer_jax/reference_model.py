@@ -1,0 +1,92 @@
+"""`deepinfer_jax.load(path)`: a model for notebooks and tests, with the cache-free forward.
+
+`Model.logits(token_ids)` runs the full-sequence reference forward (no state cache), the oracle
+the engine is tested against. Sequences are right-padded to a multiple of `pad_to` tokens so
+that growing a sequence one token at a time does not recompile at every length (causality
+makes the padding invisible to the real positions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.model import forward, mtp
+from deepinfer_jax.model.params import ModelParams
+from deepinfer_jax.weights import load_params
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _logits(params: ModelParams, token_ids: jax.Array, cfg: ModelConfig) -> jax.Array:
+    return forward.logits(params, token_ids, cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _mtp_logits(params: ModelParams, token_ids: jax.Array, cfg: ModelConfig) -> jax.Array:
+    return mtp.mtp_logits(params, token_ids, cfg)
+
+
+def _as_batch(token_ids, vocab_size: int) -> np.ndarray:
+    ids = np.asarray(token_ids)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2 or ids.shape[1] == 0:
+        raise ValueError(f"token_ids must be [S] or [B, S] with S > 0, got shape {ids.shape}")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise TypeError(f"token_ids must be integers, got {ids.dtype}")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(f"token ids must lie in [0, {vocab_size})")
+    return ids.astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    config: ModelConfig
+    params: ModelParams
+    pad_to: int = 128
+
+    def _padded(self, token_ids) -> tuple[np.ndarray, int]:
+        ids = _as_batch(token_ids, self.config.vocab_size)
+        seq = ids.shape[1]
+        target = -(-seq // self.pad_to) * self.pad_to
+        return np.pad(ids, ((0, 0), (0, target - seq))), seq
+
+    def logits(self, token_ids) -> np.ndarray:
+        """token_ids [S] or [B, S] -> float32 logits [B, S, V] (full forward, no cache)."""
+        ids, seq = self._padded(token_ids)
+        return np.asarray(_logits(self.params, jnp.asarray(ids), self.config))[:, :seq]
+
+    def mtp_logits(self, token_ids) -> np.ndarray:
+        """The MTP block's drafts: [B, S-1, V], row t predicts token t+2 from tokens <= t+1."""
+        if not self.params.mtp:
+            raise ValueError("this checkpoint has no MTP weights")
+        ids, seq = self._padded(token_ids)
+        return np.asarray(_mtp_logits(self.params, jnp.asarray(ids), self.config))[:, : seq - 1]
+
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def checkpoint_dtype(path: str | Path):
+    """The compute dtype a checkpoint asks for (`dtype` / `torch_dtype`), bfloat16 if unset."""
+    raw = json.loads((Path(path) / "config.json").read_text())
+    name = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
+    return _DTYPES.get(str(name).removeprefix("torch."), jnp.bfloat16)
+
+
+def load(path: str | Path, dtype=None) -> Model:
+    """Load a DeepSeek-V4 checkpoint directory (config.json + safetensors).
+
+    dtype: the compute dtype of the projections (norms, mHC and other small parameters stay
+    float32); None takes the checkpoint's own (`dtype` in config.json), else bfloat16.
+    """
+    cfg = ModelConfig.from_json_file(path)
+    dtype = checkpoint_dtype(path) if dtype is None else dtype
+    return Model(config=cfg, params=load_params(path, cfg, dtype))

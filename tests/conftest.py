@@ -1,0 +1,53 @@
+"""Shared fixtures: the oracle's reference cases, loaded once per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ORACLE_DIR = Path(os.environ.get("DEEPINFER_ORACLE_DIR", REPO / ".cache" / "oracle"))
+ORACLE_CASES = ("tiny-mixed", "tiny-sigmoid", "tiny-legacy")
+
+
+class OracleCase:
+    def __init__(self, directory: Path):
+        self.dir = directory
+        self.checkpoint = directory / "checkpoint"
+        self.reference = dict(np.load(directory / "reference.npz"))
+        self._model = None
+
+    @property
+    def model(self):
+        """The float32 model, loaded once (its compiled forward is shared by the tests)."""
+        if self._model is None:
+            import deepinfer_jax
+
+            self._model = deepinfer_jax.load(self.checkpoint, dtype=np.float32)
+        return self._model
+
+
+_cases: dict[str, OracleCase] = {}
+
+
+def oracle_case(name: str) -> OracleCase:
+    if name not in _cases:
+        found = sorted(p for p in ORACLE_DIR.glob(f"{name}-*") if (p / "meta.json").exists())
+        if not found:
+            pytest.fail(f"no oracle fixtures for {name} in {ORACLE_DIR}: run `make oracle` "
+                        "(or `make test`, which builds them first)")
+        _cases[name] = OracleCase(found[-1])
+    return _cases[name]
+
+
+@pytest.fixture(params=ORACLE_CASES)
+def case(request) -> OracleCase:
+    return oracle_case(request.param)
+
+
+@pytest.fixture
+def mixed_case() -> OracleCase:
+    return oracle_case("tiny-mixed")

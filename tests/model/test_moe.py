@@ -1,0 +1,89 @@
+"""MoE routing and experts against a plain numpy loop (covers the softmax router HF lacks)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from deepinfer_jax.config import MlpKind, ModelConfig, ScoringFunc
+from deepinfer_jax.model.moe import moe, route
+from deepinfer_jax.weights import random_params
+from tests.conftest import REPO
+
+BASE = ModelConfig.from_json_file(REPO / "configs" / "tiny" / "tiny-mixed.json")
+HASH_LAYER, ROUTED_LAYER = 0, 1
+
+
+@pytest.fixture(scope="module")
+def layers():
+    params = random_params(BASE, 3, jnp.float32)
+    routed = params.layers[ROUTED_LAYER].moe
+    bias = 0.5 * jax.random.normal(jax.random.key(1), routed.bias.shape)  # large enough to matter
+    return {MlpKind.HASH_MOE: params.layers[HASH_LAYER].moe,
+            MlpKind.MOE: dataclasses.replace(routed, bias=bias)}
+
+
+def numpy_scores(logits, func):
+    if func is ScoringFunc.SOFTMAX:
+        e = np.exp(logits - logits.max())
+        return e / e.sum()
+    if func is ScoringFunc.SIGMOID:
+        return 1 / (1 + np.exp(-logits))
+    return np.sqrt(np.log1p(np.exp(logits)))
+
+
+def numpy_moe(x, token_ids, p, kind, cfg):
+    """Token by token: score, choose, weight, run each chosen expert, add the shared expert."""
+    f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    gate, w13, w2 = f64(p.gate), f64(p.experts.w13), f64(p.experts.w2)
+    limit = cfg.swiglu_limit
+
+    def swiglu(h):
+        g, u = np.split(h, 2)
+        g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+        return g / (1 + np.exp(-g)) * u
+
+    out = np.zeros(x.shape, np.float64)
+    for t in range(x.shape[0]):
+        scores = numpy_scores(x[t] @ gate, cfg.scoring_func)
+        if kind is MlpKind.HASH_MOE:
+            chosen = np.asarray(p.tid2eid)[token_ids[t]]
+        else:
+            chosen = np.argsort(-(scores + f64(p.bias)), kind="stable")[: cfg.num_experts_per_tok]
+        weights = scores[chosen]
+        if cfg.norm_topk_prob:
+            weights = weights / weights.sum()
+        for e, w in zip(chosen, weights * cfg.routed_scaling_factor):
+            out[t] += w * (swiglu(x[t] @ w13[e]) @ w2[e])
+        out[t] += swiglu(x[t] @ f64(p.shared.w13)) @ f64(p.shared.w2)
+    return out
+
+
+@pytest.mark.parametrize("scoring", list(ScoringFunc))
+@pytest.mark.parametrize("kind", list(MlpKind))
+@pytest.mark.parametrize("norm_topk", [True, False])
+def test_moe_matches_numpy_loop(layers, scoring, kind, norm_topk):
+    cfg = BASE.replace(scoring_func=scoring, norm_topk_prob=norm_topk, swiglu_limit=1.5)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((37, cfg.hidden_size)).astype(np.float32)
+    ids = rng.integers(0, cfg.vocab_size, 37)
+    got = np.asarray(moe(jnp.asarray(x), jnp.asarray(ids), layers[kind], kind, cfg))
+    want = numpy_moe(x.astype(np.float64), ids, layers[kind], kind, cfg)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+
+
+def test_selection_bias_steers_the_choice_but_not_the_weights(layers):
+    p = layers[MlpKind.MOE]
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((64, BASE.hidden_size)), jnp.float32)
+    ids = jnp.zeros(64, jnp.int32)
+    chosen, weights = route(x, ids, p, MlpKind.MOE, BASE)
+    unbiased, _ = route(x, ids, dataclasses.replace(p, bias=jnp.zeros_like(p.bias)), MlpKind.MOE, BASE)
+    assert (np.sort(chosen, -1) != np.sort(unbiased, -1)).any()   # the bias changed some choices
+    scores = np.sqrt(np.log1p(np.exp(np.asarray(x, np.float64) @ np.asarray(p.gate, np.float64))))
+    picked = np.take_along_axis(scores, np.asarray(chosen), -1)
+    want = picked / picked.sum(-1, keepdims=True) * BASE.routed_scaling_factor
+    np.testing.assert_allclose(np.asarray(weights), want, rtol=1e-5)
