@@ -15,8 +15,7 @@ from deepinfer_jax.model.compressor import compress_sequence
 from deepinfer_jax.model.mhc import hc_head, hc_post, hc_pre
 from deepinfer_jax.model.moe import moe
 from deepinfer_jax.model.norms import rms_norm
-from deepinfer_jax.model.params import (AttentionParams, HyperHeadParams, LayerParams,
-                                        ModelParams)
+from deepinfer_jax.model.params import AttentionParams, HyperHeadParams, LayerParams, ModelParams
 from deepinfer_jax.model.rope import cos_sin, layer_inv_freq
 
 

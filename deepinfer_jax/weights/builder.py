@@ -15,10 +15,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from deepinfer_jax.config import AttentionKind, MlpKind, ModelConfig
-from deepinfer_jax.model.params import (AttentionParams, CompressorParams, ExpertParams,
-                                        HyperConnectionParams, HyperHeadParams, IndexerParams,
-                                        LayerParams, ModelParams, MoEParams, MTPParams,
-                                        SharedExpertParams)
+from deepinfer_jax.model.params import (
+    AttentionParams,
+    CompressorParams,
+    ExpertParams,
+    HyperConnectionParams,
+    HyperHeadParams,
+    IndexerParams,
+    LayerParams,
+    ModelParams,
+    MoEParams,
+    MTPParams,
+    SharedExpertParams,
+)
 
 
 class Role(enum.Enum):

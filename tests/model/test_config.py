@@ -6,8 +6,14 @@ import json
 
 import pytest
 
-from deepinfer_jax.config import (AttentionKind, ConfigError, MlpKind, ModelConfig,
-                                  ScoringFunc, YarnConfig)
+from deepinfer_jax.config import (
+    AttentionKind,
+    ConfigError,
+    MlpKind,
+    ModelConfig,
+    ScoringFunc,
+    YarnConfig,
+)
 from tests.conftest import REPO
 
 FLASH = json.loads((REPO / "configs" / "deepseek-v4-flash.json").read_text())

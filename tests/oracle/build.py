@@ -38,7 +38,8 @@ DEFAULT_OUT = REPO / ".cache" / "oracle"
 # name, config file, seed, batch x length of the logits prompts, greedy prompt length
 CASES = [
     dict(name="tiny-mixed", config="configs/tiny/tiny-mixed.json", seed=1,
-         logits_shape=[2, 320], greedy_prompt=300, greedy_new=32),
+         logits_shape=[2, 320], greedy_prompt=300, greedy_new=32,
+         batch_requests=32, batch_max_prompt=600, batch_max_new=24),
     dict(name="tiny-sigmoid", config="configs/tiny/tiny-sigmoid.json", seed=2,
          logits_shape=[2, 330], greedy_prompt=310, greedy_new=32),
     dict(name="tiny-legacy", config="configs/tiny/tiny-legacy.json", seed=3,
@@ -135,6 +136,24 @@ class MtpOracle(torch.nn.Module):
         return model.lm_head(self.norm(self.hc_head(z))).float()
 
 
+def greedy_batch(model, case: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Prompts of lengths spread over 1..batch_max_prompt, each generated greedily *alone*
+    with its own max_new_tokens; stored ragged (concatenated, with lengths)."""
+    n = case["batch_requests"]
+    lengths = rng.permutation(np.linspace(1, case["batch_max_prompt"], n).round().astype(int))
+    max_new = rng.integers(1, case["batch_max_new"] + 1, size=n)
+    prompts, outputs = [], []
+    for length, new in zip(lengths, max_new):
+        prompt = torch.from_numpy(rng.integers(2, model.config.vocab_size, size=(1, length)))
+        with torch.no_grad():
+            out = model.generate(prompt, do_sample=False, max_new_tokens=int(new),
+                                 min_new_tokens=int(new), eos_token_id=None, pad_token_id=0)
+        prompts.append(prompt[0].numpy())
+        outputs.append(out[0, length:].numpy())
+    return dict(batch_prompt_lens=lengths, batch_prompts=np.concatenate(prompts),
+                batch_max_new=max_new, batch_outputs=np.concatenate(outputs))
+
+
 # ---- one case -----------------------------------------------------------------------------
 def build_case(case: dict, out_dir: Path) -> None:
     raw = json.loads((REPO / case["config"]).read_text())
@@ -196,9 +215,11 @@ def build_case(case: dict, out_dir: Path) -> None:
     if len(generated) != case["greedy_new"]:
         raise RuntimeError(f"generate stopped after {len(generated)} tokens")
     mtp_logits = mtp.logits(model, input_ids[:1]).numpy()
+    batch = greedy_batch(model, case, rng) if case.get("batch_requests") else {}
 
     np.savez(out_dir / "reference.npz", input_ids=input_ids.numpy(), logits=logits,
-             greedy_prompt=prompt[0].numpy(), greedy_tokens=generated, mtp_logits=mtp_logits)
+             greedy_prompt=prompt[0].numpy(), greedy_tokens=generated, mtp_logits=mtp_logits,
+             **batch)
     (out_dir / "meta.json").write_text(json.dumps({
         "case": case, "torch": torch.__version__, "transformers": transformers.__version__,
         "layer_types": base.layer_types, "mlp_layer_types": base.mlp_layer_types}, indent=2))

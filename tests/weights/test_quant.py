@@ -122,4 +122,5 @@ def test_quantizers_round_trip_within_format_precision():
     back4 = quant.dequant_fp4(packed, scale4)
     step = np.repeat(scale4.astype(np.float32), 32, axis=1)           # grid spacing <= 1 scaled unit
     assert np.all(np.abs(back4 - w) <= step + 1e-6)
-    assert np.array_equal(quant.dequant_fp4(*quant.quantize_fp4(back4)), back4)  # grid values are fixed points
+    # values on the grid are fixed points of the round trip
+    assert np.array_equal(quant.dequant_fp4(*quant.quantize_fp4(back4)), back4)

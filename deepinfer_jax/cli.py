@@ -1,0 +1,93 @@
+"""The `deepinfer` command: `generate` a few prompts, or `bench` the engine's throughput."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+
+def _engine_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", help="checkpoint directory (default: the demo's tiny model)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the checkpoint's")
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=256)
+    ap.add_argument("--num-pages", type=int)
+
+
+def _make_llm(args):
+    from deepinfer_jax.demo import default_model_dir
+    from deepinfer_jax.llm import LLM
+
+    return LLM(args.model or default_model_dir(), dtype=args.dtype,
+               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+               max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages)
+
+
+def generate(args) -> int:
+    from deepinfer_jax.request import SamplingParams
+
+    prompts: list = list(args.prompt or [])
+    prompts += [[int(t) for t in ids.split(",")] for ids in args.prompt_ids or []]
+    if not prompts:
+        print("give at least one --prompt or --prompt-ids", file=sys.stderr)
+        return 2
+    llm = _make_llm(args)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    for out in llm.generate(prompts, params):
+        if out.error is not None:
+            print(f"[{out.request_id}] error: {out.error}")
+            continue
+        shown = repr(out.text) if out.text is not None else out.token_ids
+        print(f"[{out.request_id}] ({out.finish_reason.value}) {shown}")
+    return 0
+
+
+def bench(args) -> int:
+    from deepinfer_jax.request import SamplingParams
+
+    llm = _make_llm(args)
+    rng = np.random.default_rng(args.seed)
+    vocab = llm.model.config.vocab_size
+    prompts = [rng.integers(2, vocab, size=args.input_len).tolist() for _ in range(args.num_prompts)]
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)   # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.token_ids) for o in outputs)
+    result = {"requests": len(prompts), "input_len": args.input_len, "output_len": args.output_len,
+              "seconds": round(elapsed, 3), "requests_per_s": round(len(prompts) / elapsed, 3),
+              "output_tokens_per_s": round(generated / elapsed, 1),
+              "total_tokens_per_s": round((generated + args.input_len * len(prompts)) / elapsed, 1)}
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="deepinfer", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate completions for prompts")
+    _engine_args(g)
+    g.add_argument("--prompt", action="append", help="a text prompt (needs tokenizer.json)")
+    g.add_argument("--prompt-ids", action="append", help="comma-separated token ids")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.set_defaults(func=generate)
+    b = sub.add_parser("bench", help="offline throughput on random prompts")
+    _engine_args(b)
+    b.add_argument("--num-prompts", type=int, default=32)
+    b.add_argument("--input-len", type=int, default=128)
+    b.add_argument("--output-len", type=int, default=32)
+    b.add_argument("--seed", type=int, default=0)
+    b.set_defaults(func=bench)
+    args = ap.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Ahead-of-time compilation of the step for every declared bucket, with the persistent cache.
+
+At start-up each token bucket's step is lowered and compiled once (`jit(...).lower(...)
+.compile()`); serving then only calls these executables, which raise on a shape mismatch
+instead of recompiling. The persistent compilation cache makes a second start fast.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.compilation_cache import compilation_cache
+from tqdm.auto import tqdm
+
+from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.engine_config import ResolvedEngineConfig
+from deepinfer_jax.model.params import ModelParams
+from deepinfer_jax.plan import BatchPlan
+from deepinfer_jax.state import StateCache
+from deepinfer_jax.step import step
+
+_cache_dir: str | None = None
+
+
+def enable_persistent_cache(directory: str | None) -> None:
+    """Point jax's persistent compilation cache at `directory` (None or "" leaves it off)."""
+    global _cache_dir
+    if not directory or directory == _cache_dir:
+        return
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    compilation_cache.set_cache_dir(directory)
+    _cache_dir = directory
+
+
+def plan_spec(token_bucket: int, ecfg: ResolvedEngineConfig) -> BatchPlan:
+    t, n = token_bucket, ecfg.seq_bucket(token_bucket)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    return BatchPlan(token_ids=i32(t), positions=i32(t), token_seq=i32(t), seq_slot=i32(n),
+                     seq_start=i32(n), seq_len=i32(n), seq_offset=i32(n),
+                     block_table=i32(n, ecfg.max_blocks_per_seq), sample_index=i32(n))
+
+
+def compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
+                  ecfg: ResolvedEngineConfig) -> dict[int, jax.stages.Compiled]:
+    """One compiled step per token bucket (state donated)."""
+    enable_persistent_cache(ecfg.compilation_cache_dir)
+    jitted = jax.jit(functools.partial(step, cfg=cfg, ecfg=ecfg), donate_argnums=(1,))
+    compiled = {}
+    buckets = tqdm(ecfg.token_buckets, desc="compiling step buckets", unit="bucket",
+                   disable=not ecfg.show_progress)
+    for t in buckets:
+        buckets.set_postfix(tokens=t)
+        compiled[t] = jitted.lower(params, state, plan_spec(t, ecfg)).compile()
+    return compiled

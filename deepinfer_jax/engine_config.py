@@ -1,0 +1,104 @@
+"""EngineConfig: how the engine lays out its state and which shapes it compiles.
+
+Every compiled step has a fixed shape: a token bucket T (flat tokens of the ragged batch) and
+a sequence bucket N = min(T, max_num_seqs). All buckets are compiled at start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+
+from deepinfer_jax.config import ModelConfig
+
+
+class EngineConfigError(ValueError):
+    pass
+
+
+def default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(base) / "deepinfer-jax" / "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 16               # state slots: sequences resident at once
+    max_model_len: int = 4096            # prompt + generated tokens per sequence
+    page_size: int | None = None         # tokens per page of compressed rows (None: derived)
+    num_pages: int | None = None         # page pool size (None: every slot can reach max_model_len)
+    max_num_batched_tokens: int = 256    # chunked-prefill budget: tokens per step
+    token_buckets: tuple[int, ...] | None = None   # None: powers of two up to the budget
+    compilation_cache_dir: str | None = dataclasses.field(default_factory=default_cache_dir)
+    show_progress: bool = True
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise EngineConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise EngineConfigError("max_num_batched_tokens must be >= max_num_seqs "
+                                    "(every running sequence decodes one token per step)")
+        if self.token_buckets is not None:
+            buckets = tuple(sorted(set(self.token_buckets)))
+            if buckets[-1] < self.max_num_batched_tokens or buckets[0] <= 0:
+                raise EngineConfigError("token_buckets must be positive and reach "
+                                        "max_num_batched_tokens")
+            object.__setattr__(self, "token_buckets", buckets)
+
+    def resolve(self, model: ModelConfig) -> "ResolvedEngineConfig":
+        return ResolvedEngineConfig.build(self, model)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedEngineConfig:
+    """EngineConfig with every derived size fixed for one model (hashable: a static jit arg)."""
+
+    max_num_seqs: int
+    max_model_len: int
+    page_size: int
+    num_pages: int
+    max_blocks_per_seq: int
+    max_num_batched_tokens: int
+    token_buckets: tuple[int, ...]
+    compilation_cache_dir: str | None
+    show_progress: bool
+
+    @classmethod
+    def build(cls, ec: EngineConfig, model: ModelConfig) -> "ResolvedEngineConfig":
+        rates = sorted({model.compress_rate(k) for k in model.layer_types} - {0}) or [1]
+        unit = math.lcm(*rates)
+        page_size = ec.page_size or unit * max(1, math.ceil(64 / unit))
+        if page_size % unit:
+            raise EngineConfigError(f"page_size {page_size} must be a multiple of every compress "
+                                    f"rate {rates}")
+        if ec.max_model_len > model.max_position_embeddings:
+            raise EngineConfigError(f"max_model_len {ec.max_model_len} exceeds the model's "
+                                    f"max_position_embeddings {model.max_position_embeddings}")
+        blocks = math.ceil(ec.max_model_len / page_size)
+        num_pages = ec.num_pages if ec.num_pages is not None else blocks * ec.max_num_seqs
+        if num_pages < 1:
+            raise EngineConfigError("num_pages must be >= 1")
+        buckets = ec.token_buckets
+        if buckets is None:
+            buckets, b = [], 16
+            while b < ec.max_num_batched_tokens:
+                buckets.append(b)
+                b *= 2
+            buckets = tuple(buckets + [ec.max_num_batched_tokens])
+        return cls(max_num_seqs=ec.max_num_seqs, max_model_len=ec.max_model_len,
+                   page_size=page_size, num_pages=num_pages, max_blocks_per_seq=blocks,
+                   max_num_batched_tokens=ec.max_num_batched_tokens, token_buckets=buckets,
+                   compilation_cache_dir=ec.compilation_cache_dir, show_progress=ec.show_progress)
+
+    def seq_bucket(self, token_bucket: int) -> int:
+        return min(token_bucket, self.max_num_seqs)
+
+    def rows_per_page(self, rate: int) -> int:
+        return self.page_size // rate
+
+    def max_rows(self, rate: int) -> int:
+        """Compressed rows a sequence can reach (positions < max_model_len)."""
+        return self.max_model_len // rate

@@ -1,0 +1,183 @@
+"""`LLM`: the vLLM-shaped facade. `generate` returns finished outputs; `stream` yields deltas.
+
+    llm = LLM(model="path/to/checkpoint", max_num_seqs=16, max_model_len=4096)
+    outputs = llm.generate(["def fib(n):", [0, 17, 42]], SamplingParams(max_tokens=32))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from deepinfer_jax.engine_config import EngineConfig
+from deepinfer_jax.reference_model import Model, load
+from deepinfer_jax.request import (
+    FinishReason,
+    InvalidRequestError,
+    Request,
+    RequestError,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+)
+from deepinfer_jax.runner import EngineCore, failed_output
+from deepinfer_jax.tokenizer import TextTokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionDelta:
+    """One increment of a streamed request."""
+
+    index: int                      # position of the prompt in the call
+    request_id: str
+    token_ids: list[int]            # new tokens since the previous delta
+    text: str | None                # new text since the previous delta (with a tokenizer)
+    finished: bool
+    finish_reason: FinishReason | None = None
+    error: RequestError | None = None
+
+
+_ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+class LLM:
+    def __init__(self, model: str | Path | Model, *, dtype=None, **engine_options):
+        unknown = set(engine_options) - _ENGINE_OPTIONS
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {sorted(unknown)}; "
+                            f"known: {sorted(_ENGINE_OPTIONS)}")
+        if isinstance(model, Model):
+            self.model, self.tokenizer = model, None
+        elif isinstance(model, (str, Path)):
+            self.model = load(model, dtype=dtype)
+            self.tokenizer = TextTokenizer.from_model_dir(model)
+        else:
+            raise TypeError(f"model must be a path or a deepinfer_jax.Model, got {type(model)}")
+        self.engine_config = EngineConfig(**engine_options).resolve(self.model.config)
+        self.engine = EngineCore(self.model.config, self.model.params, self.engine_config)
+        self._ids = itertools.count()
+
+    # ---- public API -----------------------------------------------------------------------
+    def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = True
+                 ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        outputs: dict[str, RequestOutput] = {}
+        pending = self._submit(prompts, sampling_params, outputs)
+        bar = tqdm(total=len(outputs) + len(pending), desc="generating", unit="req",
+                   disable=not use_tqdm)
+        bar.update(len(outputs))
+        while self.engine.has_unfinished():
+            for req in self.engine.step():
+                if req.status is RequestStatus.FINISHED and req.request_id in pending:
+                    outputs[req.request_id] = self._output(pending.pop(req.request_id))
+                    bar.update(1)
+        bar.close()
+        for rid, req in pending.items():       # aborted from elsewhere
+            outputs[rid] = self._output(req)
+        return [outputs[rid] for rid in self._order]
+
+    def stream(self, prompts, sampling_params=None) -> Iterator[CompletionDelta]:
+        """Yield each request's new tokens (and text) as soon as a step produces them."""
+        outputs: dict[str, RequestOutput] = {}
+        pending = self._submit(prompts, sampling_params, outputs)
+        index = {rid: i for i, rid in enumerate(self._order)}
+        for rid, out in outputs.items():
+            yield CompletionDelta(index[rid], rid, [], None, True, out.finish_reason, out.error)
+        sent_tokens = {rid: 0 for rid in pending}
+        sent_text = {rid: "" for rid in pending}
+        while pending and self.engine.has_unfinished():
+            for req in self.engine.step():
+                rid = req.request_id
+                if rid not in pending:
+                    continue
+                new = req.generated[sent_tokens[rid]:]
+                sent_tokens[rid] = len(req.generated)
+                text = None
+                if self.tokenizer is not None:
+                    full = self.tokenizer.decode(req.generated)
+                    text, sent_text[rid] = full[len(sent_text[rid]):], full
+                done = req.status is RequestStatus.FINISHED
+                if done:
+                    pending.pop(rid)
+                yield CompletionDelta(index[rid], rid, new, text, done, req.finish_reason)
+        for rid, req in pending.items():       # aborted while streaming
+            yield CompletionDelta(index[rid], rid, [], None, True, req.finish_reason)
+
+    def abort(self, request_id: str) -> bool:
+        return self.engine.abort(request_id) is not None
+
+    # ---- internals ------------------------------------------------------------------------
+    def _submit(self, prompts, sampling_params, outputs: dict) -> dict[str, Request]:
+        prompts = _normalize_prompts(prompts)
+        params = _normalize_params(sampling_params, len(prompts))
+        self._order = []
+        pending: dict[str, Request] = {}
+        for prompt, p in zip(prompts, params, strict=True):
+            rid = str(next(self._ids))
+            self._order.append(rid)
+            try:
+                p = SamplingParams.from_dict(p) if isinstance(p, dict) else p
+                pending[rid] = self.engine.add_request(rid, self._tokens(prompt), p)
+            except (RequestError, TypeError) as e:
+                err = e if isinstance(e, RequestError) else InvalidRequestError(str(e))
+                outputs[rid] = failed_output(rid, prompt, err)
+        return pending
+
+    def _tokens(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("a text prompt needs a tokenizer.json in the model "
+                                          "directory; pass token ids instead")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def _output(self, req: Request) -> RequestOutput:
+        out = req.output()
+        if self.tokenizer is not None:
+            out.text = self.tokenizer.decode(req.generated)
+        return out
+
+
+def _is_tokens(x) -> bool:
+    return isinstance(x, (list, tuple, np.ndarray)) and all(
+        isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in x)
+
+
+def _normalize_prompts(prompts) -> list:
+    """One prompt (a string or a token list) or a sequence of them -> a list of prompts."""
+    if isinstance(prompts, str) or (_is_tokens(prompts) and len(prompts) > 0):
+        return [prompts]
+    if isinstance(prompts, dict) and "prompt_token_ids" in prompts:
+        return [list(prompts["prompt_token_ids"])]
+    if not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a string, a token-id list, or a list of those; "
+                        f"got {type(prompts).__name__}")
+    out = []
+    for p in prompts:
+        if isinstance(p, dict) and "prompt_token_ids" in p:
+            p = list(p["prompt_token_ids"])
+        if not (isinstance(p, str) or _is_tokens(p)):
+            raise TypeError(f"each prompt must be a string or a list of token ids, got {p!r:.80}")
+        out.append(p)
+    return out
+
+
+def _normalize_params(sampling_params, n: int) -> list:
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, (SamplingParams, dict)):
+        return [sampling_params] * n
+    if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
+        if len(sampling_params) != n:
+            raise ValueError(f"{len(sampling_params)} sampling params for {n} prompts")
+        for p in sampling_params:
+            if not isinstance(p, (SamplingParams, dict)):
+                raise TypeError(f"sampling params must be SamplingParams or dict, got {type(p)}")
+        return list(sampling_params)
+    raise TypeError(f"sampling_params must be SamplingParams, a dict or a list of them, "
+                    f"got {type(sampling_params).__name__}")

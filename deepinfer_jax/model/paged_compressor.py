@@ -1,0 +1,71 @@
+"""The compressor inside the engine's step: close the rows this step completes, page them.
+
+A token at position p closes row w = (p + 1) / m - 1 when (p + 1) % m == 0. The row pools
+the projected tokens of its block (and, with overlap, the block before), which live either in
+this step's flat batch or in the slot's tail ring. New rows are written into the page pool
+*before* attention reads it: a row is only visible to positions >= its closing token, and a
+row written by a token that is later rolled back is never visible and gets overwritten.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from deepinfer_jax.model.compressor import finish_rows, pool_rows, project
+from deepinfer_jax.model.params import CompressorParams
+from deepinfer_jax.model.ragged import TokenContext, ring_or_flat_index, row_index, write_ring
+from deepinfer_jax.state import CompressorTail
+
+Array = jax.Array
+
+
+def close_rows(x: Array, p: CompressorParams, tail: CompressorTail, pool: Array, ctx: TokenContext,
+               *, rate: int, overlap: bool, freqs: np.ndarray, eps: float, page_size: int,
+               max_new_rows: int) -> tuple[Array, CompressorTail]:
+    """x [T, D] -> (pool with this step's rows written, tail ring with this step's tokens)."""
+    num_tokens = x.shape[0]
+    kv, score = project(x, p)                                             # f32[T, c*d]
+    score = score + p.ape[ctx.positions % rate]
+
+    closing = ctx.valid & ((ctx.positions + 1) % rate == 0)
+    (closer,) = jnp.nonzero(closing, size=max_new_rows, fill_value=num_tokens)
+    real = closer < num_tokens
+    closer = jnp.minimum(closer, num_tokens - 1)
+    closer_pos = ctx.positions[closer]
+    row = (closer_pos + 1) // rate - 1                                      # [n]
+    span = 2 * rate if overlap else rate
+    first = row * rate - (rate if overlap else 0)
+    positions = first[:, None] + jnp.arange(span)                           # [n, span]
+    ring = tail.kv.shape[1]
+    index = ring_or_flat_index(ctx, closer[:, None] - (closer_pos[:, None] - positions),
+                               positions, ring, num_tokens, closer)
+    exists = (positions >= 0)[..., None]
+    src_kv = jnp.concatenate([kv, tail.kv.reshape(-1, kv.shape[-1])])
+    src_score = jnp.concatenate([score, tail.score.reshape(-1, score.shape[-1])])
+    g_kv = jnp.where(exists, src_kv[index], 0.0)
+    g_score = jnp.where(exists, src_score[index], -jnp.inf)
+
+    if overlap:
+        d = kv.shape[-1] // 2
+        pooled = pool_rows(g_kv[:, None, rate:], g_score[:, None, rate:], overlap=True,
+                           prev_kv=g_kv[:, :rate, :d], prev_score=g_score[:, :rate, :d])
+    else:
+        pooled = pool_rows(g_kv[:, None], g_score[:, None], overlap=False)
+    rows = finish_rows(pooled[:, 0], p.norm, row * rate, freqs, eps, pool.dtype)
+
+    dest = row_index(ctx.block_table, ctx.seq[closer], row, rate, page_size)
+    dest = jnp.where(real, dest, pool.shape[0])
+    pool = pool.at[dest].set(rows, mode="drop")
+    tail = CompressorTail(kv=write_ring(tail.kv, kv, ctx), score=write_ring(tail.score, score, ctx))
+    return pool, tail
+
+
+def visible_rows(pool: Array, ctx: TokenContext, *, rate: int, page_size: int,
+                 max_rows: int) -> tuple[Array, Array]:
+    """All rows each token may see (HCA): (rows [T, max_rows, d], visible bool[T, max_rows])."""
+    rows = jnp.arange(max_rows)
+    index = row_index(ctx.block_table, ctx.seq[:, None], rows, rate, page_size)
+    visible = (rows < (ctx.positions[:, None] + 1) // rate) & ctx.valid[:, None]
+    return pool[index], visible

@@ -1,0 +1,78 @@
+"""Ragged-batch plumbing for the engine's step: per-token views of the plan, and the gathers
+and scatters between the flat batch and the state cache.
+
+Sources are concatenated so that one gather serves both: `concat([flat, ring])` with index
+`i` (a token of this step) or `T + slot * R + position mod R` (an older token in the ring).
+Out-of-range indices mark padding: gathers from them are masked by the caller, scatters to
+them are dropped (`mode="drop"`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_jax.pytree import pytree_dataclass
+
+Array = jax.Array
+
+
+@pytree_dataclass
+class TokenContext:
+    positions: Array     # i32[T]
+    valid: Array         # bool[T]  a real token (not padding)
+    seq: Array           # i32[T]   batch row, clamped into range for padding
+    slot: Array          # i32[T]   state slot of the token's sequence
+    start: Array         # i32[T]   first position of the sequence in this step
+    end: Array           # i32[T]   one past its last position in this step
+    block_table: Array   # i32[N, max_blocks]
+
+
+def token_context(plan) -> TokenContext:
+    n = plan.seq_slot.shape[0]
+    valid = plan.token_seq < n
+    seq = jnp.minimum(plan.token_seq, n - 1)
+    start = plan.seq_start[seq]
+    return TokenContext(positions=plan.positions, valid=valid, seq=seq,
+                        slot=plan.seq_slot[seq], start=start,
+                        end=start + plan.seq_len[seq], block_table=plan.block_table)
+
+
+def ring_or_flat_index(ctx: TokenContext, flat_index: Array, positions: Array, ring: int,
+                       num_tokens: int, token: Array) -> Array:
+    """Where the row of `positions` (of the sequence of token `token`) lives: in this step's
+    flat batch (`flat_index`) or in the slot's ring of size `ring` (offset by num_tokens)."""
+    in_step = positions >= ctx.start[token][..., None]
+    ring_index = num_tokens + ctx.slot[token][..., None] * ring + positions % ring
+    return jnp.where(in_step, flat_index, ring_index)
+
+
+def window_keys(kv: Array, window: Array, ctx: TokenContext) -> tuple[Array, Array]:
+    """Each token's raw window: kv [T, hd] of this step, window ring [slots, W, hd] ->
+    (keys [T, W, hd], visible bool[T, W]); column j is the row at distance j."""
+    num_tokens, w = kv.shape[0], window.shape[1]
+    dist = jnp.arange(w)
+    positions = ctx.positions[:, None] - dist                               # [T, W]
+    token = jnp.arange(num_tokens)
+    index = ring_or_flat_index(ctx, token[:, None] - dist, positions, w, num_tokens, token)
+    source = jnp.concatenate([kv, window.reshape(-1, kv.shape[-1])])
+    visible = (positions >= 0) & ctx.valid[:, None]
+    return source[index], visible
+
+
+def write_ring(ring: Array, values: Array, ctx: TokenContext) -> Array:
+    """Store each token's row at `slot, position mod R` if it is among the last R positions of
+    its sequence in this step; ring [slots, R, X], values [T, X]."""
+    slots, size = ring.shape[:2]
+    keep = ctx.valid & (ctx.positions >= ctx.end - size)
+    dest = jnp.where(keep, ctx.slot * size + ctx.positions % size, slots * size)
+    flat = ring.reshape(slots * size, -1).at[dest].set(values.astype(ring.dtype), mode="drop")
+    return flat.reshape(ring.shape)
+
+
+def row_index(block_table: Array, seq: Array, rows: Array, rate: int, page_size: int) -> Array:
+    """Flat index into a page pool of compressed row `rows` (any shape, broadcast with seq)."""
+    rows_per_page = page_size // rate
+    block = (rows * rate) // page_size
+    page = block_table[seq, jnp.minimum(block, block_table.shape[1] - 1)]
+    return page * rows_per_page + rows % rows_per_page

@@ -1,0 +1,64 @@
+"""BatchPlan: everything the device needs for one step, as fixed-shape numpy arrays (no jax).
+
+The batch is ragged: the new tokens of N' <= N sequences are laid out back to back in a flat
+array of T slots (T, N from the step's bucket). Padding tokens and rows point out of range
+(token_seq = N, seq_slot = max_num_seqs, pages = num_pages): gathers from them are masked and
+scatters to them are dropped on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from deepinfer_jax.engine_config import ResolvedEngineConfig
+from deepinfer_jax.scheduler import ScheduleDecision
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    token_ids: np.ndarray     # i32[T]
+    positions: np.ndarray     # i32[T]   position of each token in its sequence
+    token_seq: np.ndarray     # i32[T]   batch row of each token (N for padding)
+    seq_slot: np.ndarray      # i32[N]   state slot of each row
+    seq_start: np.ndarray     # i32[N]   tokens already in the state = first new position
+    seq_len: np.ndarray       # i32[N]   new tokens this step (0 for padding rows)
+    seq_offset: np.ndarray    # i32[N]   flat index of the row's first token
+    block_table: np.ndarray   # i32[N, max_blocks]  page of each logical block of the row
+    sample_index: np.ndarray  # i32[N]   flat index of the token whose logits are sampled
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_slot.shape[0]
+
+
+def build_plan(decision: ScheduleDecision, token_bucket: int,
+               ecfg: ResolvedEngineConfig) -> BatchPlan:
+    t_cap, n_cap = token_bucket, ecfg.seq_bucket(token_bucket)
+    token_ids = np.zeros(t_cap, np.int32)
+    positions = np.zeros(t_cap, np.int32)
+    token_seq = np.full(t_cap, n_cap, np.int32)
+    seq_slot = np.full(n_cap, ecfg.max_num_seqs, np.int32)
+    seq_start = np.zeros(n_cap, np.int32)
+    seq_len = np.zeros(n_cap, np.int32)
+    seq_offset = np.zeros(n_cap, np.int32)
+    block_table = np.full((n_cap, ecfg.max_blocks_per_seq), ecfg.num_pages, np.int32)
+    sample_index = np.zeros(n_cap, np.int32)
+    offset = 0
+    for row, seq in enumerate(decision.seqs):
+        req, n = seq.request, seq.num_tokens
+        span = slice(offset, offset + n)
+        token_ids[span] = req.tokens[seq.start: seq.start + n]
+        positions[span] = np.arange(seq.start, seq.start + n)
+        token_seq[span] = row
+        seq_slot[row], seq_start[row], seq_len[row], seq_offset[row] = req.slot, seq.start, n, offset
+        block_table[row, : len(req.pages)] = req.pages
+        sample_index[row] = offset + n - 1
+        offset += n
+    return BatchPlan(token_ids, positions, token_seq, seq_slot, seq_start, seq_len, seq_offset,
+                     block_table, sample_index)

@@ -1,0 +1,158 @@
+"""The scheduler: which requests run in the next step, and how many tokens each (no jax).
+
+Policy per step, under a token budget (`max_num_batched_tokens`):
+1. decodes of running requests (one token each), oldest first;
+2. continued prefill chunks of running requests;
+3. admission of waiting requests, first come first served, while a state slot and the pages
+   for their first chunk are free.
+A running request that needs a page when none is free preempts the newest running request
+(possibly itself): its slot and pages are freed and it goes back to the front of the queue,
+keeping its generated tokens, to be recomputed later. Nothing is lost.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from deepinfer_jax.engine_config import ResolvedEngineConfig
+from deepinfer_jax.pages import PageAllocator, pages_needed
+from deepinfer_jax.request import FinishReason, Request, RequestStatus
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledSeq:
+    request: Request
+    start: int          # tokens already in the device state (position of the first new token)
+    num_tokens: int     # tokens fed this step
+    samples: bool       # the chunk reaches the last known token: sample the next one
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleDecision:
+    seqs: tuple[ScheduledSeq, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+
+class Scheduler:
+    def __init__(self, ecfg: ResolvedEngineConfig, eos_token_ids: tuple[int, ...]):
+        self.ecfg = ecfg
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.pages = PageAllocator(ecfg.num_pages)
+        self._free_slots = list(range(ecfg.max_num_seqs - 1, -1, -1))
+        self.num_preemptions = 0
+
+    # ---- queue management -----------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> Request | None:
+        for req in list(self.waiting) + self.running:
+            if req.request_id == request_id:
+                self.finish(req, FinishReason.ABORT)
+                return req
+        return None
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        if req in self.running:
+            self._release(req)
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status, req.finish_reason = RequestStatus.FINISHED, reason
+
+    # ---- one step -------------------------------------------------------------------------
+    def schedule(self) -> ScheduleDecision:
+        budget = self.ecfg.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        decodes = [r for r in self.running if r.num_pending == 1]
+        prefills = [r for r in self.running if r.num_pending > 1]
+        for req in decodes + prefills:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:   # preempted earlier in this loop
+                continue
+            n = min(req.num_pending, budget)
+            if not self._make_room(req, req.num_computed + n, scheduled):
+                continue
+            scheduled.append(ScheduledSeq(req, req.num_computed, n,
+                                          req.num_computed + n == req.num_tokens))
+            budget -= n
+        while self.waiting and budget > 0 and self._free_slots:
+            req = self.waiting[0]
+            n = min(req.num_pending, budget)
+            if not self.pages.can_allocate(pages_needed(n, self.ecfg.page_size)):
+                break
+            self.waiting.popleft()
+            req.status, req.slot = RequestStatus.RUNNING, self._free_slots.pop()
+            req.pages = self.pages.allocate(pages_needed(n, self.ecfg.page_size))
+            self.running.append(req)
+            scheduled.append(ScheduledSeq(req, req.num_computed, n, n == req.num_pending))
+            budget -= n
+        return ScheduleDecision(tuple(scheduled))
+
+    def update(self, decision: ScheduleDecision, next_tokens) -> list[Request]:
+        """Apply a finished step: advance the computed counts, append sampled tokens, stop
+        requests that are done. Returns the requests that got a new token or finished."""
+        touched = []
+        for i, seq in enumerate(decision.seqs):
+            req = seq.request
+            if req.status is not RequestStatus.RUNNING:   # aborted while the step ran
+                continue
+            req.num_computed = seq.start + seq.num_tokens
+            if not seq.samples:
+                continue
+            token = int(next_tokens[i])
+            req.generated.append(token)
+            touched.append(req)
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self.finish(req, reason)
+        return touched
+
+    # ---- internals ------------------------------------------------------------------------
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        p = req.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return FinishReason.STOP
+        if len(req.generated) >= p.max_tokens or req.num_tokens >= self.ecfg.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _make_room(self, req: Request, end: int, scheduled: list[ScheduledSeq]) -> bool:
+        """Give `req` the pages for positions < end, preempting the newest running requests
+        not yet scheduled in this step (or `req` itself). False if `req` was preempted."""
+        need = pages_needed(end, self.ecfg.page_size) - len(req.pages)
+        while not self.pages.can_allocate(need):
+            taken = {s.request for s in scheduled}
+            victims = [r for r in self.running if r is not req and r not in taken]
+            victim = max(victims, key=lambda r: r.arrival_index) if victims else req
+            self._preempt(victim)
+            if victim is req:
+                return False
+        if need > 0:
+            req.pages += self.pages.allocate(need)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        self.running.remove(req)
+        req.status, req.num_computed = RequestStatus.WAITING, 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Request) -> None:
+        self.pages.free(req.pages)
+        req.pages = []
+        if req.slot is not None:
+            self._free_slots.append(req.slot)
+            req.slot = None

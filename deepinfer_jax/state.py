@@ -1,0 +1,70 @@
+"""The paged state cache of DeepSeek-V4, a pytree updated by pure functions (donated in the step).
+
+Per layer (see docs/state_cache.md for the layout and how rollback and replay use it):
+* `window`: per slot, a ring of the last `sliding_window` raw K=V rows (slot = position mod W);
+* CSA/HCA: `rows`, the compressed rows, in pages of `page_size // m` rows addressed through
+  each sequence's block table (the pool is stored flat: page p holds rows p*rpp .. p*rpp+rpp-1);
+* CSA: `index_keys`, the indexer's compressed keys, in the same pages;
+* `tail` / `index_tail`: per slot, a ring of the compressor's projected tokens (kv and pooling
+  logit) for the open block and, with overlap, the block before it (R = 2m, else m).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_jax.config import AttentionKind, ModelConfig
+from deepinfer_jax.engine_config import ResolvedEngineConfig
+from deepinfer_jax.pytree import pytree_dataclass
+
+Array = jax.Array
+
+
+@pytree_dataclass
+class CompressorTail:
+    kv: Array       # f32[slots, R, c*d]  projected tokens, ring by position mod R
+    score: Array    # f32[slots, R, c*d]  their pooling logits (position bias included)
+
+
+@pytree_dataclass
+class LayerState:
+    window: Array                       # [slots, W, hd]
+    rows: Array | None                  # [pages * rows_per_page, hd]
+    tail: CompressorTail | None
+    index_keys: Array | None            # [pages * rows_per_page, Id]
+    index_tail: CompressorTail | None
+
+
+@pytree_dataclass
+class StateCache:
+    layers: tuple[LayerState, ...]
+
+
+def _tail(slots: int, rate: int, overlap: bool, dim: int) -> CompressorTail:
+    ring, width = (2 * rate, 2 * dim) if overlap else (rate, dim)
+    # Two separate buffers: the state is donated, and a buffer may be donated only once.
+    return CompressorTail(kv=jnp.zeros((slots, ring, width), jnp.float32),
+                          score=jnp.zeros((slots, ring, width), jnp.float32))
+
+
+def init_state(cfg: ModelConfig, ecfg: ResolvedEngineConfig, dtype) -> StateCache:
+    slots = ecfg.max_num_seqs
+    layers = []
+    for kind in cfg.layer_types:
+        window = jnp.zeros((slots, cfg.sliding_window, cfg.head_dim), dtype)
+        rows = tail = index_keys = index_tail = None
+        if kind is not AttentionKind.SLIDING:
+            rate = cfg.compress_rate(kind)
+            n_rows = ecfg.num_pages * ecfg.rows_per_page(rate)
+            rows = jnp.zeros((n_rows, cfg.head_dim), dtype)
+            tail = _tail(slots, rate, kind is AttentionKind.CSA, cfg.head_dim)
+        if kind is AttentionKind.CSA:
+            index_keys = jnp.zeros((n_rows, cfg.index_head_dim), dtype)
+            index_tail = _tail(slots, rate, True, cfg.index_head_dim)
+        layers.append(LayerState(window, rows, tail, index_keys, index_tail))
+    return StateCache(tuple(layers))
+
+
+def state_bytes(state: StateCache) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))

@@ -1,0 +1,127 @@
+"""Scheduler and page allocator on the host alone (no model, no jax)."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.engine_config import EngineConfig
+from deepinfer_jax.pages import OutOfPagesError, PageAllocator
+from deepinfer_jax.request import FinishReason, Request, RequestStatus, SamplingParams
+from deepinfer_jax.scheduler import Scheduler
+from tests.conftest import REPO
+
+MODEL = ModelConfig.from_json_file(REPO / "configs" / "tiny" / "tiny-mixed.json")
+EOS = MODEL.eos_token_ids[0]
+
+
+def make(budget=32, seqs=4, pages=None, page_size=16, max_len=256):
+    ecfg = EngineConfig(max_num_seqs=seqs, max_model_len=max_len, page_size=page_size,
+                        num_pages=pages, max_num_batched_tokens=budget,
+                        compilation_cache_dir=None).resolve(MODEL)
+    return Scheduler(ecfg, MODEL.eos_token_ids)
+
+
+def request(i, prompt_len, **params):
+    return Request(str(i), list(range(10, 10 + prompt_len)), SamplingParams(**params), i)
+
+
+def run_step(sched, token=7):
+    decision = sched.schedule()
+    sched.update(decision, [token] * len(decision.seqs))
+    return decision
+
+
+def test_page_allocator_counts_and_refuses():
+    pages = PageAllocator(3)
+    a = pages.allocate(2)
+    assert pages.num_free == 1 and not pages.can_allocate(2)
+    with pytest.raises(OutOfPagesError):
+        pages.allocate(2)
+    pages.share(a[0])
+    pages.free(a)
+    assert pages.num_free == 2          # a[0] still referenced once
+    pages.free([a[0]])
+    assert pages.num_free == 3
+    with pytest.raises(ValueError):
+        pages.free([a[0]])
+
+
+def test_chunked_prefill_respects_the_budget_and_decodes_go_first():
+    sched = make(budget=32)
+    sched.add(request(0, 10, max_tokens=5))
+    sched.add(request(1, 70, max_tokens=5))
+    d = run_step(sched)
+    assert [(s.request.request_id, s.start, s.num_tokens, s.samples) for s in d.seqs] == [
+        ("0", 0, 10, True), ("1", 0, 22, False)]
+    d = run_step(sched)
+    # request 0 now decodes (one token, scheduled first), request 1 continues its prompt
+    assert [(s.request.request_id, s.start, s.num_tokens) for s in d.seqs] == [
+        ("0", 10, 1), ("1", 22, 31)]
+    d = run_step(sched)
+    assert [(s.request.request_id, s.num_tokens, s.samples) for s in d.seqs] == [
+        ("0", 1, True), ("1", 17, True)]
+
+
+def test_stop_conditions():
+    sched = make()
+    sched.add(eos := request(0, 4, max_tokens=10))
+    sched.add(ignore := request(1, 4, max_tokens=3, ignore_eos=True))
+    sched.add(stop := request(2, 4, max_tokens=10, stop_token_ids=[9]))
+    run_step(sched, token=EOS)
+    assert eos.finish_reason is FinishReason.STOP and eos.generated == [EOS]
+    assert ignore.status is RequestStatus.RUNNING
+    run_step(sched, token=9)
+    assert stop.finish_reason is FinishReason.STOP
+    run_step(sched, token=EOS)
+    assert ignore.finish_reason is FinishReason.LENGTH and ignore.generated == [EOS, 9, EOS]
+    assert sched.pages.num_free == sched.ecfg.num_pages and not sched.has_work()
+
+
+def test_max_model_len_stops_generation():
+    sched = make(max_len=64)
+    sched.add(req := request(0, 60, max_tokens=100))
+    while sched.has_work():
+        run_step(sched)
+    assert req.finish_reason is FinishReason.LENGTH and req.num_tokens == 64
+
+
+def test_admission_waits_for_slots_and_pages():
+    sched = make(seqs=2, pages=4, page_size=16, budget=64)
+    for i in range(3):
+        sched.add(request(i, 20, max_tokens=4))       # 20 tokens -> 2 pages each
+    d = sched.schedule()
+    assert [s.request.request_id for s in d.seqs] == ["0", "1"]
+    assert [r.request_id for r in sched.waiting] == ["2"]    # no slot (and no page) left
+
+
+def test_preemption_requeues_the_newest_request_with_its_tokens():
+    sched = make(seqs=2, pages=4, page_size=16, budget=64)
+    old, new = request(0, 16, max_tokens=40), request(1, 30, max_tokens=40)
+    sched.add(old), sched.add(new)
+    run_step(sched)        # old holds 1 page, new 2 pages, 1 page free
+    # old's 17th token takes the last page; new's 33rd token then finds none: the newest
+    # running request (new) is preempted, keeping its generated tokens.
+    for _ in range(8):
+        run_step(sched)
+        if new.status is RequestStatus.WAITING:
+            break
+    assert new.status is RequestStatus.WAITING and sched.num_preemptions == 1
+    assert new.num_computed == 0 and new.pages == [] and new.slot is None
+    assert sched.waiting[0] is new and new.num_tokens == 33 and len(new.generated) == 3
+    assert old.status is RequestStatus.RUNNING and len(old.pages) == 2
+    # once old finishes, new is readmitted and recomputes its 33 tokens before decoding on
+    while old.status is RequestStatus.RUNNING:
+        run_step(sched)
+    d = sched.schedule()
+    assert [(s.request, s.start, s.num_tokens, s.samples) for s in d.seqs] == [(new, 0, 33, True)]
+
+
+def test_abort_frees_everything():
+    sched = make(budget=64)
+    sched.add(a := request(0, 40))
+    sched.add(b := request(1, 5))
+    run_step(sched)
+    assert sched.abort("0") is a and a.finish_reason is FinishReason.ABORT
+    assert sched.abort("nope") is None
+    assert a.pages == [] and sched.running == [b]
