@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# Compiled steps persist across test runs (and are shared by every engine with equal shapes).
+os.environ.setdefault("XDG_CACHE_HOME", str(REPO / ".cache" / "xdg"))
 ORACLE_DIR = Path(os.environ.get("DEEPINFER_ORACLE_DIR", REPO / ".cache" / "oracle"))
 ORACLE_CASES = ("tiny-mixed", "tiny-sigmoid", "tiny-legacy")
 

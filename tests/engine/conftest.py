@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 
 import deepinfer_jax
-from tests.conftest import REPO, oracle_case
+from tests.conftest import oracle_case
 
-# Small enough to compile quickly, large enough for 600-token prompts.
+# Small enough to compile quickly, large enough for 600-token prompts. The compilation cache
+# is the default one, under $XDG_CACHE_HOME (set by tests/conftest.py), so that engines built
+# by the CLI tests with the same shapes reuse the compiled steps.
 ENGINE = dict(max_num_seqs=8, max_model_len=640, max_num_batched_tokens=128,
-              token_buckets=(16, 32, 64, 128), page_size=64, show_progress=False,
-              compilation_cache_dir=str(REPO / ".cache" / "xla-tests"))
+              token_buckets=(16, 32, 64, 128), page_size=64, show_progress=False)
 
 
 @dataclasses.dataclass

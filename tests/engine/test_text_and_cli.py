@@ -1,0 +1,69 @@
+"""Text prompts through a model directory's tokenizer.json, and the `deepinfer` command."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+import deepinfer_jax
+from deepinfer_jax import SamplingParams
+from deepinfer_jax.cli import main as cli_main
+from tests.engine.conftest import ENGINE
+
+pytestmark = pytest.mark.oracle
+
+CORPUS = ["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
+          "class Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n"] * 20
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, model):
+    """The tiny-mixed checkpoint plus a byte-level BPE tokenizer that fits its 512-token vocab."""
+    from tests.conftest import oracle_case
+
+    d = tmp_path_factory.mktemp("with-tokenizer")
+    for f in oracle_case("tiny-mixed").checkpoint.iterdir():
+        os.symlink(f, d / f.name)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<bos>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 0)])
+    tok.save(str(d / "tokenizer.json"))
+    return d
+
+
+def test_string_prompt_end_to_end(model_dir):
+    llm = deepinfer_jax.LLM(model_dir, **ENGINE)
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    prompt = "def fibonacci(n):"
+    [out, by_ids] = llm.generate([prompt, tok.encode(prompt).ids],
+                                 SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert out.prompt_token_ids[0] == 0 and out.prompt_token_ids == tok.encode(prompt).ids
+    assert out.token_ids == by_ids.token_ids and len(out.token_ids) == 12
+    assert out.text == tok.decode(out.token_ids) and isinstance(out.text, str)
+    assert out.metrics.time_to_first_token is not None and out.metrics.finished_time is not None
+    streamed = "".join(d.text for d in llm.stream(prompt, SamplingParams(max_tokens=12, ignore_eos=True)))
+    assert streamed == out.text
+
+
+def test_text_prompt_without_tokenizer_fails_alone(llm):
+    [text, ids] = llm.generate(["hello", [3, 4]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert isinstance(text.error, deepinfer_jax.InvalidRequestError) and "tokenizer" in str(text.error)
+    assert ids.error is None and len(ids.token_ids) == 2
+
+
+def test_cli_generate_and_bench(model_dir, capsys):
+    engine = ["--model", str(model_dir), "--max-num-seqs", "8", "--max-model-len", "640",
+              "--max-num-batched-tokens", "128"]
+    assert cli_main(["generate", *engine, "--prompt", "class Point:", "--prompt-ids", "5,6,7",
+                     "--max-tokens", "4", "--ignore-eos"]) == 0
+    out = capsys.readouterr().out
+    assert "[0] (length) '" in out and "[1] (length)" in out
+    assert cli_main(["bench", *engine, "--num-prompts", "4", "--input-len", "20",
+                     "--output-len", "3"]) == 0
+    assert '"requests_per_s"' in capsys.readouterr().out
