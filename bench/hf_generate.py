@@ -19,14 +19,18 @@ def main(checkpoint: str, prompts_file: str, out_file: str) -> None:
     model = DeepseekV4ForCausalLM.from_pretrained(checkpoint, attn_implementation="eager")
     model = model.float().eval()
     outputs, seconds = [], []
+    def generate(prompt, max_tokens):
+        # An explicit attention mask: with only pad_token_id, generate would mask every
+        # token equal to it (e.g. a BOS of id 0) as padding.
+        ids = torch.tensor([prompt])
+        return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0)
+
     with torch.no_grad():
-        model.generate(torch.tensor([spec["prompts"][0][:8]]), do_sample=False, max_new_tokens=2,
-                       eos_token_id=None, pad_token_id=0)                      # warm-up
+        generate(spec["prompts"][0][:8], 2)                                 # warm-up
         for prompt in spec["prompts"]:
             start = time.perf_counter()
-            out = model.generate(torch.tensor([prompt]), do_sample=False,
-                                 max_new_tokens=spec["max_tokens"], eos_token_id=None,
-                                 pad_token_id=0)
+            out = generate(prompt, spec["max_tokens"])
             seconds.append(time.perf_counter() - start)
             outputs.append(out[0, len(prompt):].tolist())
     json.dump({"outputs": outputs, "seconds": seconds, "torch": torch.__version__,

@@ -11,7 +11,7 @@ import numpy as np
 
 
 def _engine_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", help="checkpoint directory (default: the demo's tiny model)")
+    ap.add_argument("--model", help="checkpoint directory (default: models/deepinfer-tiny-v4)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the checkpoint's")
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -20,10 +20,9 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
 
 
 def _make_llm(args):
-    from deepinfer_jax.demo import default_model_dir
     from deepinfer_jax.llm import LLM
 
-    return LLM(args.model or default_model_dir(), dtype=args.dtype,
+    return LLM(args.model, dtype=args.dtype,
                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages)
 

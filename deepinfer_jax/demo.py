@@ -1,8 +1,7 @@
-"""`make demo`: start the engine on a model, generate greedily, print the tokens.
+"""`make demo`: start the engine on the project's trained tiny model and complete Python.
 
-Until the project ships its trained tiny checkpoint, the embedded default is a tiny random
-DeepSeek-V4 (configs/tiny/tiny-mixed.json: sliding, CSA and HCA layers, hash and routed MoE,
-an MTP block), written to disk once and loaded back like any checkpoint.
+The default model is models/deepinfer-tiny-v4 (a small DeepSeek-V4 trained on the Python
+standard library; see its README). Any DeepSeek-V4 checkpoint directory works with --model.
 """
 
 from __future__ import annotations
@@ -12,45 +11,47 @@ import time
 from pathlib import Path
 
 import jax.numpy as jnp
-import numpy as np
 
 from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.llm import LLM
+from deepinfer_jax.llm import DEFAULT_MODEL, LLM
 from deepinfer_jax.request import SamplingParams
 from deepinfer_jax.weights import random_params
 from deepinfer_jax.weights.export import save_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
-TINY_CONFIG = REPO / "configs" / "tiny" / "tiny-mixed.json"
+# No trailing newline: the tokenizer merges a newline with the next line's indentation, so a
+# prompt that ends in "\n" would force an unindented next line.
+PROMPTS = ["import os\n\n\ndef list_python_files(directory):",
+           "class Stack:\n    def __init__(self):",
+           'def is_prime(n):\n    """Return True if n is a prime number."""']
 
 
-def default_model_dir(cache: Path = REPO / ".cache") -> Path:
+def tiny_random_model_dir(cache: Path = REPO / ".cache") -> Path:
+    """A tiny random model (configs/tiny/tiny-mixed.json), for tests and the CLI."""
     directory = cache / "demo-tiny-random"
     if not (directory / "model.safetensors").exists():
-        cfg = ModelConfig.from_json_file(TINY_CONFIG)
+        cfg = ModelConfig.from_json_file(REPO / "configs" / "tiny" / "tiny-mixed.json")
         save_checkpoint(random_params(cfg, 0, jnp.float32), cfg, directory)
     return directory
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, help="checkpoint directory (default: tiny random model)")
-    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--max-tokens", type=int, default=48)
     args = ap.parse_args(argv)
-    model_dir = args.model or default_model_dir()
-    llm = LLM(model_dir, max_num_seqs=4, max_model_len=512, max_num_batched_tokens=64)
+    llm = LLM(args.model, max_num_seqs=4, max_model_len=512, max_num_batched_tokens=64)
     cfg = llm.model.config
-    print(f"model: {model_dir} ({cfg.num_layers} layers: "
+    print(f"model: {args.model} ({cfg.num_layers} layers: "
           f"{', '.join(k.value for k in cfg.layer_types)})")
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(2, cfg.vocab_size, size=n).tolist() for n in (48, 7, 130)]
     start = time.perf_counter()
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=args.max_tokens))
     elapsed = time.perf_counter() - start
-    for prompt, out in zip(prompts, outputs):
-        print(f"prompt ({len(prompt)} tokens) ... {prompt[-6:]}")
-        print(f"  -> {out.token_ids}" + (f"\n     {out.text!r}" if out.text else ""))
+    for prompt, out in zip(PROMPTS, outputs):
+        print("-" * 72)
+        print(prompt + (out.text if out.text is not None else str(out.token_ids)))
     total = sum(len(o.token_ids) for o in outputs)
+    print("-" * 72)
     print(f"{total} tokens in {elapsed:.2f} s ({total / elapsed:.0f} tok/s, greedy)")
 
 

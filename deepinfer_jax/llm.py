@@ -43,14 +43,20 @@ class CompletionDelta:
 
 
 _ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)}
+# The project's own trained checkpoint: the default model.
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "deepinfer-tiny-v4"
 
 
 class LLM:
-    def __init__(self, model: str | Path | Model, *, dtype=None, **engine_options):
+    def __init__(self, model: str | Path | Model | None = None, *, dtype=None, **engine_options):
         unknown = set(engine_options) - _ENGINE_OPTIONS
         if unknown:
             raise TypeError(f"unknown engine option(s) {sorted(unknown)}; "
                             f"known: {sorted(_ENGINE_OPTIONS)}")
+        if model is None:
+            if not (DEFAULT_MODEL / "config.json").exists():
+                raise FileNotFoundError(f"no model given and the default {DEFAULT_MODEL} is missing")
+            model = DEFAULT_MODEL
         if isinstance(model, Model):
             self.model, self.tokenizer = model, None
         elif isinstance(model, (str, Path)):

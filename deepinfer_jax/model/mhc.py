@@ -25,10 +25,14 @@ def sinkhorn(comb_logits: jax.Array, iters: int, eps: float) -> jax.Array:
     (1 softmax + `iters` column and `iters - 1` row normalisations)."""
     comb = jax.nn.softmax(comb_logits, axis=-1) + eps
     comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (jnp.sum(comb, axis=-1, keepdims=True) + eps)
-        comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
-    return comb
+
+    def row_then_column(_, c):
+        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
+        return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+
+    # A loop, not Python unrolling: 2 x 19 tiny reductions per sublayer would otherwise
+    # dominate the program's size and its compile time (and the backward pass doubles it).
+    return jax.lax.fori_loop(0, iters - 1, row_then_column, comb)
 
 
 def hc_pre(streams: jax.Array, p: HyperConnectionParams, *, hc_eps: float, norm_eps: float,

@@ -35,7 +35,9 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO / ".cache" / "oracle"
 
-# name, config file, seed, batch x length of the logits prompts, greedy prompt length
+# name, config file, seed, batch x length of the logits prompts, greedy prompt length.
+# Every generate() call passes an explicit attention mask: given only pad_token_id, generate
+# would treat any prompt token equal to it (a BOS of id 0) as padding.
 CASES = [
     dict(name="tiny-mixed", config="configs/tiny/tiny-mixed.json", seed=1,
          logits_shape=[2, 320], greedy_prompt=300, greedy_new=32,
@@ -44,7 +46,20 @@ CASES = [
          logits_shape=[2, 330], greedy_prompt=310, greedy_new=32),
     dict(name="tiny-legacy", config="configs/tiny/tiny-legacy.json", seed=3,
          logits_shape=[1, 600], greedy_prompt=520, greedy_new=32),
+    # The project's trained checkpoint, as shipped (not randomised): its text is a held-out
+    # module of the oracle's own Python 3.11 stdlib.
+    dict(name="deepinfer-tiny-v4", checkpoint="models/deepinfer-tiny-v4", text_module="textwrap.py",
+         logits_len=400, greedy_prompt=300, greedy_new=32),
 ]
+
+
+def case_source(case: dict) -> str:
+    """What the case is built from: its config file, or the shipped checkpoint's bytes."""
+    if "checkpoint" in case:
+        d = REPO / case["checkpoint"]
+        return "".join(hashlib.sha256((d / f).read_bytes()).hexdigest()
+                       for f in ("config.json", "model.safetensors", "tokenizer.json"))
+    return (REPO / case["config"]).read_text()
 
 
 def case_hash(case: dict, config_text: str) -> str:
@@ -53,6 +68,20 @@ def case_hash(case: dict, config_text: str) -> str:
                  torch.__version__, transformers.__version__):
         h.update(part.encode())
     return h.hexdigest()[:16]
+
+
+# ---- top-k ties -----------------------------------------------------------------------------
+def _stable_topk(input, k, dim=-1, largest=True, sorted=True, *, out=None):
+    """torch.topk, but equal values keep their order (the lower index first), as jax.lax.top_k
+    does. torch leaves ties unspecified; the indexer's scores tie exactly whenever the ReLU
+    zeroes every head, and a tie at the top-k boundary makes two selections equally right."""
+    values, indices = torch.sort(input, dim=dim, descending=largest, stable=True)
+    return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+
+torch.topk = _stable_topk
+torch.Tensor.topk = lambda self, k, dim=-1, largest=True, sorted=True: _stable_topk(
+    self, k, dim, largest, sorted)
 
 
 # ---- randomisation ------------------------------------------------------------------------
@@ -147,7 +176,8 @@ def greedy_batch(model, case: dict, rng: np.random.Generator) -> dict[str, np.nd
         prompt = torch.from_numpy(rng.integers(2, model.config.vocab_size, size=(1, length)))
         with torch.no_grad():
             out = model.generate(prompt, do_sample=False, max_new_tokens=int(new),
-                                 min_new_tokens=int(new), eos_token_id=None, pad_token_id=0)
+                                 min_new_tokens=int(new), eos_token_id=None, pad_token_id=0,
+                                 attention_mask=torch.ones_like(prompt))
         prompts.append(prompt[0].numpy())
         outputs.append(out[0, length:].numpy())
     return dict(batch_prompt_lens=lengths, batch_prompts=np.concatenate(prompts),
@@ -210,7 +240,7 @@ def build_case(case: dict, out_dir: Path) -> None:
     with torch.no_grad():
         generated = model.generate(prompt, do_sample=False, max_new_tokens=case["greedy_new"],
                                    min_new_tokens=case["greedy_new"], eos_token_id=None,
-                                   pad_token_id=0)
+                                   pad_token_id=0, attention_mask=torch.ones_like(prompt))
     generated = generated[0, prompt.shape[1]:].numpy()
     if len(generated) != case["greedy_new"]:
         raise RuntimeError(f"generate stopped after {len(generated)} tokens")
@@ -225,6 +255,35 @@ def build_case(case: dict, out_dir: Path) -> None:
         "layer_types": base.layer_types, "mlp_layer_types": base.mlp_layer_types}, indent=2))
 
 
+def build_shipped(case: dict, out_dir: Path) -> None:
+    """Reference outputs of the shipped checkpoint on held-out text."""
+    import sysconfig
+
+    from tokenizers import Tokenizer
+
+    ckpt = REPO / case["checkpoint"]
+    model, info = DeepseekV4ForCausalLM.from_pretrained(ckpt, output_loading_info=True,
+                                                        attn_implementation="eager")
+    if info["missing_keys"] or info["mismatched_keys"]:
+        raise RuntimeError(f"HF could not load {ckpt}: {info}")
+    model = model.float().eval()
+    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    text = (Path(sysconfig.get_paths()["stdlib"]) / case["text_module"]).read_text()
+    ids = torch.tensor([tok.encode(text).ids[: case["logits_len"]]])
+    with torch.no_grad():
+        logits = model(ids).logits.float().numpy()
+        prompt = ids[:, : case["greedy_prompt"]]
+        generated = model.generate(prompt, do_sample=False, max_new_tokens=case["greedy_new"],
+                                   min_new_tokens=case["greedy_new"], eos_token_id=None,
+                                   pad_token_id=0, attention_mask=torch.ones_like(prompt)
+                                   )[0, prompt.shape[1]:].numpy()
+    np.savez(out_dir / "reference.npz", input_ids=ids.numpy(), logits=logits,
+             greedy_prompt=prompt[0].numpy(), greedy_tokens=generated)
+    (out_dir / "meta.json").write_text(json.dumps({
+        "case": case, "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": sys.version.split()[0]}, indent=2))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -234,7 +293,7 @@ def main(argv=None) -> int:
     for case in CASES:
         if args.only and case["name"] not in args.only:
             continue
-        key = case_hash(case, (REPO / case["config"]).read_text())
+        key = case_hash(case, case_source(case))
         final = args.out / f"{case['name']}-{key}"
         if (final / "meta.json").exists():
             print(f"oracle: {case['name']} up to date ({final.name})")
@@ -245,7 +304,7 @@ def main(argv=None) -> int:
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir()
         print(f"oracle: building {case['name']} ...", flush=True)
-        build_case(case, work)
+        (build_shipped if "checkpoint" in case else build_case)(case, work)
         work.rename(final)
         print(f"oracle: wrote {final}")
     return 0
