@@ -10,29 +10,14 @@ import argparse
 import time
 from pathlib import Path
 
-import jax.numpy as jnp
-
-from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.llm import DEFAULT_MODEL, LLM
 from deepinfer_jax.request import SamplingParams
-from deepinfer_jax.weights import random_params
-from deepinfer_jax.weights.export import save_checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
 # No trailing newline: the tokenizer merges a newline with the next line's indentation, so a
 # prompt that ends in "\n" would force an unindented next line.
 PROMPTS = ["import os\n\n\ndef list_python_files(directory):",
            "class Stack:\n    def __init__(self):",
            'def is_prime(n):\n    """Return True if n is a prime number."""']
-
-
-def tiny_random_model_dir(cache: Path = REPO / ".cache") -> Path:
-    """A tiny random model (configs/tiny/tiny-mixed.json), for tests and the CLI."""
-    directory = cache / "demo-tiny-random"
-    if not (directory / "model.safetensors").exists():
-        cfg = ModelConfig.from_json_file(REPO / "configs" / "tiny" / "tiny-mixed.json")
-        save_checkpoint(random_params(cfg, 0, jnp.float32), cfg, directory)
-    return directory
 
 
 def main(argv=None) -> None:
