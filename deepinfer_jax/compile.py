@@ -42,7 +42,8 @@ def plan_spec(token_bucket: int, ecfg: ResolvedEngineConfig) -> BatchPlan:
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     return BatchPlan(token_ids=i32(t), positions=i32(t), token_seq=i32(t), seq_slot=i32(n),
                      seq_start=i32(n), seq_len=i32(n), seq_offset=i32(n),
-                     block_table=i32(n, ecfg.max_blocks_per_seq), sample_index=i32(n))
+                     block_table=i32(n, ecfg.max_blocks_per_seq), sample_index=i32(n),
+                     seq_samples=jax.ShapeDtypeStruct((n,), jnp.bool_))
 
 
 def compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,

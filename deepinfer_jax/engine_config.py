@@ -33,6 +33,7 @@ class EngineConfig:
     token_buckets: tuple[int, ...] | None = None   # None: powers of two up to the budget
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_cache_dir)
     show_progress: bool = True
+    async_scheduling: bool = True        # plan step N+1 while step N runs
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens"):
@@ -65,6 +66,7 @@ class ResolvedEngineConfig:
     token_buckets: tuple[int, ...]
     compilation_cache_dir: str | None
     show_progress: bool
+    async_scheduling: bool
 
     @classmethod
     def build(cls, ec: EngineConfig, model: ModelConfig) -> "ResolvedEngineConfig":
@@ -91,7 +93,8 @@ class ResolvedEngineConfig:
         return cls(max_num_seqs=ec.max_num_seqs, max_model_len=ec.max_model_len,
                    page_size=page_size, num_pages=num_pages, max_blocks_per_seq=blocks,
                    max_num_batched_tokens=ec.max_num_batched_tokens, token_buckets=buckets,
-                   compilation_cache_dir=ec.compilation_cache_dir, show_progress=ec.show_progress)
+                   compilation_cache_dir=ec.compilation_cache_dir, show_progress=ec.show_progress,
+                   async_scheduling=ec.async_scheduling)
 
     def seq_bucket(self, token_bucket: int) -> int:
         return min(token_bucket, self.max_num_seqs)

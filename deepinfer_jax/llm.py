@@ -22,7 +22,6 @@ from deepinfer_jax.request import (
     Request,
     RequestError,
     RequestOutput,
-    RequestStatus,
     SamplingParams,
 )
 from deepinfer_jax.runner import EngineCore, failed_output
@@ -79,7 +78,7 @@ class LLM:
         bar.update(len(outputs))
         while self.engine.has_unfinished():
             for req in self.engine.step():
-                if req.status is RequestStatus.FINISHED and req.request_id in pending:
+                if req.is_complete and req.request_id in pending:
                     outputs[req.request_id] = self._output(pending.pop(req.request_id))
                     bar.update(1)
         bar.close()
@@ -101,13 +100,14 @@ class LLM:
                 rid = req.request_id
                 if rid not in pending:
                     continue
-                new = req.generated[sent_tokens[rid]:]
-                sent_tokens[rid] = len(req.generated)
+                known = req.resolved_tokens
+                new = known[sent_tokens[rid]:]
+                sent_tokens[rid] = len(known)
                 text = None
                 if self.tokenizer is not None:
-                    full = self.tokenizer.decode(req.generated)
+                    full = self.tokenizer.decode(known)
                     text, sent_text[rid] = full[len(sent_text[rid]):], full
-                done = req.status is RequestStatus.FINISHED
+                done = req.is_complete
                 if done:
                     pending.pop(rid)
                 yield CompletionDelta(index[rid], rid, new, text, done, req.finish_reason)

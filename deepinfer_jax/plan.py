@@ -1,7 +1,8 @@
 """BatchPlan: everything the device needs for one step, as fixed-shape numpy arrays (no jax).
 
 The batch is ragged: the new tokens of N' <= N sequences are laid out back to back in a flat
-array of T slots (T, N from the step's bucket). Padding tokens and rows point out of range
+array of T slots (T, N from the step's bucket). A token id of -1 (PLACEHOLDER) is a token
+sampled by the previous step and not yet seen by the host: the step reads it on the device. Padding tokens and rows point out of range
 (token_seq = N, seq_slot = max_num_seqs, pages = num_pages): gathers from them are masked and
 scatters to them are dropped on the device.
 """
@@ -27,6 +28,7 @@ class BatchPlan:
     seq_offset: np.ndarray    # i32[N]   flat index of the row's first token
     block_table: np.ndarray   # i32[N, max_blocks]  page of each logical block of the row
     sample_index: np.ndarray  # i32[N]   flat index of the token whose logits are sampled
+    seq_samples: np.ndarray   # bool[N]  the row samples a token this step
 
     @property
     def num_tokens(self) -> int:
@@ -49,6 +51,7 @@ def build_plan(decision: ScheduleDecision, token_bucket: int,
     seq_offset = np.zeros(n_cap, np.int32)
     block_table = np.full((n_cap, ecfg.max_blocks_per_seq), ecfg.num_pages, np.int32)
     sample_index = np.zeros(n_cap, np.int32)
+    seq_samples = np.zeros(n_cap, np.bool_)
     offset = 0
     for row, seq in enumerate(decision.seqs):
         req, n = seq.request, seq.num_tokens
@@ -58,7 +61,7 @@ def build_plan(decision: ScheduleDecision, token_bucket: int,
         token_seq[span] = row
         seq_slot[row], seq_start[row], seq_len[row], seq_offset[row] = req.slot, seq.start, n, offset
         block_table[row, : len(req.pages)] = req.pages
-        sample_index[row] = offset + n - 1
+        sample_index[row], seq_samples[row] = offset + n - 1, seq.samples
         offset += n
     return BatchPlan(token_ids, positions, token_seq, seq_slot, seq_start, seq_len, seq_offset,
-                     block_table, sample_index)
+                     block_table, sample_index, seq_samples)

@@ -105,6 +105,11 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
 
 
+# A generated token whose value is still on the device (asynchronous scheduling): the step
+# that consumes it reads the slot's last sampled token instead.
+PLACEHOLDER = -1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -139,8 +144,24 @@ class Request:
 
     @property
     def num_pending(self) -> int:
-        """Tokens known on the host but not yet run through the model (1 when decoding)."""
+        """Tokens not yet run through the model (1 when decoding)."""
         return self.num_tokens - self.num_computed
+
+    @property
+    def resolved_tokens(self) -> list[int]:
+        """Generated tokens whose values the host has (a prefix of `generated`)."""
+        if PLACEHOLDER in self.generated:
+            return self.generated[: self.generated.index(PLACEHOLDER)]
+        return self.generated
+
+    @property
+    def has_placeholders(self) -> bool:
+        return PLACEHOLDER in self.generated
+
+    @property
+    def is_complete(self) -> bool:
+        """Finished, and every generated token is known on the host."""
+        return self.status is RequestStatus.FINISHED and not self.has_placeholders
 
     def output(self, text: str | None = None) -> RequestOutput:
         return RequestOutput(self.request_id, list(self.prompt), list(self.generated), text,

@@ -1,15 +1,22 @@
 """The engine core: the only module that joins the host (scheduler, plans) and the device
-(compiled steps, params, state). Synchronous for now: each step's sampled tokens are read
-before the next step is planned.
+(compiled steps, params, state).
+
+Asynchronous loop (default): launch step N+1, then read step N's tokens. The tokens step N
+sampled stay on the device and feed step N+1 (placeholders resolved inside the jitted step);
+step N's output comes back through an asynchronous device-to-host copy started at launch and
+is consumed one step late. Nothing in the loop waits for the device except that read, which
+happens while the next step already runs. The synchronous loop (launch, read, repeat) is kept
+for comparison and debugging; both drive the scheduler through the same commit/resolve calls.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import itertools
 import time
 
 import jax
-import numpy as np
 
 from deepinfer_jax.buckets import token_bucket
 from deepinfer_jax.compile import compile_steps
@@ -24,11 +31,30 @@ from deepinfer_jax.request import (
     Request,
     RequestMetrics,
     RequestOutput,
-    RequestStatus,
     SamplingParams,
 )
-from deepinfer_jax.scheduler import Scheduler
+from deepinfer_jax.scheduler import ScheduleDecision, Scheduler
 from deepinfer_jax.state import init_state
+from deepinfer_jax.step import StepOutput
+
+
+@dataclasses.dataclass
+class LoopStats:
+    """Where the loop's time goes: host work (planning, dispatch, bookkeeping) vs waiting for
+    the device's tokens."""
+
+    steps: int = 0
+    host_seconds: float = 0.0
+    wait_seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class InFlight:
+    """A launched step whose tokens the host has not read yet."""
+
+    decision: ScheduleDecision
+    token_index: tuple[int | None, ...]     # per row: where its token goes in `generated`
+    output: StepOutput
 
 
 class EngineCore:
@@ -38,7 +64,12 @@ class EngineCore:
         self.steps = compile_steps(params, self.state, cfg, ecfg)
         self.scheduler = Scheduler(ecfg, cfg.eos_token_ids)
         self._arrivals = itertools.count()
-        self.num_steps = 0
+        self._in_flight: collections.deque[InFlight] = collections.deque()
+        self.stats = LoopStats()
+
+    @property
+    def num_steps(self) -> int:
+        return self.stats.steps
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> Request:
@@ -54,7 +85,7 @@ class EngineCore:
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._in_flight)
 
     def _problems(self, prompt: list[int], params: SamplingParams) -> list[str]:
         problems = list(params.problems(self.cfg.vocab_size))
@@ -74,27 +105,44 @@ class EngineCore:
                                 f"pool holds ({self.ecfg.num_pages})")
         return problems
 
-    # ---- one step -------------------------------------------------------------------------
+    # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Schedule, run one device step, apply its tokens. Returns the requests that received
-        a token or finished (aborted requests are reported by `abort`)."""
+        """Advance the engine by one step. Returns the requests whose tokens reached the host
+        in this call (a finished request is complete once `is_complete`)."""
+        start = time.perf_counter()
         decision = self.scheduler.schedule()
-        if not decision.seqs:
-            return []
+        if decision.seqs:
+            self._in_flight.append(self._launch(decision))
+        touched = []
+        keep = 1 if self.ecfg.async_scheduling and decision.seqs else 0
+        if len(self._in_flight) > keep:
+            touched = self._read(self._in_flight.popleft())
+        self.stats.host_seconds += time.perf_counter() - start
+        return touched
+
+    def _launch(self, decision: ScheduleDecision) -> InFlight:
         now = time.time()
         for seq in decision.seqs:
-            seq.request.metrics.first_scheduled_time = (seq.request.metrics.first_scheduled_time
-                                                        or now)
+            metrics = seq.request.metrics
+            metrics.first_scheduled_time = metrics.first_scheduled_time or now
         bucket = token_bucket(self.ecfg.token_buckets, decision.num_tokens)
         plan = jax.device_put(build_plan(decision, bucket, self.ecfg))
-        self.state, out = self.steps[bucket](self.params, self.state, plan)
-        next_tokens = np.asarray(out.next_tokens)
-        self.num_steps += 1
-        touched = self.scheduler.update(decision, next_tokens)
+        self.state, output = self.steps[bucket](self.params, self.state, plan)
+        output.next_tokens.copy_to_host_async()
+        self.stats.steps += 1
+        return InFlight(decision, self.scheduler.commit(decision), output)
+
+    def _read(self, flight: InFlight) -> list[Request]:
+        waited = time.perf_counter()
+        tokens = jax.device_get(flight.output.next_tokens)
+        waited = time.perf_counter() - waited
+        self.stats.wait_seconds += waited
+        self.stats.host_seconds -= waited      # step() adds the whole call
+        touched = self.scheduler.resolve(flight.decision, flight.token_index, tokens)
         now = time.time()
         for req in touched:
             req.metrics.first_token_time = req.metrics.first_token_time or now
-            if req.status is RequestStatus.FINISHED:
+            if req.is_complete:
                 req.metrics.finished_time = now
         return touched
 
@@ -103,10 +151,6 @@ def failed_output(request_id: str, prompt, error: Exception,
                   metrics: RequestMetrics | None = None) -> RequestOutput:
     metrics = metrics or RequestMetrics(time.time())
     metrics.finished_time = time.time()
-    return RequestOutput(request_id, list(prompt) if _is_token_list(prompt) else [], [], None,
-                         True, FinishReason.ERROR, error, metrics)
-
-
-def _is_token_list(prompt) -> bool:
-    return isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer))
-                                                     for t in prompt)
+    tokens = list(prompt) if isinstance(prompt, (list, tuple)) and all(
+        isinstance(t, int) for t in prompt) else []
+    return RequestOutput(request_id, tokens, [], None, True, FinishReason.ERROR, error, metrics)

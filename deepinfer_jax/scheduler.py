@@ -8,6 +8,13 @@ Policy per step, under a token budget (`max_num_batched_tokens`):
 A running request that needs a page when none is free preempts the newest running request
 (possibly itself): its slot and pages are freed and it goes back to the front of the queue,
 keeping its generated tokens, to be recomputed later. Nothing is lost.
+
+A step's effects arrive in two parts, so that the runner can plan step N+1 while step N runs:
+`commit` when the step is launched (counts advance; each sampled token is a PLACEHOLDER that
+the next step reads on the device) and `resolve` when its tokens reach the host (placeholders
+get their values; EOS and stop tokens end requests). Length limits are known at commit; a stop
+token is seen one step late, so a stopped request may have one extra token computed, which is
+discarded. The synchronous loop calls both back to back.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import dataclasses
 
 from deepinfer_jax.engine_config import ResolvedEngineConfig
 from deepinfer_jax.pages import PageAllocator, pages_needed
-from deepinfer_jax.request import FinishReason, Request, RequestStatus
+from deepinfer_jax.request import PLACEHOLDER, FinishReason, Request, RequestStatus
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +75,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
+        if reason is FinishReason.ABORT:   # tokens still in flight are dropped
+            del req.generated[len(req.resolved_tokens):]
 
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> ScheduleDecision:
@@ -88,6 +97,8 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and self._free_slots:
             req = self.waiting[0]
+            if req.has_placeholders:   # preempted with a token in flight: recompute needs it
+                break
             n = min(req.num_pending, budget)
             if not self.pages.can_allocate(pages_needed(n, self.ecfg.page_size)):
                 break
@@ -99,33 +110,47 @@ class Scheduler:
             budget -= n
         return ScheduleDecision(tuple(scheduled))
 
-    def update(self, decision: ScheduleDecision, next_tokens) -> list[Request]:
-        """Apply a finished step: advance the computed counts, append sampled tokens, stop
-        requests that are done. Returns the requests that got a new token or finished."""
-        touched = []
-        for i, seq in enumerate(decision.seqs):
+    def commit(self, decision: ScheduleDecision) -> tuple[int | None, ...]:
+        """The step was launched: advance the computed counts and give each sampled token a
+        placeholder. Returns, per row, the index in `generated` its token will fill."""
+        token_index: list[int | None] = []
+        for seq in decision.seqs:
             req = seq.request
-            if req.status is not RequestStatus.RUNNING:   # aborted while the step ran
-                continue
             req.num_computed = seq.start + seq.num_tokens
             if not seq.samples:
+                token_index.append(None)
                 continue
-            token = int(next_tokens[i])
-            req.generated.append(token)
+            token_index.append(len(req.generated))
+            req.generated.append(PLACEHOLDER)
+            if (len(req.generated) >= req.params.max_tokens
+                    or req.num_tokens >= self.ecfg.max_model_len):
+                self.finish(req, FinishReason.LENGTH)
+        return tuple(token_index)
+
+    def resolve(self, decision: ScheduleDecision, token_index: tuple[int | None, ...],
+                next_tokens) -> list[Request]:
+        """The step's sampled tokens reached the host: fill the placeholders and stop requests
+        on EOS or stop tokens. Returns the requests that received a token."""
+        touched = []
+        for seq, index, token in zip(decision.seqs, token_index, next_tokens):
+            req = seq.request
+            if index is None or index >= len(req.generated):   # dropped: stopped or aborted
+                continue
+            token = int(token)
+            req.generated[index] = token
             touched.append(req)
-            reason = self._stop_reason(req, token)
-            if reason is not None:
-                self.finish(req, reason)
+            if self._is_stop(req, token):
+                del req.generated[index + 1:]       # tokens computed after the stop
+                if req.status is RequestStatus.FINISHED:
+                    req.finish_reason = FinishReason.STOP
+                else:
+                    self.finish(req, FinishReason.STOP)
         return touched
 
     # ---- internals ------------------------------------------------------------------------
-    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+    def _is_stop(self, req: Request, token: int) -> bool:
         p = req.params
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            return FinishReason.STOP
-        if len(req.generated) >= p.max_tokens or req.num_tokens >= self.ecfg.max_model_len:
-            return FinishReason.LENGTH
-        return None
+        return (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
 
     def _make_room(self, req: Request, end: int, scheduled: list[ScheduledSeq]) -> bool:
         """Give `req` the pages for positions < end, preempting the newest running requests

@@ -7,6 +7,8 @@ Per layer (see docs/state_cache.md for the layout and how rollback and replay us
 * CSA: `index_keys`, the indexer's compressed keys, in the same pages;
 * `tail` / `index_tail`: per slot, a ring of the compressor's projected tokens (kv and pooling
   logit) for the open block and, with overlap, the block before it (R = 2m, else m).
+Per slot, `last_tokens` keeps the token the slot sampled last, so that the next step can read
+it on the device before the host has seen it (asynchronous scheduling).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class LayerState:
 @pytree_dataclass
 class StateCache:
     layers: tuple[LayerState, ...]
+    last_tokens: Array      # i32[slots]  each slot's most recently sampled token
 
 
 def _tail(slots: int, rate: int, overlap: bool, dim: int) -> CompressorTail:
@@ -63,7 +66,7 @@ def init_state(cfg: ModelConfig, ecfg: ResolvedEngineConfig, dtype) -> StateCach
             index_keys = jnp.zeros((n_rows, cfg.index_head_dim), dtype)
             index_tail = _tail(slots, rate, True, cfg.index_head_dim)
         layers.append(LayerState(window, rows, tail, index_keys, index_tail))
-    return StateCache(tuple(layers))
+    return StateCache(tuple(layers), last_tokens=jnp.zeros((slots,), jnp.int32))
 
 
 def state_bytes(state: StateCache) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.engine_config import ResolvedEngineConfig
@@ -31,9 +32,21 @@ class StepOutput:
     next_tokens: jax.Array     # i32[N]  sampled token of each row (meaningful where it samples)
 
 
+def resolve_placeholders(token_ids: jax.Array, plan: BatchPlan, last_tokens: jax.Array) -> jax.Array:
+    """Tokens the host does not know yet (-1) are the previous sample of their row's slot."""
+    n = plan.seq_slot.shape[0]
+    slot = plan.seq_slot[jnp.minimum(plan.token_seq, n - 1)]
+    return jnp.where(token_ids < 0, last_tokens[slot], token_ids)
+
+
 def step(params: ModelParams, state: StateCache, plan: BatchPlan, *, cfg: ModelConfig,
          ecfg: ResolvedEngineConfig) -> tuple[StateCache, StepOutput]:
-    state, streams = forward_step(params, state, plan, cfg, ecfg)
+    token_ids = resolve_placeholders(plan.token_ids, plan, state.last_tokens)
+    state, streams = forward_step(params, state, plan, token_ids, cfg, ecfg)
     logits = project_logits(streams[plan.sample_index], params.hc_head, params.norm,
                             params.head, cfg)                               # f32[N, V]
-    return state, StepOutput(next_tokens=greedy(logits))
+    next_tokens = greedy(logits)
+    slots = jnp.where(plan.seq_samples, plan.seq_slot, state.last_tokens.shape[0])
+    state = dataclasses.replace(state, last_tokens=state.last_tokens.at[slots].set(
+        next_tokens, mode="drop"))
+    return state, StepOutput(next_tokens=next_tokens)

@@ -61,7 +61,6 @@ def prepare(out: Path, vocab_size: int, specials: list[str], max_files: int = 0)
     import json
 
     import numpy as np
-
     from tiny_tokenizer import train_tokenizer
 
     root = stdlib_root()

@@ -96,15 +96,15 @@ def layer_step(p: LayerParams, streams: Array, token_ids: Array, ctx: TokenConte
     return hc_post(f, streams, post, comb), ls
 
 
-def forward_step(params: ModelParams, state: StateCache, plan, cfg: ModelConfig,
-                 ecfg: ResolvedEngineConfig) -> tuple[StateCache, Array]:
-    """One ragged step -> (new state, final residual streams [T, hc, D])."""
+def forward_step(params: ModelParams, state: StateCache, plan, token_ids: Array,
+                 cfg: ModelConfig, ecfg: ResolvedEngineConfig) -> tuple[StateCache, Array]:
+    """One ragged step over token_ids i32[T] -> (new state, final residual streams [T, hc, D])."""
     ctx = token_context(plan)
-    x = params.embed[plan.token_ids]
+    x = params.embed[token_ids]
     streams = jnp.broadcast_to(x[:, None, :], (x.shape[0], cfg.hc_mult, x.shape[-1]))
     layer_states = []
     for i, (lp, ls) in enumerate(zip(params.layers, state.layers, strict=True)):
-        streams, ls = layer_step(lp, streams, plan.token_ids, ctx, cfg.layer_types[i],
+        streams, ls = layer_step(lp, streams, token_ids, ctx, cfg.layer_types[i],
                                  cfg.mlp_types[i], ls, cfg, ecfg)
         layer_states.append(ls)
-    return StateCache(tuple(layer_states)), streams
+    return dataclasses.replace(state, layers=tuple(layer_states)), streams

@@ -7,7 +7,7 @@ import pytest
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.engine_config import EngineConfig
 from deepinfer_jax.pages import OutOfPagesError, PageAllocator
-from deepinfer_jax.request import FinishReason, Request, RequestStatus, SamplingParams
+from deepinfer_jax.request import PLACEHOLDER, FinishReason, Request, RequestStatus, SamplingParams
 from deepinfer_jax.scheduler import Scheduler
 from tests.conftest import REPO
 
@@ -27,8 +27,10 @@ def request(i, prompt_len, **params):
 
 
 def run_step(sched, token=7):
+    """One synchronous step: schedule, launch (commit), read the tokens (resolve)."""
     decision = sched.schedule()
-    sched.update(decision, [token] * len(decision.seqs))
+    index = sched.commit(decision)
+    sched.resolve(decision, index, [token] * len(decision.seqs))
     return decision
 
 
@@ -125,3 +127,68 @@ def test_abort_frees_everything():
     assert sched.abort("0") is a and a.finish_reason is FinishReason.ABORT
     assert sched.abort("nope") is None
     assert a.pages == [] and sched.running == [b]
+
+
+# ---- asynchronous use: commit at launch, resolve one step later ------------------------------
+def test_placeholders_feed_the_next_step_before_the_host_sees_the_token():
+    sched = make()
+    sched.add(req := request(0, 5, max_tokens=10))
+    d0 = sched.schedule()
+    i0 = sched.commit(d0)
+    assert req.generated == [PLACEHOLDER] and req.num_pending == 1
+    d1 = sched.schedule()                      # planned while step 0 runs
+    assert [(s.start, s.num_tokens, s.samples) for s in d1.seqs] == [(5, 1, True)]
+    i1 = sched.commit(d1)
+    sched.resolve(d0, i0, [11])
+    assert req.generated == [11, PLACEHOLDER] and req.resolved_tokens == [11]
+    sched.resolve(d1, i1, [12])
+    assert req.generated == [11, 12] and not req.has_placeholders
+
+
+def test_a_stop_token_is_seen_one_step_late_and_the_extra_token_dropped():
+    sched = make()
+    sched.add(req := request(0, 5, max_tokens=10))
+    d0 = sched.schedule()
+    i0 = sched.commit(d0)
+    d1 = sched.schedule()
+    i1 = sched.commit(d1)                      # one extra token is computed ...
+    sched.resolve(d0, i0, [EOS])
+    assert req.finish_reason is FinishReason.STOP and req.generated == [EOS] and req.is_complete
+    assert sched.resolve(d1, i1, [99]) == []   # ... and discarded
+    assert req.generated == [EOS] and sched.pages.num_free == sched.ecfg.num_pages
+
+
+def test_length_limits_are_known_at_launch():
+    sched = make()
+    sched.add(req := request(0, 5, max_tokens=2))
+    d0 = sched.schedule()
+    i0 = sched.commit(d0)
+    d1 = sched.schedule()
+    i1 = sched.commit(d1)
+    assert req.status is RequestStatus.FINISHED and req.finish_reason is FinishReason.LENGTH
+    assert not req.is_complete                 # its last token is still on the device
+    assert sched.schedule().seqs == ()         # no extra token for it
+    sched.resolve(d0, i0, [3])
+    sched.resolve(d1, i1, [4])
+    assert req.is_complete and req.generated == [3, 4]
+
+
+def test_a_preempted_request_waits_for_its_token_before_recomputing():
+    sched = make(seqs=2, pages=4, page_size=16, budget=64)
+    sched.add(old := request(0, 16, max_tokens=40))
+    sched.add(new := request(1, 30, max_tokens=40))
+    in_flight = None
+    for _ in range(12):              # asynchronous: plan step k+1, then resolve step k
+        d = sched.schedule()
+        if new.status is RequestStatus.WAITING:
+            break
+        index = sched.commit(d)
+        if in_flight:
+            sched.resolve(*in_flight, [7] * len(in_flight[0].seqs))
+        in_flight = (d, index)
+    # preempted while its last token is still on the device: not readmitted in this plan
+    assert new.num_preemptions == 1 and new.has_placeholders
+    assert all(seq.request is not new for seq in d.seqs)
+    sched.commit(d)
+    sched.resolve(*in_flight, [7] * len(in_flight[0].seqs))
+    assert not new.has_placeholders and new.generated[-1] == 7
