@@ -2,9 +2,9 @@
 
 The batch is ragged: the new tokens of N' <= N sequences are laid out back to back in a flat
 array of T slots (T, N from the step's bucket). A token id of -1 (PLACEHOLDER) is a token
-sampled by the previous step and not yet seen by the host: the step reads it on the device. Padding tokens and rows point out of range
-(token_seq = N, seq_slot = max_num_seqs, pages = num_pages): gathers from them are masked and
-scatters to them are dropped on the device.
+sampled by the previous step and not yet seen by the host: the step reads it on the device.
+Padding tokens and rows point out of range (token_seq = N, seq_slot = max_num_seqs,
+pages = num_pages): gathers from them are masked and scatters to them are dropped.
 """
 
 from __future__ import annotations

@@ -175,7 +175,7 @@ def test_length_limits_are_known_at_launch():
 
 def test_a_preempted_request_waits_for_its_token_before_recomputing():
     sched = make(seqs=2, pages=4, page_size=16, budget=64)
-    sched.add(old := request(0, 16, max_tokens=40))
+    sched.add(request(0, 16, max_tokens=40))
     sched.add(new := request(1, 30, max_tokens=40))
     in_flight = None
     for _ in range(12):              # asynchronous: plan step k+1, then resolve step k
