@@ -61,7 +61,8 @@ its SHA-256 prefix: `corpus_manifest.json`. Documents are `<|bos|> text <|eos|>`
 ## Training
 
 `tools/train_tiny.py train` on one {log['device']} (jax {log['jax']}): {log['steps_done']} steps
-of {args['batch']} x {args['seq_len']} tokens (~{tokens_seen / 1e6:.0f}M {log['seconds'] / 60:.1f} minutes including {log['compile_seconds']:.0f} s of compilation),
+of {args['batch']} x {args['seq_len']} tokens (~{tokens_seen / 1e6:.0f}M tokens,
+{log['seconds'] / 60:.1f} minutes including {log['compile_seconds']:.0f} s of compilation),
 AdamW (peak lr {args['lr']}, warm-up then cosine to 10%, weight decay 0.1, clip 1.0), bf16
 compute with float32 master weights, seed {args['seed']}; loss = next-token CE +
 {args['mtp_weight']} x MTP next-next-token CE. Final train loss {last['loss']:.3f}, MTP loss
