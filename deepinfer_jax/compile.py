@@ -11,14 +11,14 @@ import functools
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 from jax.experimental.compilation_cache import compilation_cache
 from tqdm.auto import tqdm
 
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.engine_config import ResolvedEngineConfig
 from deepinfer_jax.model.params import ModelParams
-from deepinfer_jax.plan import BatchPlan
+from deepinfer_jax.plan import BatchPlan, build_plan
+from deepinfer_jax.scheduler import ScheduleDecision
 from deepinfer_jax.state import StateCache
 from deepinfer_jax.step import step
 
@@ -38,12 +38,9 @@ def enable_persistent_cache(directory: str | None) -> None:
 
 
 def plan_spec(token_bucket: int, ecfg: ResolvedEngineConfig) -> BatchPlan:
-    t, n = token_bucket, ecfg.seq_bucket(token_bucket)
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-    return BatchPlan(token_ids=i32(t), positions=i32(t), token_seq=i32(t), seq_slot=i32(n),
-                     seq_start=i32(n), seq_len=i32(n), seq_offset=i32(n),
-                     block_table=i32(n, ecfg.max_blocks_per_seq), sample_index=i32(n),
-                     seq_samples=jax.ShapeDtypeStruct((n,), jnp.bool_))
+    """Shapes and dtypes of a bucket's plan (the plan builder's arrays, abstractly)."""
+    empty = build_plan(ScheduleDecision(()), token_bucket, ecfg)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), empty)
 
 
 def compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,

@@ -34,6 +34,9 @@ class EngineConfig:
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_cache_dir)
     show_progress: bool = True
     async_scheduling: bool = True        # plan step N+1 while step N runs
+    seed: int = 0                        # draws the seeds of requests that give none
+    max_logprobs: int = 20               # the most top logprobs a request may ask for
+    grammar_compile_timeout_s: float = 10.0
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens"):
@@ -67,6 +70,10 @@ class ResolvedEngineConfig:
     compilation_cache_dir: str | None
     show_progress: bool
     async_scheduling: bool
+    seed: int
+    max_logprobs: int
+    grammar_compile_timeout_s: float
+    vocab_size: int
 
     @classmethod
     def build(cls, ec: EngineConfig, model: ModelConfig) -> "ResolvedEngineConfig":
@@ -94,10 +101,18 @@ class ResolvedEngineConfig:
                    page_size=page_size, num_pages=num_pages, max_blocks_per_seq=blocks,
                    max_num_batched_tokens=ec.max_num_batched_tokens, token_buckets=buckets,
                    compilation_cache_dir=ec.compilation_cache_dir, show_progress=ec.show_progress,
-                   async_scheduling=ec.async_scheduling)
+                   async_scheduling=ec.async_scheduling, seed=ec.seed,
+                   max_logprobs=min(ec.max_logprobs, model.vocab_size),
+                   grammar_compile_timeout_s=ec.grammar_compile_timeout_s,
+                   vocab_size=model.vocab_size)
 
     def seq_bucket(self, token_bucket: int) -> int:
         return min(token_bucket, self.max_num_seqs)
+
+    @property
+    def mask_words(self) -> int:
+        """int32 words of a token bitmask row."""
+        return -(-self.vocab_size // 32)
 
     def rows_per_page(self, rate: int) -> int:
         return self.page_size // rate

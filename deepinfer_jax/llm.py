@@ -47,7 +47,8 @@ DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "deepinfer-tiny
 
 
 class LLM:
-    def __init__(self, model: str | Path | Model | None = None, *, dtype=None, **engine_options):
+    def __init__(self, model: str | Path | Model | None = None, *, dtype=None,
+                 tokenizer: str | Path | None = None, **engine_options):
         unknown = set(engine_options) - _ENGINE_OPTIONS
         if unknown:
             raise TypeError(f"unknown engine option(s) {sorted(unknown)}; "
@@ -63,8 +64,12 @@ class LLM:
             self.tokenizer = TextTokenizer.from_model_dir(model)
         else:
             raise TypeError(f"model must be a path or a deepinfer_jax.Model, got {type(model)}")
+        if tokenizer is not None:     # a tokenizer.json, or a directory holding one
+            path = Path(tokenizer)
+            self.tokenizer = TextTokenizer.from_model_dir(path.parent if path.is_file() else path)
         self.engine_config = EngineConfig(**engine_options).resolve(self.model.config)
-        self.engine = EngineCore(self.model.config, self.model.params, self.engine_config)
+        self.engine = EngineCore(self.model.config, self.model.params, self.engine_config,
+                                 self.tokenizer)
         self._ids = itertools.count()
 
     # ---- public API -----------------------------------------------------------------------

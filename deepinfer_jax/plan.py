@@ -29,6 +29,17 @@ class BatchPlan:
     block_table: np.ndarray   # i32[N, max_blocks]  page of each logical block of the row
     sample_index: np.ndarray  # i32[N]   flat index of the token whose logits are sampled
     seq_samples: np.ndarray   # bool[N]  the row samples a token this step
+    prompt_len: np.ndarray    # i32[N]   positions >= prompt_len hold generated tokens (penalties)
+    # sampling controls per row (see sampling.SamplingRows)
+    temperature: np.ndarray   # f32[N]
+    top_k: np.ndarray         # i32[N]
+    top_p: np.ndarray         # f32[N]
+    min_p: np.ndarray         # f32[N]
+    repetition_penalty: np.ndarray  # f32[N]
+    presence_penalty: np.ndarray    # f32[N]
+    frequency_penalty: np.ndarray   # f32[N]
+    seed: np.ndarray          # u32[N]
+    allowed: np.ndarray       # i32[N, ceil(V/32)]  token bitmask (grammar, min_tokens); -1 = all
 
     @property
     def num_tokens(self) -> int:
@@ -52,6 +63,13 @@ def build_plan(decision: ScheduleDecision, token_bucket: int,
     block_table = np.full((n_cap, ecfg.max_blocks_per_seq), ecfg.num_pages, np.int32)
     sample_index = np.zeros(n_cap, np.int32)
     seq_samples = np.zeros(n_cap, np.bool_)
+    prompt_len = np.zeros(n_cap, np.int32)
+    f32 = lambda fill: np.full(n_cap, fill, np.float32)  # noqa: E731
+    temperature, top_p, min_p = f32(0), f32(1), f32(0)
+    repetition, presence, frequency = f32(1), f32(0), f32(0)
+    top_k = np.zeros(n_cap, np.int32)
+    seed = np.zeros(n_cap, np.uint32)
+    allowed = np.full((n_cap, ecfg.mask_words), -1, np.int32)
     offset = 0
     for row, seq in enumerate(decision.seqs):
         req, n = seq.request, seq.num_tokens
@@ -62,6 +80,27 @@ def build_plan(decision: ScheduleDecision, token_bucket: int,
         seq_slot[row], seq_start[row], seq_len[row], seq_offset[row] = req.slot, seq.start, n, offset
         block_table[row, : len(req.pages)] = req.pages
         sample_index[row], seq_samples[row] = offset + n - 1, seq.samples
+        prompt_len[row] = len(req.prompt)
+        p = req.params
+        temperature[row], top_k[row], top_p[row], min_p[row] = (p.temperature, max(p.top_k, 0),
+                                                                 p.top_p, p.min_p)
+        repetition[row], presence[row], frequency[row] = (p.repetition_penalty, p.presence_penalty,
+                                                          p.frequency_penalty)
+        seed[row] = req.seed
         offset += n
     return BatchPlan(token_ids, positions, token_seq, seq_slot, seq_start, seq_len, seq_offset,
-                     block_table, sample_index, seq_samples)
+                     block_table, sample_index, seq_samples, prompt_len, temperature, top_k,
+                     top_p, min_p, repetition, presence, frequency, seed, allowed)
+
+
+def suppress_stops(plan: BatchPlan, decision: ScheduleDecision, eos_token_ids) -> None:
+    """min_tokens: while a row's next token would come before its min_tokens-th, its EOS and
+    stop tokens are masked out (in place, on top of any grammar mask)."""
+    for row, seq in enumerate(decision.seqs):
+        req = seq.request
+        if seq.samples and len(req.generated) < req.params.min_tokens:
+            banned = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos
+                                                       else set(eos_token_ids))
+            bits = plan.allowed.view(np.uint32)
+            for t in banned:
+                bits[row, t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)

@@ -32,17 +32,53 @@ class FinishReason(enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request generation controls (vLLM's names). Types are checked at construction;
-    values are checked when the request is submitted (a bad value fails that request only)."""
+    values when the request is submitted (a bad value fails that request only).
+
+    temperature 0 is greedy (the default here, as the shipped model's generation config asks);
+    top_k <= 0, top_p = 1 and min_p = 0 are off. `seed` fixes the request's random stream
+    (derived from the seed and each token's position, so independent of batching); without
+    one the engine draws a seed. `logprobs=n` returns the chosen token's logprob and the top n.
+    At most one of json_schema / regex / grammar constrains the output.
+    """
 
     max_tokens: int = 16
-    temperature: float = 0.0            # 0: greedy
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
     ignore_eos: bool = False
+    logprobs: int | None = None
+    json_schema: dict | str | None = None
+    regex: str | None = None
+    grammar: str | None = None
 
     def __post_init__(self):
-        _check_type("max_tokens", self.max_tokens, int)
-        _check_type("temperature", self.temperature, (int, float))
+        for name in ("max_tokens", "top_k", "min_tokens"):
+            _check_type(name, getattr(self, name), int)
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            _check_type(name, getattr(self, name), (int, float))
         _check_type("ignore_eos", self.ignore_eos, bool)
+        for name in ("seed", "logprobs"):
+            if getattr(self, name) is not None:
+                _check_type(name, getattr(self, name), int)
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None:
+                _check_type(name, getattr(self, name), str)
+        if self.json_schema is not None:
+            _check_type("json_schema", self.json_schema, (dict, str))
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
+            raise TypeError("stop must be a string or a sequence of strings")
+        object.__setattr__(self, "stop", tuple(self.stop))
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
                 _is_int(t) for t in self.stop_token_ids):
             raise TypeError("stop_token_ids must be a sequence of ints")
@@ -55,14 +91,35 @@ class SamplingParams:
             raise InvalidRequestError(f"unknown sampling option(s): {sorted(unknown)}")
         return cls(**options)
 
-    def problems(self, vocab_size: int) -> list[str]:
-        out = []
-        if self.max_tokens <= 0:
-            out.append(f"max_tokens must be > 0, got {self.max_tokens}")
-        if self.temperature < 0:
-            out.append(f"temperature must be >= 0, got {self.temperature}")
-        if self.temperature > 0:
-            out.append("temperature > 0 is not supported yet: only greedy decoding")
+    @property
+    def constrained(self) -> bool:
+        return any(x is not None for x in (self.json_schema, self.regex, self.grammar))
+
+    def problems(self, vocab_size: int, max_logprobs: int, has_tokenizer: bool) -> list[str]:
+        checks = [
+            (self.max_tokens > 0, f"max_tokens must be > 0, got {self.max_tokens}"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.top_k >= -1, f"top_k must be >= -1 (0 or -1: off), got {self.top_k}"),
+            (self.repetition_penalty > 0,
+             f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (-2 <= self.presence_penalty <= 2,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (self.seed is None or 0 <= self.seed < 2**32, f"seed must be in [0, 2**32), got {self.seed}"),
+            (0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"),
+            (self.logprobs is None or 0 <= self.logprobs <= max_logprobs,
+             f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}"),
+            (sum(x is not None for x in (self.json_schema, self.regex, self.grammar)) <= 1,
+             "give at most one of json_schema, regex, grammar"),
+            (has_tokenizer or not (self.stop or self.constrained),
+             "stop strings and structured output need the model's tokenizer.json"),
+            (all(self.stop), "stop strings must not be empty"),
+        ]
+        out = [message for ok, message in checks if not ok]
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             out.append(f"stop_token_ids outside the vocabulary: {bad}")
@@ -93,6 +150,15 @@ class RequestMetrics:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """The raw model log-probability of a generated token, and the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]     # (token id, logprob), best first
+
+
 @dataclasses.dataclass
 class RequestOutput:
     request_id: str
@@ -103,6 +169,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     error: RequestError | None = None
     metrics: RequestMetrics | None = None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 # A generated token whose value is still on the device (asynchronous scheduling): the step
@@ -133,6 +200,11 @@ class Request:
     pages: list[int] = dataclasses.field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    seed: int = 0                         # the request's random stream (params.seed or drawn)
+    logprobs: list[TokenLogprobs | None] = dataclasses.field(default_factory=list)  # per token
+    matcher: Any = None                   # llguidance matcher of a constrained request
+    num_checked: int = 0                  # generated tokens seen by stop strings / grammar
+    stop_text_at: int | None = None       # where a stop string starts in the output text
 
     @property
     def tokens(self) -> list[int]:
@@ -163,7 +235,15 @@ class Request:
         """Finished, and every generated token is known on the host."""
         return self.status is RequestStatus.FINISHED and not self.has_placeholders
 
+    def truncate(self, length: int) -> None:
+        """Drop generated tokens from index `length` on (tokens computed after a stop)."""
+        del self.generated[length:]
+        del self.logprobs[length:]
+
     def output(self, text: str | None = None) -> RequestOutput:
+        if text is not None and self.stop_text_at is not None:
+            text = text[: self.stop_text_at]
+        logprobs = list(self.logprobs) if self.params.logprobs is not None else None
         return RequestOutput(self.request_id, list(self.prompt), list(self.generated), text,
                              self.status is RequestStatus.FINISHED, self.finish_reason,
-                             None, self.metrics)
+                             None, self.metrics, logprobs)

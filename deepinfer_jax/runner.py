@@ -17,6 +17,7 @@ import itertools
 import time
 
 import jax
+import numpy as np
 
 from deepinfer_jax.buckets import token_bucket
 from deepinfer_jax.compile import compile_steps
@@ -24,7 +25,7 @@ from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.engine_config import ResolvedEngineConfig
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.pages import pages_needed
-from deepinfer_jax.plan import build_plan
+from deepinfer_jax.plan import build_plan, suppress_stops
 from deepinfer_jax.request import (
     FinishReason,
     InvalidRequestError,
@@ -36,6 +37,8 @@ from deepinfer_jax.request import (
 from deepinfer_jax.scheduler import ScheduleDecision, Scheduler
 from deepinfer_jax.state import init_state
 from deepinfer_jax.step import StepOutput
+from deepinfer_jax.structured import StructuredOutputs
+from deepinfer_jax.tokenizer import TextTokenizer
 
 
 @dataclasses.dataclass
@@ -58,11 +61,16 @@ class InFlight:
 
 
 class EngineCore:
-    def __init__(self, cfg: ModelConfig, params: ModelParams, ecfg: ResolvedEngineConfig):
+    def __init__(self, cfg: ModelConfig, params: ModelParams, ecfg: ResolvedEngineConfig,
+                 tokenizer: TextTokenizer | None = None):
         self.cfg, self.params, self.ecfg = cfg, params, ecfg
+        self.tokenizer = tokenizer
+        self.structured = None if tokenizer is None else StructuredOutputs(
+            tokenizer.path, cfg.vocab_size, cfg.eos_token_ids, ecfg.grammar_compile_timeout_s)
         self.state = init_state(cfg, ecfg, params.embed.dtype)
         self.steps = compile_steps(params, self.state, cfg, ecfg)
         self.scheduler = Scheduler(ecfg, cfg.eos_token_ids)
+        self._seeds = np.random.default_rng(ecfg.seed)
         self._arrivals = itertools.count()
         self._in_flight: collections.deque[InFlight] = collections.deque()
         self.stats = LoopStats()
@@ -77,7 +85,10 @@ class EngineCore:
         problems = self._problems(prompt, params)
         if problems:
             raise InvalidRequestError("; ".join(problems))
-        request = Request(request_id, list(prompt), params, next(self._arrivals))
+        seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
+        matcher = self.structured.matcher(params) if self.structured is not None else None
+        request = Request(request_id, list(prompt), params, next(self._arrivals), seed=seed,
+                          matcher=matcher)
         self.scheduler.add(request)
         return request
 
@@ -88,7 +99,8 @@ class EngineCore:
         return self.scheduler.has_work() or bool(self._in_flight)
 
     def _problems(self, prompt: list[int], params: SamplingParams) -> list[str]:
-        problems = list(params.problems(self.cfg.vocab_size))
+        problems = list(params.problems(self.cfg.vocab_size, self.ecfg.max_logprobs,
+                                        self.tokenizer is not None))
         if not prompt:
             problems.append("empty prompt")
         elif len(prompt) >= self.ecfg.max_model_len:
@@ -126,25 +138,59 @@ class EngineCore:
             metrics = seq.request.metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
         bucket = token_bucket(self.ecfg.token_buckets, decision.num_tokens)
-        plan = jax.device_put(build_plan(decision, bucket, self.ecfg))
-        self.state, output = self.steps[bucket](self.params, self.state, plan)
-        output.next_tokens.copy_to_host_async()
+        plan = build_plan(decision, bucket, self.ecfg)
+        self._fill_masks(plan, decision)
+        self.state, output = self.steps[bucket](self.params, self.state, jax.device_put(plan))
+        for leaf in jax.tree.leaves(output):
+            leaf.copy_to_host_async()
         self.stats.steps += 1
         return InFlight(decision, self.scheduler.commit(decision), output)
 
+    def _fill_masks(self, plan, decision: ScheduleDecision) -> None:
+        """Token bitmasks of the rows that sample: grammar (the matcher has seen every token
+        so far: the scheduler holds constrained requests back while a token is in flight),
+        then min_tokens."""
+        rows = [(seq.request.matcher, row) for row, seq in enumerate(decision.seqs)
+                if seq.samples and seq.request.matcher is not None]
+        if rows:
+            self.structured.fill_masks(rows, plan.allowed)
+        suppress_stops(plan, decision, self.cfg.eos_token_ids)
+
     def _read(self, flight: InFlight) -> list[Request]:
         waited = time.perf_counter()
-        tokens = jax.device_get(flight.output.next_tokens)
+        out = jax.device_get(flight.output)
         waited = time.perf_counter() - waited
         self.stats.wait_seconds += waited
         self.stats.host_seconds -= waited      # step() adds the whole call
-        touched = self.scheduler.resolve(flight.decision, flight.token_index, tokens)
+        touched = self.scheduler.resolve(flight.decision, flight.token_index, out.next_tokens,
+                                         (out.logprob, out.top_ids, out.top_logprobs))
+        for req in touched:
+            self._check_output(req)
         now = time.time()
         for req in touched:
             req.metrics.first_token_time = req.metrics.first_token_time or now
             if req.is_complete:
                 req.metrics.finished_time = now
         return touched
+
+
+    def _check_output(self, req: Request) -> None:
+        """Feed newly resolved tokens to the grammar; look for stop strings."""
+        known = req.resolved_tokens
+        for index in range(req.num_checked, len(known)):
+            req.num_checked = index + 1
+            if req.matcher is not None:
+                req.matcher.consume_token(known[index])
+                if req.matcher.is_stopped() or req.matcher.is_error():
+                    self.scheduler.stop_at(req, index)
+                    return
+            if req.params.stop and index + 1 >= req.params.min_tokens:
+                text = self.tokenizer.decode(known[: index + 1])
+                hits = [i for i in (text.find(s) for s in req.params.stop) if i >= 0]
+                if hits:
+                    req.stop_text_at = min(hits)
+                    self.scheduler.stop_at(req, index)
+                    return
 
 
 def failed_output(request_id: str, prompt, error: Exception,

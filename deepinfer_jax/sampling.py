@@ -1,7 +1,11 @@
-"""Token selection on the device, branch-free per row.
+"""Token selection on the device: penalties, grammar masks, temperature, top-k/top-p/min-p,
+seeded sampling and logprobs, branch-free per row and vectorised over the batch.
 
-Greedy (argmax) for now; temperature / top-k / top-p / seeded streams come with the sampling
-issue and slot in here without changing the step's contract.
+Each row's random stream is `fold_in(fold_in(key(seed), position))`, the position being the
+one of the token that is sampled from: a seeded request draws the same token whatever it is
+batched with and however its prompt was chunked. Greedy rows (temperature 0) take the argmax
+of the processed logits. Logprobs are those of the model's raw distribution (before
+penalties, masks and temperature), as vLLM reports by default.
 """
 
 from __future__ import annotations
@@ -9,7 +13,82 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from deepinfer_jax.pytree import pytree_dataclass
 
-def greedy(logits: jax.Array) -> jax.Array:
-    """f32[N, V] -> i32[N]; ties pick the lowest token id."""
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+Array = jax.Array
+
+
+@pytree_dataclass
+class SamplingRows:
+    """Per-row sampling controls (device view of the plan's sampling arrays)."""
+
+    temperature: Array          # f32[N]   0 = greedy
+    top_k: Array                # i32[N]   <= 0: off
+    top_p: Array                # f32[N]   1: off
+    min_p: Array                # f32[N]   0: off
+    repetition_penalty: Array   # f32[N]   1: off (prompt and output tokens)
+    presence_penalty: Array     # f32[N]   0: off (output tokens)
+    frequency_penalty: Array    # f32[N]   0: off (output tokens)
+    seed: Array                 # u32[N]
+    position: Array             # i32[N]   position of the token whose logits are sampled
+    allowed: Array              # i32[N, ceil(V/32)]  bitmask of allowed tokens (grammar, min_tokens)
+
+
+@pytree_dataclass
+class SampleOutput:
+    tokens: Array               # i32[N]
+    logprob: Array              # f32[N]      the chosen token's raw logprob
+    top_ids: Array              # i32[N, L]
+    top_logprobs: Array         # f32[N, L]
+
+
+def unpack_bitmask(bits: Array, vocab: int) -> Array:
+    """i32[N, W] -> bool[N, vocab]: bit j of word w allows token 32 w + j."""
+    shifts = jnp.arange(32, dtype=jnp.uint32)
+    words = bits.astype(jnp.uint32)[:, :, None]
+    return ((words >> shifts) & 1).astype(bool).reshape(bits.shape[0], -1)[:, :vocab]
+
+
+def apply_penalties(logits: Array, rows: SamplingRows, prompt_mask: Array,
+                    output_counts: Array) -> Array:
+    """vLLM's penalties. prompt_mask bool[N, V], output_counts i32[N, V]."""
+    seen = prompt_mask | (output_counts > 0)
+    rep = rows.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - rows.frequency_penalty[:, None] * output_counts
+    return logits - rows.presence_penalty[:, None] * (output_counts > 0)
+
+
+def filter_logits(logits: Array, rows: SamplingRows) -> Array:
+    """Temperature, then top-k, then top-p (on the distribution top-k left, renormalised),
+    then min-p (tokens below min_p x the top probability), as -inf masks; each optional."""
+    temperature = jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
+    scaled = logits / temperature
+    order = jnp.argsort(-scaled, axis=-1, stable=True)                     # [N, V] best first
+    probs = jax.nn.softmax(jnp.take_along_axis(scaled, order, axis=-1), axis=-1)
+    rank = jnp.arange(logits.shape[-1])
+    keep = jnp.where(rows.top_k[:, None] > 0, rank < rows.top_k[:, None], True)
+    in_top_k = jnp.where(keep, probs, 0.0)
+    in_top_k = in_top_k / jnp.sum(in_top_k, axis=-1, keepdims=True)
+    before = jnp.cumsum(in_top_k, axis=-1) - in_top_k     # mass of the better-ranked tokens
+    keep &= before < rows.top_p[:, None]
+    keep &= probs >= rows.min_p[:, None] * probs[:, :1]
+    keep = keep.at[:, 0].set(True)                       # the best token always survives
+    kept = jnp.zeros_like(keep).at[jnp.arange(keep.shape[0])[:, None], order].set(keep)
+    return jnp.where(kept, scaled, -jnp.inf)
+
+
+def sample(logits: Array, rows: SamplingRows, prompt_mask: Array, output_counts: Array,
+           num_logprobs: int) -> SampleOutput:
+    """logits f32[N, V] -> one token per row (plus logprobs)."""
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    processed = apply_penalties(logits, rows, prompt_mask, output_counts)
+    processed = jnp.where(unpack_bitmask(rows.allowed, logits.shape[-1]), processed, -jnp.inf)
+    greedy = jnp.argmax(processed, axis=-1)
+    filtered = filter_logits(processed, rows)
+    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(rows.seed, rows.position)
+    drawn = jax.vmap(jax.random.categorical)(keys, filtered)
+    tokens = jnp.where(rows.temperature > 0, drawn, greedy).astype(jnp.int32)
+    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
+    chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    return SampleOutput(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)

@@ -24,7 +24,7 @@ import dataclasses
 
 from deepinfer_jax.engine_config import ResolvedEngineConfig
 from deepinfer_jax.pages import PageAllocator, pages_needed
-from deepinfer_jax.request import PLACEHOLDER, FinishReason, Request, RequestStatus
+from deepinfer_jax.request import PLACEHOLDER, FinishReason, Request, RequestStatus, TokenLogprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,14 +76,25 @@ class Scheduler:
             self.waiting.remove(req)
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
         if reason is FinishReason.ABORT:   # tokens still in flight are dropped
-            del req.generated[len(req.resolved_tokens):]
+            req.truncate(len(req.resolved_tokens))
+
+    def stop_at(self, req: Request, index: int) -> None:
+        """End `req` after its generated token `index` (stop string, grammar complete)."""
+        req.truncate(index + 1)
+        if req.status is RequestStatus.FINISHED:
+            req.finish_reason = FinishReason.STOP
+        else:
+            self.finish(req, FinishReason.STOP)
 
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> ScheduleDecision:
         budget = self.ecfg.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
-        decodes = [r for r in self.running if r.num_pending == 1]
-        prefills = [r for r in self.running if r.num_pending > 1]
+        # A constrained request needs its last token on the host (its grammar mask depends on
+        # it), so with a token in flight it sits this step out.
+        ready = [r for r in self.running if not (r.matcher is not None and r.has_placeholders)]
+        decodes = [r for r in ready if r.num_pending == 1]
+        prefills = [r for r in ready if r.num_pending > 1]
         for req in decodes + prefills:
             if budget == 0:
                 break
@@ -122,29 +133,32 @@ class Scheduler:
                 continue
             token_index.append(len(req.generated))
             req.generated.append(PLACEHOLDER)
+            req.logprobs.append(None)
             if (len(req.generated) >= req.params.max_tokens
                     or req.num_tokens >= self.ecfg.max_model_len):
                 self.finish(req, FinishReason.LENGTH)
         return tuple(token_index)
 
     def resolve(self, decision: ScheduleDecision, token_index: tuple[int | None, ...],
-                next_tokens) -> list[Request]:
+                next_tokens, logprobs=None) -> list[Request]:
         """The step's sampled tokens reached the host: fill the placeholders and stop requests
-        on EOS or stop tokens. Returns the requests that received a token."""
+        on EOS or stop tokens. `logprobs`: (chosen f32[N], top ids i32[N, L], top f32[N, L]).
+        Returns the requests that received a token."""
         touched = []
-        for seq, index, token in zip(decision.seqs, token_index, next_tokens):
+        for row, (seq, index) in enumerate(zip(decision.seqs, token_index)):
             req = seq.request
             if index is None or index >= len(req.generated):   # dropped: stopped or aborted
                 continue
-            token = int(token)
+            token = int(next_tokens[row])
             req.generated[index] = token
+            if logprobs is not None and req.params.logprobs is not None:
+                chosen, top_ids, top = logprobs
+                n = req.params.logprobs
+                req.logprobs[index] = TokenLogprobs(token, float(chosen[row]), tuple(
+                    (int(t), float(lp)) for t, lp in zip(top_ids[row][:n], top[row][:n])))
             touched.append(req)
             if self._is_stop(req, token):
-                del req.generated[index + 1:]       # tokens computed after the stop
-                if req.status is RequestStatus.FINISHED:
-                    req.finish_reason = FinishReason.STOP
-                else:
-                    self.finish(req, FinishReason.STOP)
+                self.stop_at(req, index)    # drops tokens computed after the stop
         return touched
 
     # ---- internals ------------------------------------------------------------------------

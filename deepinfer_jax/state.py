@@ -8,7 +8,8 @@ Per layer (see docs/state_cache.md for the layout and how rollback and replay us
 * `tail` / `index_tail`: per slot, a ring of the compressor's projected tokens (kv and pooling
   logit) for the open block and, with overlap, the block before it (R = 2m, else m).
 Per slot, `last_tokens` keeps the token the slot sampled last, so that the next step can read
-it on the device before the host has seen it (asynchronous scheduling).
+it on the device before the host has seen it (asynchronous scheduling); `prompt_mask` and
+`output_counts` record which tokens the sequence fed so far, for the sampling penalties.
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ class LayerState:
 @pytree_dataclass
 class StateCache:
     layers: tuple[LayerState, ...]
-    last_tokens: Array      # i32[slots]  each slot's most recently sampled token
+    last_tokens: Array      # i32[slots]     each slot's most recently sampled token
+    prompt_mask: Array      # bool[slots, V] tokens of the prompt (repetition penalty)
+    output_counts: Array    # i32[slots, V]  generated-token counts (presence/frequency penalty)
 
 
 def _tail(slots: int, rate: int, overlap: bool, dim: int) -> CompressorTail:
@@ -66,7 +69,9 @@ def init_state(cfg: ModelConfig, ecfg: ResolvedEngineConfig, dtype) -> StateCach
             index_keys = jnp.zeros((n_rows, cfg.index_head_dim), dtype)
             index_tail = _tail(slots, rate, True, cfg.index_head_dim)
         layers.append(LayerState(window, rows, tail, index_keys, index_tail))
-    return StateCache(tuple(layers), last_tokens=jnp.zeros((slots,), jnp.int32))
+    return StateCache(tuple(layers), last_tokens=jnp.zeros((slots,), jnp.int32),
+                      prompt_mask=jnp.zeros((slots, cfg.vocab_size), bool),
+                      output_counts=jnp.zeros((slots, cfg.vocab_size), jnp.int32))
 
 
 def state_bytes(state: StateCache) -> int:

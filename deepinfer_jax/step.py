@@ -18,7 +18,7 @@ from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.model.step_forward import forward_step
 from deepinfer_jax.plan import BatchPlan
 from deepinfer_jax.pytree import pytree_dataclass
-from deepinfer_jax.sampling import greedy
+from deepinfer_jax.sampling import SamplingRows, sample
 from deepinfer_jax.state import StateCache
 
 # The plan is built on the host with numpy (host modules never import jax); it becomes a
@@ -29,7 +29,10 @@ jax.tree_util.register_dataclass(
 
 @pytree_dataclass
 class StepOutput:
-    next_tokens: jax.Array     # i32[N]  sampled token of each row (meaningful where it samples)
+    next_tokens: jax.Array     # i32[N]     sampled token of each row (meaningful where it samples)
+    logprob: jax.Array         # f32[N]     its raw logprob
+    top_ids: jax.Array         # i32[N, L]  the L most likely tokens
+    top_logprobs: jax.Array    # f32[N, L]
 
 
 def resolve_placeholders(token_ids: jax.Array, plan: BatchPlan, last_tokens: jax.Array) -> jax.Array:
@@ -39,14 +42,39 @@ def resolve_placeholders(token_ids: jax.Array, plan: BatchPlan, last_tokens: jax
     return jnp.where(token_ids < 0, last_tokens[slot], token_ids)
 
 
+def record_fed_tokens(state: StateCache, plan: BatchPlan, token_ids: jax.Array) -> StateCache:
+    """Penalty bookkeeping: rows starting at position 0 reset their slot; every fed token is
+    marked as a prompt token or counted as a generated one (positions >= prompt_len)."""
+    n, slots = plan.seq_slot.shape[0], state.last_tokens.shape[0]
+    fresh = jnp.where((plan.seq_start == 0) & (plan.seq_len > 0), plan.seq_slot, slots)
+    prompt_mask = state.prompt_mask.at[fresh].set(False, mode="drop")
+    counts = state.output_counts.at[fresh].set(0, mode="drop")
+    row = jnp.minimum(plan.token_seq, n - 1)
+    real = plan.token_seq < n
+    generated = plan.positions >= plan.prompt_len[row]
+    slot = plan.seq_slot[row]
+    prompt_mask = prompt_mask.at[jnp.where(real & ~generated, slot, slots), token_ids].set(
+        True, mode="drop")
+    counts = counts.at[jnp.where(real & generated, slot, slots), token_ids].add(1, mode="drop")
+    return dataclasses.replace(state, prompt_mask=prompt_mask, output_counts=counts)
+
+
 def step(params: ModelParams, state: StateCache, plan: BatchPlan, *, cfg: ModelConfig,
          ecfg: ResolvedEngineConfig) -> tuple[StateCache, StepOutput]:
     token_ids = resolve_placeholders(plan.token_ids, plan, state.last_tokens)
+    state = record_fed_tokens(state, plan, token_ids)
     state, streams = forward_step(params, state, plan, token_ids, cfg, ecfg)
     logits = project_logits(streams[plan.sample_index], params.hc_head, params.norm,
                             params.head, cfg)                               # f32[N, V]
-    next_tokens = greedy(logits)
+    rows = SamplingRows(temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p,
+                        min_p=plan.min_p, repetition_penalty=plan.repetition_penalty,
+                        presence_penalty=plan.presence_penalty,
+                        frequency_penalty=plan.frequency_penalty, seed=plan.seed,
+                        position=plan.positions[plan.sample_index], allowed=plan.allowed)
+    slot = jnp.minimum(plan.seq_slot, state.last_tokens.shape[0] - 1)
+    out = sample(logits, rows, state.prompt_mask[slot], state.output_counts[slot],
+                 ecfg.max_logprobs)
     slots = jnp.where(plan.seq_samples, plan.seq_slot, state.last_tokens.shape[0])
     state = dataclasses.replace(state, last_tokens=state.last_tokens.at[slots].set(
-        next_tokens, mode="drop"))
-    return state, StepOutput(next_tokens=next_tokens)
+        out.tokens, mode="drop"))
+    return state, StepOutput(out.tokens, out.logprob, out.top_ids, out.top_logprobs)

@@ -8,13 +8,14 @@ from tokenizers import Tokenizer
 
 
 class TextTokenizer:
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, path: Path):
         self._tok = tokenizer
+        self.path = path            # tokenizer.json (the grammar engine reads it too)
 
     @classmethod
     def from_model_dir(cls, directory: str | Path) -> "TextTokenizer | None":
         path = Path(directory) / "tokenizer.json"
-        return cls(Tokenizer.from_file(str(path))) if path.exists() else None
+        return cls(Tokenizer.from_file(str(path)), path) if path.exists() else None
 
     @property
     def vocab_size(self) -> int:

@@ -1,0 +1,126 @@
+"""Structured output on a tiny random model at temperature 1: the grammar mask alone must hold
+the shape. JSON schemas validate (jsonschema), regexes fullmatch, EBNF grammars parse (lark),
+and unconstrained requests in the same batch are unaffected."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import jax.numpy as jnp
+import jsonschema
+import lark
+import pytest
+
+import deepinfer_jax
+from deepinfer_jax import FinishReason, SamplingParams
+from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.structured import GrammarError
+from deepinfer_jax.weights import random_params
+from deepinfer_jax.weights.export import save_checkpoint
+from tests.conftest import REPO
+from tests.engine.conftest import ENGINE
+
+OBJ = {"type": "object", "additionalProperties": False}
+NAME = {"type": "string", "maxLength": 8}
+SCHEMAS = [
+    {**OBJ, "properties": {"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"]},
+    {**OBJ, "properties": {"tags": {"type": "array", "items": NAME, "minItems": 1, "maxItems": 3}},
+     "required": ["tags"]},
+    {**OBJ, "properties": {"color": {"enum": ["red", "green", "blue"]},
+                           # multipleOf bounds the digits a random sampler may append
+                           "shade": {"type": "number", "minimum": 0, "maximum": 1,
+                                     "multipleOf": 0.25}},
+     "required": ["color"]},
+    {**OBJ, "properties": {"point": {**OBJ, "properties": {"x": {"type": "integer", "minimum": -9,
+                                                                  "maximum": 9},
+                                                            "y": {"type": "integer", "minimum": -9,
+                                                                  "maximum": 9}},
+                                     "required": ["x", "y"]}}, "required": ["point"]},
+    {**OBJ, "properties": {"ok": {"type": "boolean"}, "note": {"type": ["string", "null"],
+                                                             "maxLength": 6}},
+     "required": ["ok", "note"]},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99},
+     "minItems": 2, "maxItems": 4},
+    {"$defs": {"pet": {**OBJ, "properties": {"kind": {"enum": ["cat", "dog"]}, "name": NAME},
+                       "required": ["kind"]}},
+     **OBJ, "properties": {"pets": {"type": "array", "items": {"$ref": "#/$defs/pet"},
+                                    "maxItems": 2}}, "required": ["pets"]},
+    {**OBJ, "properties": {"id": {"type": "string", "pattern": "^[a-f0-9]{4}$"},
+                           "count": {"type": "integer", "minimum": 1, "maximum": 5}},
+     "required": ["id"]},
+    {**OBJ, "properties": {"mode": {"const": "fast"}, "levels": {
+        "type": "array", "items": {"enum": [1, 2, 3]}, "maxItems": 3}}, "required": ["mode", "levels"]},
+    {"anyOf": [{**OBJ, "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+                "required": ["a"]},
+               {**OBJ, "properties": {"b": {"type": "boolean"}}, "required": ["b"]}]},
+]
+# [0-9], not \d: Rust regex (llguidance) and Python re ship different Unicode digit tables.
+REGEXES = [r"[a-z]{3,6}-[0-9]{2}", r"(yes|no|maybe)!", r"[0-9]{3}\.[0-9]{1,2}"]
+EBNF = r"""
+start: expr
+expr: term (("+" | "-") term)*
+term: NUMBER | "(" expr ")"
+NUMBER: /[1-9][0-9]?/
+"""
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    """A random tiny-mixed model with the shipped model's tokenizer (vocab 6144)."""
+    cfg = ModelConfig.from_json_file(REPO / "configs/tiny/tiny-mixed.json").replace(vocab_size=6144)
+    d = tmp_path_factory.mktemp("random-with-tokenizer")
+    save_checkpoint(random_params(cfg, 11, jnp.float32), cfg, d)
+    shutil.copy(REPO / "models/deepinfer-tiny-v4/tokenizer.json", d / "tokenizer.json")
+    return deepinfer_jax.LLM(d, **ENGINE)
+
+
+def constrained(**kw) -> SamplingParams:
+    return SamplingParams(max_tokens=200, temperature=1.0, seed=kw.pop("seed", 0), **kw)
+
+
+def test_json_schemas_hold_at_temperature_one(llm):
+    params = [constrained(json_schema=s, seed=i) for i, s in enumerate(SCHEMAS)]
+    outputs = llm.generate(["Output:"] * len(SCHEMAS), params, use_tqdm=False)
+    for schema, out in zip(SCHEMAS, outputs):
+        assert out.error is None and out.finish_reason is FinishReason.STOP, (out.text, schema)
+        jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_regexes_and_ebnf_with_unconstrained_neighbours(llm):
+    free = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+    alone = llm.generate(["x = "], free, use_tqdm=False)[0].token_ids
+    prompts = ["x = ", "a", "b", "c", "d", "x = "]
+    params = [free] + [constrained(regex=r, seed=i) for i, r in enumerate(REGEXES)] + \
+        [constrained(grammar=EBNF, seed=9), free]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for regex, out in zip(REGEXES, outputs[1:4]):
+        assert re.fullmatch(regex, out.text), (regex, out.text)
+    lark.Lark(EBNF).parse(outputs[4].text)
+    assert outputs[0].token_ids == alone and outputs[5].token_ids == alone
+
+
+def test_many_constrained_rows_and_repeated_schema(llm):
+    params = [constrained(json_schema=SCHEMAS[i % 3], seed=100 + i) for i in range(16)]
+    for schema, out in zip([SCHEMAS[i % 3] for i in range(16)],
+                           llm.generate(["data:"] * 16, params, use_tqdm=False)):
+        jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_bad_grammars_fail_alone(llm):
+    outputs = llm.generate(["p", "p", "p", "p"], [
+        constrained(regex="a(b"), constrained(grammar="start: foo"),
+        constrained(json_schema={"type": "object", "properties": {"a": {"$ref": "#/nope"}}}),
+        constrained(regex="[0-9]{2}")], use_tqdm=False)
+    for out in outputs[:3]:
+        assert out.finish_reason is FinishReason.ERROR and isinstance(out.error, GrammarError)
+    assert re.fullmatch("[0-9]{2}", outputs[3].text)
+
+
+def test_grammar_compile_timeout_fails_the_request(tmp_path):
+    llm = deepinfer_jax.LLM(REPO / "models/deepinfer-tiny-v4", **{**ENGINE,
+                            "grammar_compile_timeout_s": 1e-9})
+    [out] = llm.generate(["p"], constrained(regex="[a-z]{1,40}@[a-z]{1,40}"), use_tqdm=False)
+    assert isinstance(out.error, GrammarError) and "did not compile" in str(out.error)
