@@ -108,11 +108,11 @@ class LLM:
                 known = req.resolved_tokens
                 new = known[sent_tokens[rid]:]
                 sent_tokens[rid] = len(known)
+                done = req.is_complete
                 text = None
                 if self.tokenizer is not None:
-                    full = self.tokenizer.decode(known)
+                    full = _streamable_text(self.tokenizer.decode(known), req, done)
                     text, sent_text[rid] = full[len(sent_text[rid]):], full
-                done = req.is_complete
                 if done:
                     pending.pop(rid)
                 yield CompletionDelta(index[rid], rid, new, text, done, req.finish_reason)
@@ -148,10 +148,23 @@ class LLM:
         return [int(t) for t in prompt]
 
     def _output(self, req: Request) -> RequestOutput:
-        out = req.output()
-        if self.tokenizer is not None:
-            out.text = self.tokenizer.decode(req.generated)
-        return out
+        text = None if self.tokenizer is None else self.tokenizer.decode(req.generated)
+        return req.output(text)
+
+
+def _streamable_text(text: str, req: Request, done: bool) -> str:
+    """The part of the text that may be shown: cut at a stop string, and while running, hold
+    back a tail that could still grow into one."""
+    if req.stop_text_at is not None:
+        return text[: req.stop_text_at]
+    if done or not req.params.stop:
+        return text
+    for keep in range(len(text) - max(len(s) for s in req.params.stop) + 1, len(text) + 1):
+        tail = text[max(keep, 0):]
+        if not any(s.startswith(tail) for s in req.params.stop if tail):
+            continue
+        return text[: max(keep, 0)]
+    return text
 
 
 def _is_tokens(x) -> bool:

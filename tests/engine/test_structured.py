@@ -124,3 +124,24 @@ def test_grammar_compile_timeout_fails_the_request(tmp_path):
                             "grammar_compile_timeout_s": 1e-9})
     [out] = llm.generate(["p"], constrained(regex="[a-z]{1,40}@[a-z]{1,40}"), use_tqdm=False)
     assert isinstance(out.error, GrammarError) and "did not compile" in str(out.error)
+
+
+def test_stop_strings_end_the_output_before_the_string(llm):
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    full = llm.generate(["Once"], params, use_tqdm=False)[0]
+    text = full.text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    cut = text.find(stop)
+    [out] = llm.generate(["Once"], SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop, "\x00"]),
+                         use_tqdm=False)
+    assert out.finish_reason is FinishReason.STOP and out.text == text[:cut]
+    assert out.token_ids == full.token_ids[: len(out.token_ids)]
+    assert len(out.token_ids) < len(full.token_ids)
+
+
+def test_streamed_text_stops_at_the_stop_string_too(llm):
+    text = llm.generate(["Once"], SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False)[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    streamed = "".join(d.text for d in llm.stream(
+        ["Once"], SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop])))
+    assert streamed == text[: text.find(stop)]
