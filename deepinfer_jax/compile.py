@@ -43,15 +43,24 @@ def plan_spec(token_bucket: int, ecfg: ResolvedEngineConfig) -> BatchPlan:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), empty)
 
 
+# Batch-invariant mode: XLA may otherwise keep bf16 intermediates in higher precision inside
+# fusions ("excess precision"), and fusion decisions follow the shapes, so a row's rounding
+# would depend on the batch; and GPU scatter-adds / autotuning must be deterministic.
+BATCH_INVARIANT_COMPILER_OPTIONS = {"xla_allow_excess_precision": False,
+                                    "xla_gpu_deterministic_ops": True}
+
+
 def compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
                   ecfg: ResolvedEngineConfig) -> dict[int, jax.stages.Compiled]:
     """One compiled step per token bucket (state donated)."""
     enable_persistent_cache(ecfg.compilation_cache_dir)
     jitted = jax.jit(functools.partial(step, cfg=cfg, ecfg=ecfg), donate_argnums=(1,))
+    options = BATCH_INVARIANT_COMPILER_OPTIONS if cfg.batch_invariant else None
     compiled = {}
     buckets = tqdm(ecfg.token_buckets, desc="compiling step buckets", unit="bucket",
                    disable=not ecfg.show_progress)
     for t in buckets:
         buckets.set_postfix(tokens=t)
-        compiled[t] = jitted.lower(params, state, plan_spec(t, ecfg)).compile()
+        compiled[t] = jitted.lower(params, state, plan_spec(t, ecfg)).compile(
+            compiler_options=options)
     return compiled

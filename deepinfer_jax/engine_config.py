@@ -37,6 +37,8 @@ class EngineConfig:
     seed: int = 0                        # draws the seeds of requests that give none
     max_logprobs: int = 20               # the most top logprobs a request may ask for
     grammar_compile_timeout_s: float = 10.0
+    # None: the DEEPINFER_BATCH_INVARIANT environment variable (1 = on)
+    batch_invariant: bool | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens"):
@@ -45,6 +47,9 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise EngineConfigError("max_num_batched_tokens must be >= max_num_seqs "
                                     "(every running sequence decodes one token per step)")
+        if self.batch_invariant is None:
+            object.__setattr__(self, "batch_invariant",
+                               os.environ.get("DEEPINFER_BATCH_INVARIANT", "0") not in ("", "0"))
         if self.token_buckets is not None:
             buckets = tuple(sorted(set(self.token_buckets)))
             if buckets[-1] < self.max_num_batched_tokens or buckets[0] <= 0:
@@ -74,6 +79,7 @@ class ResolvedEngineConfig:
     max_logprobs: int
     grammar_compile_timeout_s: float
     vocab_size: int
+    batch_invariant: bool
 
     @classmethod
     def build(cls, ec: EngineConfig, model: ModelConfig) -> "ResolvedEngineConfig":
@@ -104,7 +110,7 @@ class ResolvedEngineConfig:
                    async_scheduling=ec.async_scheduling, seed=ec.seed,
                    max_logprobs=min(ec.max_logprobs, model.vocab_size),
                    grammar_compile_timeout_s=ec.grammar_compile_timeout_s,
-                   vocab_size=model.vocab_size)
+                   vocab_size=model.vocab_size, batch_invariant=ec.batch_invariant)
 
     def seq_bucket(self, token_bucket: int) -> int:
         return min(token_bucket, self.max_num_seqs)

@@ -49,6 +49,9 @@ DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "deepinfer-tiny
 class LLM:
     def __init__(self, model: str | Path | Model | None = None, *, dtype=None,
                  tokenizer: str | Path | None = None, **engine_options):
+        """model: a checkpoint directory, a loaded `Model`, or None for the shipped tiny model.
+        engine_options: the fields of `EngineConfig` (max_num_seqs, max_model_len,
+        max_num_batched_tokens, num_pages, async_scheduling, batch_invariant, seed, ...)."""
         unknown = set(engine_options) - _ENGINE_OPTIONS
         if unknown:
             raise TypeError(f"unknown engine option(s) {sorted(unknown)}; "
@@ -149,7 +152,9 @@ class LLM:
 
     def _output(self, req: Request) -> RequestOutput:
         text = None if self.tokenizer is None else self.tokenizer.decode(req.generated)
-        return req.output(text)
+        out = req.output(text)
+        out.batch_invariant = self.engine_config.batch_invariant
+        return out
 
 
 def _streamable_text(text: str, req: Request, done: bool) -> str:

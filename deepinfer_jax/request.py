@@ -170,6 +170,7 @@ class RequestOutput:
     error: RequestError | None = None
     metrics: RequestMetrics | None = None
     logprobs: list[TokenLogprobs] | None = None
+    batch_invariant: bool = False         # computed in batch-invariant mode
 
 
 # A generated token whose value is still on the device (asynchronous scheduling): the step

@@ -63,12 +63,15 @@ class InFlight:
 class EngineCore:
     def __init__(self, cfg: ModelConfig, params: ModelParams, ecfg: ResolvedEngineConfig,
                  tokenizer: TextTokenizer | None = None):
-        self.cfg, self.params, self.ecfg = cfg, params, ecfg
+        if ecfg.batch_invariant:
+            require_batch_invariant_support()
+        self.cfg = cfg.replace(batch_invariant=ecfg.batch_invariant)
+        self.params, self.ecfg = params, ecfg
         self.tokenizer = tokenizer
         self.structured = None if tokenizer is None else StructuredOutputs(
             tokenizer.path, cfg.vocab_size, cfg.eos_token_ids, ecfg.grammar_compile_timeout_s)
-        self.state = init_state(cfg, ecfg, params.embed.dtype)
-        self.steps = compile_steps(params, self.state, cfg, ecfg)
+        self.state = init_state(self.cfg, ecfg, params.embed.dtype)
+        self.steps = compile_steps(params, self.state, self.cfg, ecfg)
         self.scheduler = Scheduler(ecfg, cfg.eos_token_ids)
         self._seeds = np.random.default_rng(ecfg.seed)
         self._arrivals = itertools.count()
@@ -191,6 +194,22 @@ class EngineCore:
                     req.stop_text_at = min(hits)
                     self.scheduler.stop_at(req, index)
                     return
+
+
+# Platforms whose step the engine can make batch-invariant: the jnp formulations of
+# model/invariant.py hold on XLA's CPU and GPU backends (fixed shapes per tile). Others (the
+# Ascend bridge has its own step) must say so instead of silently running without it.
+BATCH_INVARIANT_PLATFORMS = ("cpu", "gpu", "cuda")
+
+
+class UnsupportedModeError(RuntimeError):
+    pass
+
+
+def require_batch_invariant_support(platform: str | None = None) -> None:
+    platform = platform or jax.devices()[0].platform
+    if platform not in BATCH_INVARIANT_PLATFORMS:
+        raise UnsupportedModeError(f"batch-invariant mode is not available on {platform!r}")
 
 
 def failed_output(request_id: str, prompt, error: Exception,

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.model.invariant import linear, per_row_tiles
 from deepinfer_jax.model.norms import rms_norm, unweighted_rms_norm
 from deepinfer_jax.model.params import AttentionParams
 from deepinfer_jax.model.rope import apply_rope
@@ -21,8 +22,9 @@ from deepinfer_jax.model.rope import apply_rope
 def project_queries(x: jax.Array, p: AttentionParams, cos: jax.Array, sin: jax.Array,
                     cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """x [..., D] -> (q [..., H, hd] roped, q_latent [..., R]: the indexer's query input)."""
-    q_latent = rms_norm(x @ p.wq_a, p.q_norm, cfg.rms_norm_eps)
-    q = (q_latent @ p.wq_b).reshape(*x.shape[:-1], cfg.num_heads, cfg.head_dim)
+    inv = cfg.batch_invariant
+    q_latent = rms_norm(linear(x, p.wq_a, inv), p.q_norm, cfg.rms_norm_eps)
+    q = linear(q_latent, p.wq_b, inv).reshape(*x.shape[:-1], cfg.num_heads, cfg.head_dim)
     q = unweighted_rms_norm(q, cfg.rms_norm_eps)
     return apply_rope(q, cos[..., None, :], sin[..., None, :]), q_latent
 
@@ -30,16 +32,19 @@ def project_queries(x: jax.Array, p: AttentionParams, cos: jax.Array, sin: jax.A
 def project_kv(x: jax.Array, p: AttentionParams, cos: jax.Array, sin: jax.Array,
                cfg: ModelConfig) -> jax.Array:
     """x [..., D] -> the token's raw K=V row [..., hd], roped at its position."""
-    kv = rms_norm(x @ p.wkv, p.kv_norm, cfg.rms_norm_eps)
+    kv = rms_norm(linear(x, p.wkv, cfg.batch_invariant), p.kv_norm, cfg.rms_norm_eps)
     return apply_rope(kv, cos, sin)
 
 
-def sink_attention(q: jax.Array, keys: jax.Array, visible: jax.Array, sinks: jax.Array) -> jax.Array:
+def sink_attention(q: jax.Array, keys: jax.Array, visible: jax.Array, sinks: jax.Array,
+                   invariant: bool = False) -> jax.Array:
     """One softmax over visible keys plus a per-head sink logit with a zero value vector.
 
     q [B, S, H, hd], keys [B, T, hd] (also the values), visible bool[B, S, T],
     sinks f32[H] -> [B, S, H, hd].
     """
+    if invariant:
+        return per_row_tiles(lambda *a: sink_attention(*a, sinks), q, keys, visible)
     scale = q.shape[-1] ** -0.5
     logits = jnp.einsum("bshd,btd->bsht", q, keys, preferred_element_type=jnp.float32) * scale
     logits = jnp.where(visible[:, :, None, :], logits, -jnp.inf)
@@ -57,5 +62,7 @@ def output_projection(o: jax.Array, p: AttentionParams, cos: jax.Array, sin: jax
     grouped low-rank projection (groups of consecutive heads)."""
     o = apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
     grouped = o.reshape(*o.shape[:-2], cfg.o_groups, -1)                 # [..., G, H*hd/G]
-    low_rank = jnp.einsum("...gi,gil->...gl", grouped, p.wo_a)           # [..., G, L]
-    return low_rank.reshape(*o.shape[:-2], -1) @ p.wo_b
+    inv = cfg.batch_invariant
+    low_rank = jnp.stack([linear(grouped[..., g, :], p.wo_a[g], inv)
+                          for g in range(cfg.o_groups)], axis=-2)          # [..., G, L]
+    return linear(low_rank.reshape(*o.shape[:-2], -1), p.wo_b, inv)

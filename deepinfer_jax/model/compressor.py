@@ -17,28 +17,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from deepinfer_jax.model.invariant import linear, ordered_softmax, ordered_sum
 from deepinfer_jax.model.norms import rms_norm
 from deepinfer_jax.model.params import CompressorParams
 from deepinfer_jax.model.rope import apply_rope, cos_sin
 
 
-def project(x: jax.Array, p: CompressorParams) -> tuple[jax.Array, jax.Array]:
+def project(x: jax.Array, p: CompressorParams, invariant: bool = False) -> tuple[jax.Array, jax.Array]:
     """x [..., D] -> (kv, score) f32[..., c*d]; the score still lacks the block-position bias."""
     x32 = x.astype(jnp.float32)
-    return x32 @ p.wkv.astype(jnp.float32), x32 @ p.wgate.astype(jnp.float32)
+    return (linear(x32, p.wkv.astype(jnp.float32), invariant),
+            linear(x32, p.wgate.astype(jnp.float32), invariant))
 
 
 def pool_rows(kv: jax.Array, score: jax.Array, *, overlap: bool,
-              prev_kv: jax.Array | None = None, prev_score: jax.Array | None = None) -> jax.Array:
+              prev_kv: jax.Array | None = None, prev_score: jax.Array | None = None,
+              invariant: bool = False) -> jax.Array:
     """Pool whole blocks.
 
     kv, score: f32[..., nw, m, c*d] (score includes `ape`); for overlap, prev_kv/prev_score
     f32[..., m, d] are the first halves of the block before block 0 (None: no such block).
     Returns f32[..., nw, d].
     """
+    softmax = (lambda x: ordered_softmax(x, -2)) if invariant else (
+        lambda x: jax.nn.softmax(x, axis=-2))
+    total = (lambda x: ordered_sum(x, -2)) if invariant else (lambda x: jnp.sum(x, axis=-2))
     if not overlap:
-        weights = jax.nn.softmax(score, axis=-2)
-        return jnp.sum(weights * kv, axis=-2)
+        return total(softmax(score) * kv)
     d = kv.shape[-1] // 2
     first_kv, second_kv = kv[..., :d], kv[..., d:]
     first_sc, second_sc = score[..., :d], score[..., d:]
@@ -52,8 +57,7 @@ def pool_rows(kv: jax.Array, score: jax.Array, *, overlap: bool,
     shifted_sc = jnp.concatenate([prev_score[..., None, :, :], first_sc[..., :-1, :, :]], axis=-3)
     slots_kv = jnp.concatenate([shifted_kv, second_kv], axis=-2)      # [..., nw, 2m, d]
     slots_sc = jnp.concatenate([shifted_sc, second_sc], axis=-2)
-    weights = jax.nn.softmax(slots_sc, axis=-2)
-    return jnp.sum(weights * slots_kv, axis=-2)
+    return total(softmax(slots_sc) * slots_kv)
 
 
 def finish_rows(pooled: jax.Array, norm: jax.Array, row_positions: jax.Array, freqs: np.ndarray,

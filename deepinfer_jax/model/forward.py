@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from deepinfer_jax.config import AttentionKind, MlpKind, ModelConfig
 from deepinfer_jax.model import attention, indexer
 from deepinfer_jax.model.compressor import compress_sequence
+from deepinfer_jax.model.invariant import linear
 from deepinfer_jax.model.mhc import hc_head, hc_post, hc_pre
 from deepinfer_jax.model.moe import moe
 from deepinfer_jax.model.norms import rms_norm
@@ -63,15 +64,16 @@ def _indexer_selection(x, q_latent, cos, sin, row_visible, p: AttentionParams, c
 def layer(p: LayerParams, streams: jax.Array, positions: jax.Array, token_ids: jax.Array,
           kind: AttentionKind, mlp_kind: MlpKind, cfg: ModelConfig) -> jax.Array:
     """One block on the hc residual streams [B, S, hc, D]."""
+    inv = cfg.batch_invariant
     hc_args = dict(hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
-                   sinkhorn_iters=cfg.hc_sinkhorn_iters)
+                   sinkhorn_iters=cfg.hc_sinkhorn_iters, invariant=inv)
     collapsed, post, comb = hc_pre(streams, p.attn_hc, **hc_args)
     a = attention_block(rms_norm(collapsed, p.attn_norm, cfg.rms_norm_eps), positions, p.attn,
                         kind, cfg)
-    streams = hc_post(a, streams, post, comb)
+    streams = hc_post(a, streams, post, comb, inv)
     collapsed, post, comb = hc_pre(streams, p.ffn_hc, **hc_args)
     f = moe(rms_norm(collapsed, p.ffn_norm, cfg.rms_norm_eps), token_ids, p.moe, mlp_kind, cfg)
-    return hc_post(f, streams, post, comb)
+    return hc_post(f, streams, post, comb, inv)
 
 
 def forward_streams(params: ModelParams, token_ids: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -88,9 +90,10 @@ def forward_streams(params: ModelParams, token_ids: jax.Array, cfg: ModelConfig)
 def project_logits(streams: jax.Array, head_params: HyperHeadParams, norm: jax.Array,
                    head: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Residual streams [..., hc, D] -> f32 logits [..., V] (hc head, final norm, lm head)."""
-    y = hc_head(streams, head_params, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+    y = hc_head(streams, head_params, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
+                invariant=cfg.batch_invariant)
     y = rms_norm(y, norm, cfg.rms_norm_eps)
-    return y.astype(jnp.float32) @ head.astype(jnp.float32)
+    return linear(y.astype(jnp.float32), head.astype(jnp.float32), cfg.batch_invariant)
 
 
 def logits(params: ModelParams, token_ids: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -10,14 +10,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from deepinfer_jax.model.invariant import linear, per_row_tiles
 from deepinfer_jax.model.norms import unweighted_rms_norm
 from deepinfer_jax.model.params import HyperConnectionParams, HyperHeadParams
 
 
-def _mixes(streams: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
+def _mixes(streams: jax.Array, fn: jax.Array, eps: float, invariant: bool) -> jax.Array:
     """streams [..., hc, D] -> f32[..., n_mix]: a linear map of the RMS-normalised flat streams."""
     flat = streams.reshape(*streams.shape[:-2], -1).astype(jnp.float32)
-    return unweighted_rms_norm(flat, eps) @ fn
+    return linear(unweighted_rms_norm(flat, eps), fn, invariant)
 
 
 def sinkhorn(comb_logits: jax.Array, iters: int, eps: float) -> jax.Array:
@@ -36,10 +37,10 @@ def sinkhorn(comb_logits: jax.Array, iters: int, eps: float) -> jax.Array:
 
 
 def hc_pre(streams: jax.Array, p: HyperConnectionParams, *, hc_eps: float, norm_eps: float,
-           sinkhorn_iters: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+           sinkhorn_iters: int, invariant: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """streams [..., hc, D] -> (collapsed [..., D], post f32[..., hc], comb f32[..., hc, hc])."""
     hc = streams.shape[-2]
-    mixes = _mixes(streams, p.fn, norm_eps)
+    mixes = _mixes(streams, p.fn, norm_eps, invariant)
     pre_w, post_w, comb_w = mixes[..., :hc], mixes[..., hc:2 * hc], mixes[..., 2 * hc:]
     pre = jax.nn.sigmoid(pre_w * p.scale[0] + p.base[:hc]) + hc_eps
     post = 2.0 * jax.nn.sigmoid(post_w * p.scale[1] + p.base[hc:2 * hc])
@@ -49,15 +50,21 @@ def hc_pre(streams: jax.Array, p: HyperConnectionParams, *, hc_eps: float, norm_
     return collapsed.astype(streams.dtype), post, comb
 
 
-def hc_post(block_out: jax.Array, streams: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
+def hc_post(block_out: jax.Array, streams: jax.Array, post: jax.Array, comb: jax.Array,
+            invariant: bool = False) -> jax.Array:
     """X'_k = post_k * f + sum_j comb[j, k] X_j.  block_out [..., D], streams [..., hc, D]."""
+    if invariant:   # per token: [T', D], [T', hc, D], [T', hc], [T', hc, hc]
+        n = block_out.ndim - 1
+        rows = [a.reshape(-1, *a.shape[n:]) for a in (block_out, streams, post, comb)]
+        return per_row_tiles(hc_post, *rows).reshape(streams.shape)
     dtype = streams.dtype
     mixed = jnp.einsum("...jk,...jd->...kd", comb.astype(dtype), streams)
     return post.astype(dtype)[..., None] * block_out[..., None, :] + mixed
 
 
-def hc_head(streams: jax.Array, p: HyperHeadParams, *, hc_eps: float, norm_eps: float) -> jax.Array:
+def hc_head(streams: jax.Array, p: HyperHeadParams, *, hc_eps: float, norm_eps: float,
+            invariant: bool = False) -> jax.Array:
     """Final collapse of the streams [..., hc, D] -> [..., D] (sigmoid weights, no Sinkhorn)."""
-    mixes = _mixes(streams, p.fn, norm_eps)
+    mixes = _mixes(streams, p.fn, norm_eps, invariant)
     pre = jax.nn.sigmoid(mixes * p.scale[0] + p.base) + hc_eps
     return jnp.sum(pre[..., None] * streams.astype(jnp.float32), axis=-2).astype(streams.dtype)

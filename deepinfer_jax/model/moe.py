@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config import MlpKind, ModelConfig, ScoringFunc
+from deepinfer_jax.model.invariant import linear
 from deepinfer_jax.model.params import ExpertParams, MoEParams, SharedExpertParams
 
 
@@ -32,7 +33,8 @@ def score(logits: jax.Array, func: ScoringFunc) -> jax.Array:
 def route(x: jax.Array, token_ids: jax.Array, p: MoEParams, kind: MlpKind,
           cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """x [N, D], token_ids i32[N] -> (experts i32[N, K], weights f32[N, K])."""
-    scores = score(x.astype(jnp.float32) @ p.gate.astype(jnp.float32), cfg.scoring_func)
+    logits = linear(x.astype(jnp.float32), p.gate.astype(jnp.float32), cfg.batch_invariant)
+    scores = score(logits, cfg.scoring_func)
     if kind is MlpKind.HASH_MOE:
         experts = p.tid2eid[token_ids]
     else:
@@ -69,15 +71,35 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, p: Expe
     return jnp.sum(unsorted.reshape(n_tokens, top_k, -1), axis=1)
 
 
-def shared_expert(x: jax.Array, p: SharedExpertParams, limit: float) -> jax.Array:
-    return swiglu(x @ p.w13, limit).astype(x.dtype) @ p.w2
+def routed_experts_invariant(x: jax.Array, experts: jax.Array, weights: jax.Array,
+                             p: ExpertParams, limit: float) -> jax.Array:
+    """Batch-invariant routed experts: each (token, expert) pair runs on its own, with the
+    same shapes whatever the batch (a grouped matmul's per-row result depends on how many rows
+    its group has); the K outputs are summed in slot order."""
+    n_tokens, top_k = experts.shape
+
+    def one(pair):
+        row, expert, weight = pair
+        hidden = swiglu(row[None] @ p.w13[expert], limit).astype(row.dtype)
+        return (hidden @ p.w2[expert])[0] * weight.astype(row.dtype)
+
+    rows = jnp.repeat(x, top_k, axis=0)                                      # [N*K, D]
+    out = jax.lax.map(one, (rows, experts.reshape(-1), weights.reshape(-1)))
+    return jnp.sum(out.reshape(n_tokens, top_k, -1), axis=1)
+
+
+def shared_expert(x: jax.Array, p: SharedExpertParams, limit: float,
+                  invariant: bool = False) -> jax.Array:
+    hidden = swiglu(linear(x, p.w13, invariant), limit).astype(x.dtype)
+    return linear(hidden, p.w2, invariant)
 
 
 def moe(x: jax.Array, token_ids: jax.Array, p: MoEParams, kind: MlpKind, cfg: ModelConfig) -> jax.Array:
     """x [..., D], token_ids i32[...] -> [..., D]."""
     flat = x.reshape(-1, x.shape[-1])
     experts, weights = route(flat, token_ids.reshape(-1), p, kind, cfg)
-    out = routed_experts(flat, experts, weights, p.experts, cfg.swiglu_limit)
+    grouped = routed_experts_invariant if cfg.batch_invariant else routed_experts
+    out = grouped(flat, experts, weights, p.experts, cfg.swiglu_limit)
     if p.shared is not None:
-        out = out + shared_expert(flat, p.shared, cfg.swiglu_limit)
+        out = out + shared_expert(flat, p.shared, cfg.swiglu_limit, cfg.batch_invariant)
     return out.reshape(x.shape)

@@ -16,6 +16,7 @@ import jax
 
 from deepinfer_jax.config import AttentionKind, MlpKind, ModelConfig
 from deepinfer_jax.model import forward
+from deepinfer_jax.model.invariant import linear
 from deepinfer_jax.model.norms import rms_norm
 from deepinfer_jax.model.params import ModelParams, MTPParams
 
@@ -25,7 +26,8 @@ def mtp_input(p: MTPParams, embed: jax.Array, streams: jax.Array, next_tokens: j
     """streams [..., hc, D], next_tokens i32[...] -> the block's input streams [..., hc, D]."""
     e = rms_norm(embed[next_tokens], p.enorm, cfg.rms_norm_eps)
     h = rms_norm(streams, p.hnorm, cfg.rms_norm_eps)
-    return (e @ p.e_proj)[..., None, :] + h @ p.h_proj
+    inv = cfg.batch_invariant
+    return linear(e, p.e_proj, inv)[..., None, :] + linear(h, p.h_proj, inv)
 
 
 def mtp_logits(params: ModelParams, token_ids: jax.Array, cfg: ModelConfig,

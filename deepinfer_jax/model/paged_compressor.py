@@ -9,11 +9,13 @@ row written by a token that is later rolled back is never visible and gets overw
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deepinfer_jax.model.compressor import finish_rows, pool_rows, project
+from deepinfer_jax.model.compressor import finish_rows, pool_rows
 from deepinfer_jax.model.params import CompressorParams
 from deepinfer_jax.model.ragged import TokenContext, ring_or_flat_index, row_index, write_ring
 from deepinfer_jax.state import CompressorTail
@@ -21,14 +23,13 @@ from deepinfer_jax.state import CompressorTail
 Array = jax.Array
 
 
-def close_rows(x: Array, p: CompressorParams, tail: CompressorTail, pool: Array, ctx: TokenContext,
-               *, rate: int, overlap: bool, freqs: np.ndarray, eps: float, page_size: int,
-               max_new_rows: int) -> tuple[Array, CompressorTail]:
-    """x [T, D] -> (pool with this step's rows written, tail ring with this step's tokens)."""
-    num_tokens = x.shape[0]
-    kv, score = project(x, p)                                             # f32[T, c*d]
-    score = score + p.ape[ctx.positions % rate]
-
+def close_rows(kv: Array, score: Array, p: CompressorParams, tail: CompressorTail, pool: Array,
+               ctx: TokenContext, *, rate: int, overlap: bool, freqs: np.ndarray, eps: float,
+               page_size: int, max_new_rows: int, rowwise: Callable, invariant: bool
+               ) -> tuple[Array, CompressorTail]:
+    """kv, score f32[T, c*d]: this step's projected tokens (score with the position bias).
+    Returns the pool with this step's rows written and the tail ring with this step's tokens."""
+    num_tokens = kv.shape[0]
     closing = ctx.valid & ((ctx.positions + 1) % rate == 0)
     (closer,) = jnp.nonzero(closing, size=max_new_rows, fill_value=num_tokens)
     real = closer < num_tokens
@@ -42,22 +43,23 @@ def close_rows(x: Array, p: CompressorParams, tail: CompressorTail, pool: Array,
     index = ring_or_flat_index(ctx, closer[:, None] - (closer_pos[:, None] - positions),
                                positions, ring, num_tokens, closer)
     exists = (positions >= 0)[..., None]
-    src_kv = jnp.concatenate([kv, tail.kv.reshape(-1, kv.shape[-1])])
-    src_score = jnp.concatenate([score, tail.score.reshape(-1, score.shape[-1])])
-    g_kv = jnp.where(exists, src_kv[index], 0.0)
-    g_score = jnp.where(exists, src_score[index], -jnp.inf)
+    g_kv = jnp.where(exists, jnp.concatenate([kv, tail.kv.reshape(-1, kv.shape[-1])])[index], 0.0)
+    g_score = jnp.where(exists, jnp.concatenate([score, tail.score.reshape(
+        -1, score.shape[-1])])[index], -jnp.inf)
 
-    if overlap:
-        d = kv.shape[-1] // 2
-        pooled = pool_rows(g_kv[:, None, rate:], g_score[:, None, rate:], overlap=True,
-                           prev_kv=g_kv[:, :rate, :d], prev_score=g_score[:, :rate, :d])
-    else:
-        pooled = pool_rows(g_kv[:, None], g_score[:, None], overlap=False)
-    rows = finish_rows(pooled[:, 0], p.norm, row * rate, freqs, eps, pool.dtype)
+    def pool_and_finish(g_kv, g_score, row):                              # per new row
+        if overlap:
+            d = g_kv.shape[-1] // 2
+            pooled = pool_rows(g_kv[:, None, rate:], g_score[:, None, rate:], overlap=True,
+                               prev_kv=g_kv[:, :rate, :d], prev_score=g_score[:, :rate, :d],
+                               invariant=invariant)
+        else:
+            pooled = pool_rows(g_kv[:, None], g_score[:, None], overlap=False, invariant=invariant)
+        return finish_rows(pooled[:, 0], p.norm, row * rate, freqs, eps, pool.dtype)
 
+    rows = rowwise(pool_and_finish, g_kv, g_score, row)
     dest = row_index(ctx.block_table, ctx.seq[closer], row, rate, page_size)
-    dest = jnp.where(real, dest, pool.shape[0])
-    pool = pool.at[dest].set(rows, mode="drop")
+    pool = pool.at[jnp.where(real, dest, pool.shape[0])].set(rows, mode="drop")
     tail = CompressorTail(kv=write_ring(tail.kv, kv, ctx), score=write_ring(tail.score, score, ctx))
     return pool, tail
 

@@ -3,97 +3,153 @@
 Same math as `forward.py`, but each token sees: its raw window (this step's rows of its
 sequence plus the slot's ring), and the compressed rows in its sequence's pages (all of them
 for HCA, the indexer's top-k for CSA). State in, state out.
+
+A layer is three segments: per-token work before attention (hc_pre, projections), the
+cross-token part (window gathers, closing compressed rows, indexer selection), and per-token
+work after it (attention, output projection, hc_post, MoE). In batch-invariant mode each
+per-token (and per-new-row) segment runs over fixed-size tiles of rows, so every row is
+computed by the same program whatever else is in the batch (model/invariant.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config import AttentionKind, MlpKind, ModelConfig
 from deepinfer_jax.engine_config import ResolvedEngineConfig
-from deepinfer_jax.model import attention, indexer
+from deepinfer_jax.model import attention, compressor, indexer
+from deepinfer_jax.model.invariant import per_row_tiles
 from deepinfer_jax.model.mhc import hc_post, hc_pre
 from deepinfer_jax.model.moe import moe
 from deepinfer_jax.model.norms import rms_norm
 from deepinfer_jax.model.paged_compressor import close_rows, visible_rows
-from deepinfer_jax.model.params import AttentionParams, LayerParams, ModelParams
-from deepinfer_jax.model.ragged import (
-    TokenContext,
-    row_index,
-    token_context,
-    window_keys,
-    write_ring,
-)
+from deepinfer_jax.model.params import LayerParams, ModelParams
+from deepinfer_jax.model.ragged import TokenContext, row_index, token_context, window_keys, write_ring
 from deepinfer_jax.model.rope import cos_sin, layer_inv_freq
+from deepinfer_jax.pytree import pytree_dataclass
 from deepinfer_jax.state import LayerState, StateCache
 
 Array = jax.Array
 
 
-def _selected_rows(x, q_latent, cos, sin, ls: LayerState, ctx: TokenContext, p: AttentionParams,
-                   cfg: ModelConfig, ecfg: ResolvedEngineConfig) -> tuple[Array, Array]:
+def _apply(fn, *arrays):
+    return fn(*arrays)
+
+
+def rowwise_for(cfg: ModelConfig) -> Callable:
+    """How per-row segments run: directly, or tile by tile in batch-invariant mode."""
+    return per_row_tiles if cfg.batch_invariant else _apply
+
+
+@pytree_dataclass
+class TokenInputs:
+    """Per token, everything attention needs from the token itself."""
+
+    post: Array                  # f32[T, hc]
+    comb: Array                  # f32[T, hc, hc]
+    q: Array                     # [T, H, hd] roped
+    kv: Array                    # [T, hd] roped raw K=V row
+    comp_kv: Array | None        # f32[T, c*d]  compressor projections (CSA/HCA)
+    comp_score: Array | None     # f32[T, c*d]  with the block-position bias
+    index_kv: Array | None       # f32[T, 2*Id] indexer compressor (CSA)
+    index_score: Array | None    # f32[T, 2*Id]
+    index_q: Array | None        # f32[T, IH, Id]
+    index_w: Array | None        # f32[T, IH]
+
+
+def token_inputs(p: LayerParams, kind: AttentionKind, cfg: ModelConfig, streams: Array,
+                 positions: Array) -> TokenInputs:
+    """Rows of tokens: streams [t, hc, D], positions i32[t] -> TokenInputs."""
+    inv = cfg.batch_invariant
+    cos, sin = cos_sin(positions, layer_inv_freq(cfg, kind))
+    collapsed, post, comb = hc_pre(streams, p.attn_hc, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
+                                   sinkhorn_iters=cfg.hc_sinkhorn_iters, invariant=inv)
+    x = rms_norm(collapsed, p.attn_norm, cfg.rms_norm_eps)
+    q, q_latent = attention.project_queries(x, p.attn, cos, sin, cfg)
+    kv = attention.project_kv(x, p.attn, cos, sin, cfg)
+    comp = index = (None, None)
+    index_q = index_w = None
+    if kind is not AttentionKind.SLIDING:
+        rate = cfg.compress_rate(kind)
+        kv_c, score_c = compressor.project(x, p.attn.compressor, inv)
+        comp = (kv_c, score_c + p.attn.compressor.ape[positions % rate])
+    if kind is AttentionKind.CSA:
+        ip = p.attn.indexer
+        kv_i, score_i = compressor.project(x, ip.compressor, inv)
+        index = (kv_i, score_i + ip.compressor.ape[positions % cfg.compress_rate_csa])
+        index_q = indexer.index_queries(q_latent, ip, cos, sin, cfg.index_n_heads, inv)
+        index_w = indexer.head_weights(x, ip, cfg.index_n_heads, inv)
+    return TokenInputs(post, comb, q, kv, *comp, *index, index_q, index_w)
+
+
+def token_outputs(p: LayerParams, kind: AttentionKind, mlp_kind: MlpKind, cfg: ModelConfig,
+                  t: TokenInputs, keys: Array, visible: Array, streams: Array, token_ids: Array,
+                  positions: Array) -> Array:
+    """Rows of tokens: attention over their keys [t, K, hd], the output projection, hc_post,
+    then the MoE sublayer -> new streams [t, hc, D]."""
+    cos, sin = cos_sin(positions, layer_inv_freq(cfg, kind))
+    out = attention.sink_attention(t.q[:, None], keys, visible[:, None], p.attn.sinks)[:, 0]
+    streams = hc_post(attention.output_projection(out, p.attn, cos, sin, cfg), streams, t.post,
+                      t.comb)
+    collapsed, post, comb = hc_pre(streams, p.ffn_hc, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
+                                   sinkhorn_iters=cfg.hc_sinkhorn_iters)
+    f = moe(rms_norm(collapsed, p.ffn_norm, cfg.rms_norm_eps), token_ids, p.moe, mlp_kind, cfg)
+    return hc_post(f, streams, post, comb)
+
+
+def select_rows(t_q: Array, t_w: Array, ls: LayerState, ctx: TokenContext, cfg: ModelConfig,
+                ecfg: ResolvedEngineConfig, rowwise: Callable) -> tuple[Array, Array]:
     """CSA: the indexer's top-k rows per token -> (rows [T, k, hd], visible bool[T, k])."""
     rate = cfg.compress_rate_csa
     keys, visible = visible_rows(ls.index_keys, ctx, rate=rate, page_size=ecfg.page_size,
                                  max_rows=ecfg.max_rows(rate))              # [T, R, Id]
-    queries = indexer.index_queries(q_latent, p.indexer, cos, sin, cfg.index_n_heads)
-    weights = indexer.head_weights(x, p.indexer, cfg.index_n_heads)
-    scores = indexer.index_scores(queries[:, None], weights[:, None], keys)[:, 0]   # [T, R]
-    k = min(cfg.index_topk, scores.shape[-1])
-    _, top = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), k)          # [T, k]
+    k = min(cfg.index_topk, keys.shape[1])
+
+    def top_rows(q, w, keys, visible):                                   # per token
+        scores = indexer.index_scores(q[:, None], w[:, None], keys)[:, 0]   # [t, R]
+        _, top = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), k)
+        return top, jnp.take_along_axis(visible, top, axis=-1)
+
+    top, top_visible = rowwise(top_rows, t_q, t_w, keys, visible)
     index = row_index(ctx.block_table, ctx.seq[:, None], top, rate, ecfg.page_size)
-    return ls.rows[index], jnp.take_along_axis(visible, top, axis=-1)
+    return ls.rows[index], top_visible
 
 
-def attention_step(x: Array, ctx: TokenContext, p: AttentionParams, kind: AttentionKind,
-                   ls: LayerState, cfg: ModelConfig, ecfg: ResolvedEngineConfig
-                   ) -> tuple[Array, LayerState]:
-    """x [T, D] (normed) -> ([T, D], the layer's new state)."""
-    freqs = layer_inv_freq(cfg, kind)
-    cos, sin = cos_sin(ctx.positions, freqs)                                 # [T, r/2]
-    q, q_latent = attention.project_queries(x, p, cos, sin, cfg)            # [T, H, hd]
-    kv = attention.project_kv(x, p, cos, sin, cfg)                          # [T, hd]
-    keys, visible = window_keys(kv, ls.window, ctx)                         # [T, W, hd]
-
+def layer_step(p: LayerParams, streams: Array, token_ids: Array, ctx: TokenContext,
+               kind: AttentionKind, mlp_kind: MlpKind, ls: LayerState, cfg: ModelConfig,
+               ecfg: ResolvedEngineConfig) -> tuple[Array, LayerState]:
+    """One block on the flat batch's residual streams [T, hc, D]."""
+    rowwise = rowwise_for(cfg)
+    t = rowwise(lambda s, pos: token_inputs(p, kind, cfg, s, pos), streams, ctx.positions)
+    keys, visible = window_keys(t.kv, ls.window, ctx)                     # [T, W, hd]
+    ls = dataclasses.replace(ls, window=write_ring(ls.window, t.kv, ctx))
     if kind is not AttentionKind.SLIDING:
         rate = cfg.compress_rate(kind)
-        common = dict(rate=rate, freqs=freqs, eps=cfg.rms_norm_eps, page_size=ecfg.page_size,
-                      max_new_rows=x.shape[0] // rate + ctx.block_table.shape[0])
-        rows, tail = close_rows(x, p.compressor, ls.tail, ls.rows, ctx,
+        common = dict(rate=rate, freqs=layer_inv_freq(cfg, kind), eps=cfg.rms_norm_eps,
+                      page_size=ecfg.page_size, rowwise=rowwise, invariant=cfg.batch_invariant,
+                      max_new_rows=streams.shape[0] // rate + ctx.block_table.shape[0])
+        rows, tail = close_rows(t.comp_kv, t.comp_score, p.attn.compressor, ls.tail, ls.rows, ctx,
                                 overlap=kind is AttentionKind.CSA, **common)
         ls = dataclasses.replace(ls, rows=rows, tail=tail)
         if kind is AttentionKind.CSA:
-            index_keys, index_tail = close_rows(x, p.indexer.compressor, ls.index_tail,
-                                                ls.index_keys, ctx, overlap=True, **common)
+            index_keys, index_tail = close_rows(t.index_kv, t.index_score, p.attn.indexer.compressor,
+                                                ls.index_tail, ls.index_keys, ctx, overlap=True,
+                                                **common)
             ls = dataclasses.replace(ls, index_keys=index_keys, index_tail=index_tail)
-            rows_seen, rows_visible = _selected_rows(x, q_latent, cos, sin, ls, ctx, p, cfg, ecfg)
+            rows_seen, rows_visible = select_rows(t.index_q, t.index_w, ls, ctx, cfg, ecfg, rowwise)
         else:
             rows_seen, rows_visible = visible_rows(ls.rows, ctx, rate=rate,
                                                    page_size=ecfg.page_size,
                                                    max_rows=ecfg.max_rows(rate))
         keys = jnp.concatenate([keys, rows_seen], axis=1)
         visible = jnp.concatenate([visible, rows_visible], axis=1)
-
-    out = attention.sink_attention(q[:, None], keys, visible[:, None], p.sinks)[:, 0]
-    ls = dataclasses.replace(ls, window=write_ring(ls.window, kv, ctx))
-    return attention.output_projection(out, p, cos, sin, cfg), ls
-
-
-def layer_step(p: LayerParams, streams: Array, token_ids: Array, ctx: TokenContext,
-               kind: AttentionKind, mlp_kind: MlpKind, ls: LayerState, cfg: ModelConfig,
-               ecfg: ResolvedEngineConfig) -> tuple[Array, LayerState]:
-    hc_args = dict(hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
-                   sinkhorn_iters=cfg.hc_sinkhorn_iters)
-    collapsed, post, comb = hc_pre(streams, p.attn_hc, **hc_args)
-    a, ls = attention_step(rms_norm(collapsed, p.attn_norm, cfg.rms_norm_eps), ctx, p.attn, kind,
-                           ls, cfg, ecfg)
-    streams = hc_post(a, streams, post, comb)
-    collapsed, post, comb = hc_pre(streams, p.ffn_hc, **hc_args)
-    f = moe(rms_norm(collapsed, p.ffn_norm, cfg.rms_norm_eps), token_ids, p.moe, mlp_kind, cfg)
-    return hc_post(f, streams, post, comb), ls
+    streams = rowwise(lambda *a: token_outputs(p, kind, mlp_kind, cfg, *a), t, keys, visible,
+                      streams, token_ids, ctx.positions)
+    return streams, ls
 
 
 def forward_step(params: ModelParams, state: StateCache, plan, token_ids: Array,

@@ -1,0 +1,51 @@
+"""Batch-invariant building blocks: results per row that do not depend on the batch.
+
+A compiler picks a matmul's algorithm (and its reduction order) from the operand shapes, and
+XLA fuses differently as shapes change, so a row's result can change with the number of rows
+next to it. In batch-invariant mode every matmul-like op runs over fixed-size row tiles in a
+loop: each tile is the same program whatever the batch, and rows never share a reduction.
+Elementwise ops and row-wise reductions (norms, softmax, sorting) are already per row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+TILE = 8   # rows per tile; every bucket is a multiple of it
+
+
+def per_row_tiles(fn: Callable, *args, tile: int = TILE):
+    """Apply fn (row-wise: pytrees of [tile, ...] -> pytree of [tile, ...]) to fixed-size tiles
+    of the leading axis of every array in `args`, one tile after the other."""
+    rows = jax.tree.leaves(args)[0].shape[0]
+    pad = -rows % tile
+
+    def to_tiles(a):
+        return jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(-1, tile, *a.shape[1:])
+
+    out = jax.lax.map(lambda t: fn(*t), jax.tree.map(to_tiles, args))
+    return jax.tree.map(lambda o: o.reshape(-1, *o.shape[2:])[:rows], out)
+
+
+def linear(x: jax.Array, w: jax.Array, invariant: bool) -> jax.Array:
+    """x [..., K] @ w [K, N]."""
+    if not invariant:
+        return x @ w
+    flat = x.reshape(-1, x.shape[-1])
+    return per_row_tiles(lambda t: t @ w, flat).reshape(*x.shape[:-1], w.shape[-1])
+
+
+def ordered_sum(x: jax.Array, axis: int) -> jax.Array:
+    """Sum over `axis` strictly left to right (a compiler may otherwise vectorise a reduction
+    into partial sums whose grouping follows the surrounding shapes)."""
+    x = jnp.moveaxis(x, axis, 0)
+    return jax.lax.fori_loop(1, x.shape[0], lambda i, acc: acc + x[i], x[0])
+
+
+def ordered_softmax(x: jax.Array, axis: int) -> jax.Array:
+    """Softmax over `axis` with an ordered sum (the max is exact in any order)."""
+    e = jnp.exp(x - jnp.max(x, axis=axis, keepdims=True))
+    return e / jnp.expand_dims(ordered_sum(e, axis), axis)

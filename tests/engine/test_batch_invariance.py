@@ -1,0 +1,105 @@
+"""Batch-invariant mode: a request's per-step logprobs do not depend on what it is batched
+with, on chunk boundaries, on the loop, or on a cold vs warm engine -- bitwise, in bf16 (where
+reduction order shows). The default mode does differ (so the test can fail)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import deepinfer_jax
+from deepinfer_jax import SamplingParams
+from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.runner import UnsupportedModeError, require_batch_invariant_support
+from tests.conftest import REPO
+
+ENGINE = dict(max_num_seqs=32, max_model_len=640, max_num_batched_tokens=128,
+              token_buckets=(16, 32, 64, 128), page_size=64, show_progress=False)
+PARAMS = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = ModelConfig.from_json_file(REPO / "configs/tiny/tiny-mixed.json")
+    return deepinfer_jax.Model(cfg, deepinfer_jax.random_params(cfg, 3, jnp.bfloat16))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(2, 512, size=int(n)).tolist() for n in rng.integers(5, 300, size=50)]
+
+
+def logprobs(outputs) -> list[np.ndarray]:
+    return [np.array([lp.logprob for lp in o.logprobs], np.float32) for o in outputs]
+
+
+def in_groups(llm, prompts, size) -> list[np.ndarray]:
+    """Each prompt run inside a batch of `size` (the last group overlaps the one before)."""
+    result = [None] * len(prompts)
+    starts = list(range(0, len(prompts) - size + 1, size))
+    if starts[-1] + size < len(prompts):
+        starts.append(len(prompts) - size)
+    for start in starts:
+        for i, lp in enumerate(logprobs(llm.generate(prompts[start: start + size], PARAMS,
+                                                     use_tqdm=False))):
+            result[start + i] = lp
+    return result
+
+
+def same(a, b) -> bool:
+    return all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def invariant(model):
+    return deepinfer_jax.LLM(model, batch_invariant=True, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def alone(invariant, prompts):
+    # the engine's very first call (cold), one request at a time
+    return [logprobs(invariant.generate([p], PARAMS, use_tqdm=False))[0] for p in prompts]
+
+
+def test_with_7_and_31_others(invariant, prompts, alone):
+    assert same(in_groups(invariant, prompts, 8), alone)
+    assert same(in_groups(invariant, prompts, 32), alone)
+
+
+def test_chunk_budget_loop_and_warm_call(model, invariant, prompts, alone):
+    small_chunks = deepinfer_jax.LLM(model, batch_invariant=True, **{**ENGINE,
+                                                                     "max_num_batched_tokens": 32})
+    assert same(logprobs(small_chunks.generate(prompts, PARAMS, use_tqdm=False)), alone)
+    sync = deepinfer_jax.LLM(model, batch_invariant=True, async_scheduling=False, **ENGINE)
+    assert same(logprobs(sync.generate(prompts, PARAMS, use_tqdm=False)), alone)
+    warm = [logprobs(invariant.generate([p], PARAMS, use_tqdm=False))[0] for p in prompts]
+    assert same(warm, alone)
+
+
+def test_the_default_mode_is_not_invariant(model, prompts):
+    """The control: without the mode, bf16 logprobs move with the batch."""
+    llm = deepinfer_jax.LLM(model, batch_invariant=False, **ENGINE)
+    single = [logprobs(llm.generate([p], PARAMS, use_tqdm=False))[0] for p in prompts[:8]]
+    assert not same(in_groups(llm, prompts[:8], 8), single)
+
+
+def test_mode_is_reported_and_gated(invariant, monkeypatch):
+    [out] = invariant.generate([[3, 4]], PARAMS, use_tqdm=False)
+    assert out.batch_invariant
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    assert deepinfer_jax.EngineConfig().batch_invariant
+    with pytest.raises(UnsupportedModeError, match="npu"):
+        require_batch_invariant_support("npu")
+
+
+@pytest.mark.oracle
+def test_invariant_mode_computes_the_same_model(workload):
+    """The tiled path is the same math: float32, it reproduces HF greedy outputs too."""
+    from tests.conftest import oracle_case
+    from tests.engine.conftest import ENGINE as HF_ENGINE
+    from tests.engine.test_engine_vs_hf import check_outputs, sampling
+
+    llm = deepinfer_jax.LLM(oracle_case("tiny-mixed").model, batch_invariant=True, **HF_ENGINE)
+    check_outputs(llm.generate(workload.prompts, sampling(workload), use_tqdm=False), workload)
