@@ -19,6 +19,7 @@ from deepinfer_jax.engine_config import ResolvedEngineConfig
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.plan import BatchPlan, build_plan
 from deepinfer_jax.scheduler import ScheduleDecision
+from deepinfer_jax.speculative import spec_step
 from deepinfer_jax.state import StateCache
 from deepinfer_jax.step import step
 
@@ -51,13 +52,17 @@ BATCH_INVARIANT_COMPILER_OPTIONS = {"xla_allow_excess_precision": False,
 
 
 def compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
-                  ecfg: ResolvedEngineConfig) -> dict[int, jax.stages.Compiled]:
-    """One compiled step per token bucket (state donated)."""
+                  ecfg: ResolvedEngineConfig, speculative: bool = False
+                  ) -> dict[int, jax.stages.Compiled]:
+    """One compiled step per token bucket (state donated): the plain step, or the speculative
+    one (verify drafts, then MTP drafting)."""
     enable_persistent_cache(ecfg.compilation_cache_dir)
-    jitted = jax.jit(functools.partial(step, cfg=cfg, ecfg=ecfg), donate_argnums=(1,))
+    step_fn = spec_step if speculative else step
+    jitted = jax.jit(functools.partial(step_fn, cfg=cfg, ecfg=ecfg), donate_argnums=(1,))
     options = BATCH_INVARIANT_COMPILER_OPTIONS if cfg.batch_invariant else None
     compiled = {}
-    buckets = tqdm(ecfg.token_buckets, desc="compiling step buckets", unit="bucket",
+    buckets = tqdm(ecfg.token_buckets, unit="bucket",
+                   desc=f"compiling {'speculative ' if speculative else ''}step buckets",
                    disable=not ecfg.show_progress)
     for t in buckets:
         buckets.set_postfix(tokens=t)

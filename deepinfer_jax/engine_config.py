@@ -24,6 +24,55 @@ def default_cache_dir() -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """MTP speculative decoding (vLLM's `speculative_config` shape).
+
+    num_speculative_tokens: the most drafts per request and step (the MTP block is applied
+    recursively); varlen: per-request draft lengths, drafting stops once the drafts'
+    cumulative probability under the MTP block falls below confidence_threshold;
+    verify_token_budget: the most draft tokens verified per step, shared by the decoding
+    requests (each gets at most budget // requests), so speculation fades out as the batch
+    grows and the step becomes compute-bound; past `budget` requests the engine runs its plain
+    step.
+    """
+
+    method: str = "mtp"
+    num_speculative_tokens: int = 5
+    varlen: bool = True
+    confidence_threshold: float = 0.3
+    verify_token_budget: int = 32
+
+    def __post_init__(self):
+        if self.method != "mtp":
+            raise EngineConfigError(f"speculative_config.method: only 'mtp', got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise EngineConfigError("speculative_config.num_speculative_tokens must be in [1, 16]")
+        if not 0 <= self.confidence_threshold < 1:
+            raise EngineConfigError("speculative_config.confidence_threshold must be in [0, 1)")
+        if self.verify_token_budget < 1:
+            raise EngineConfigError("speculative_config.verify_token_budget must be >= 1")
+
+    @classmethod
+    def from_options(cls, options) -> "SpeculativeConfig | None":
+        """From LLM(speculative_config=...) or, when that is None, the environment:
+        DEEPINFER_ENABLE_MTP_VARLEN=1 turns MTP on with variable lengths and
+        DEEPINFER_USE_NEXTN_DECODE=k caps the drafts (default 5)."""
+        if isinstance(options, cls):
+            return options
+        if options is None:
+            if os.environ.get("DEEPINFER_ENABLE_MTP_VARLEN", "0") in ("", "0"):
+                return None
+            options = {"method": "mtp", "varlen": True,
+                       "num_speculative_tokens": int(os.environ.get("DEEPINFER_USE_NEXTN_DECODE", 5))}
+        if not isinstance(options, dict):
+            raise TypeError("speculative_config must be a dict or SpeculativeConfig")
+        unknown = set(options) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"unknown speculative_config option(s): {sorted(unknown)}")
+        return cls(**options)
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     max_num_seqs: int = 16               # state slots: sequences resident at once
     max_model_len: int = 4096            # prompt + generated tokens per sequence
@@ -39,6 +88,8 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 10.0
     # None: the DEEPINFER_BATCH_INVARIANT environment variable (1 = on)
     batch_invariant: bool | None = None
+    # MTP speculation: a dict (see SpeculativeConfig); None: the DEEPINFER_* variables
+    speculative_config: dict | SpeculativeConfig | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens"):
@@ -50,6 +101,8 @@ class EngineConfig:
         if self.batch_invariant is None:
             object.__setattr__(self, "batch_invariant",
                                os.environ.get("DEEPINFER_BATCH_INVARIANT", "0") not in ("", "0"))
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.from_options(self.speculative_config))
         if self.token_buckets is not None:
             buckets = tuple(sorted(set(self.token_buckets)))
             if buckets[-1] < self.max_num_batched_tokens or buckets[0] <= 0:
@@ -80,9 +133,18 @@ class ResolvedEngineConfig:
     grammar_compile_timeout_s: float
     vocab_size: int
     batch_invariant: bool
+    speculative: SpeculativeConfig | None
+
+    @property
+    def spec_tokens(self) -> int:
+        """Drafts per request and step at most (0: no speculation)."""
+        return 0 if self.speculative is None else self.speculative.num_speculative_tokens
 
     @classmethod
     def build(cls, ec: EngineConfig, model: ModelConfig) -> "ResolvedEngineConfig":
+        if ec.speculative_config is not None and model.num_mtp_layers == 0:
+            raise EngineConfigError("speculative decoding with MTP needs a model with an MTP "
+                                    "block (num_nextn_predict_layers > 0)")
         rates = sorted({model.compress_rate(k) for k in model.layer_types} - {0}) or [1]
         unit = math.lcm(*rates)
         page_size = ec.page_size or unit * max(1, math.ceil(64 / unit))
@@ -103,14 +165,21 @@ class ResolvedEngineConfig:
                 buckets.append(b)
                 b *= 2
             buckets = tuple(buckets + [ec.max_num_batched_tokens])
+        if ec.speculative_config is not None and (
+                ec.max_num_batched_tokens < ec.max_num_seqs * 2):
+            raise EngineConfigError("with speculation, max_num_batched_tokens must leave room "
+                                    "for drafts: at least 2 x max_num_seqs")
         return cls(max_num_seqs=ec.max_num_seqs, max_model_len=ec.max_model_len,
                    page_size=page_size, num_pages=num_pages, max_blocks_per_seq=blocks,
                    max_num_batched_tokens=ec.max_num_batched_tokens, token_buckets=buckets,
                    compilation_cache_dir=ec.compilation_cache_dir, show_progress=ec.show_progress,
-                   async_scheduling=ec.async_scheduling, seed=ec.seed,
+                   # speculation reads each step's accepted counts before planning the next
+                   async_scheduling=ec.async_scheduling and ec.speculative_config is None,
+                   seed=ec.seed,
                    max_logprobs=min(ec.max_logprobs, model.vocab_size),
                    grammar_compile_timeout_s=ec.grammar_compile_timeout_s,
-                   vocab_size=model.vocab_size, batch_invariant=ec.batch_invariant)
+                   vocab_size=model.vocab_size, batch_invariant=ec.batch_invariant,
+                   speculative=ec.speculative_config)
 
     def seq_bucket(self, token_bucket: int) -> int:
         return min(token_bucket, self.max_num_seqs)

@@ -23,6 +23,7 @@ from deepinfer_jax.request import (
     RequestError,
     RequestOutput,
     SamplingParams,
+    SpecMetrics,
 )
 from deepinfer_jax.runner import EngineCore, failed_output
 from deepinfer_jax.tokenizer import TextTokenizer
@@ -74,6 +75,7 @@ class LLM:
         self.engine = EngineCore(self.model.config, self.model.params, self.engine_config,
                                  self.tokenizer)
         self._ids = itertools.count()
+        self._spec_totals = SpecMetrics()
 
     # ---- public API -----------------------------------------------------------------------
     def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = True
@@ -88,6 +90,7 @@ class LLM:
             for req in self.engine.step():
                 if req.is_complete and req.request_id in pending:
                     outputs[req.request_id] = self._output(pending.pop(req.request_id))
+                    self._count_spec(req)
                     bar.update(1)
         bar.close()
         for rid, req in pending.items():       # aborted from elsewhere
@@ -122,6 +125,11 @@ class LLM:
         for rid, req in pending.items():       # aborted while streaming
             yield CompletionDelta(index[rid], rid, [], None, True, req.finish_reason)
 
+    def _count_spec(self, req: Request) -> None:
+        for field in ("steps", "drafted", "accepted"):
+            setattr(self._spec_totals, field,
+                    getattr(self._spec_totals, field) + getattr(req.spec, field))
+
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id) is not None
 
@@ -154,7 +162,13 @@ class LLM:
         text = None if self.tokenizer is None else self.tokenizer.decode(req.generated)
         out = req.output(text)
         out.batch_invariant = self.engine_config.batch_invariant
+        out.spec = req.spec if self.engine_config.spec_tokens else None
         return out
+
+    @property
+    def spec_metrics(self):
+        """Speculative decoding counters summed over the requests this LLM finished."""
+        return self._spec_totals
 
 
 def _streamable_text(text: str, req: Request, done: bool) -> str:

@@ -40,6 +40,10 @@ class BatchPlan:
     frequency_penalty: np.ndarray   # f32[N]
     seed: np.ndarray          # u32[N]
     allowed: np.ndarray       # i32[N, ceil(V/32)]  token bitmask (grammar, min_tokens); -1 = all
+    # speculative decoding (MTP)
+    next_token_ids: np.ndarray  # i32[T]  the token after each token when the host knows it, else -1
+    num_drafts: np.ndarray      # i32[N]  drafts at the end of the row's span, to verify
+    draft_cap: np.ndarray       # i32[N]  the most drafts the row may propose for the next step
 
     @property
     def num_tokens(self) -> int:
@@ -70,11 +74,18 @@ def build_plan(decision: ScheduleDecision, token_bucket: int,
     top_k = np.zeros(n_cap, np.int32)
     seed = np.zeros(n_cap, np.uint32)
     allowed = np.full((n_cap, ecfg.mask_words), -1, np.int32)
+    next_token_ids = np.full(t_cap, -1, np.int32)
+    num_drafts = np.zeros(n_cap, np.int32)
+    draft_cap = np.zeros(n_cap, np.int32)
     offset = 0
     for row, seq in enumerate(decision.seqs):
         req, n = seq.request, seq.num_tokens
         span = slice(offset, offset + n)
-        token_ids[span] = req.tokens[seq.start: seq.start + n]
+        known = req.tokens + req.drafts[: seq.num_drafts]     # drafts follow the last token
+        token_ids[span] = known[seq.start: seq.start + n]
+        following = known[seq.start + 1: seq.start + n + 1]
+        next_token_ids[offset: offset + len(following)] = following
+        num_drafts[row], draft_cap[row] = seq.num_drafts, seq.draft_cap
         positions[span] = np.arange(seq.start, seq.start + n)
         token_seq[span] = row
         seq_slot[row], seq_start[row], seq_len[row], seq_offset[row] = req.slot, seq.start, n, offset
@@ -90,7 +101,8 @@ def build_plan(decision: ScheduleDecision, token_bucket: int,
         offset += n
     return BatchPlan(token_ids, positions, token_seq, seq_slot, seq_start, seq_len, seq_offset,
                      block_table, sample_index, seq_samples, prompt_len, temperature, top_k,
-                     top_p, min_p, repetition, presence, frequency, seed, allowed)
+                     top_p, min_p, repetition, presence, frequency, seed, allowed,
+                     next_token_ids, num_drafts, draft_cap)
 
 
 def suppress_stops(plan: BatchPlan, decision: ScheduleDecision, eos_token_ids) -> None:

@@ -139,6 +139,24 @@ def _check_type(name: str, value, types) -> None:
 
 
 @dataclasses.dataclass
+class SpecMetrics:
+    """Speculative decoding counters of one request (or, summed, of the engine)."""
+
+    steps: int = 0              # verify steps
+    drafted: int = 0            # draft tokens verified
+    accepted: int = 0           # draft tokens accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens produced per verify step (accepted drafts + the target's own token)."""
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+
+@dataclasses.dataclass
 class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -171,6 +189,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     logprobs: list[TokenLogprobs] | None = None
     batch_invariant: bool = False         # computed in batch-invariant mode
+    spec: SpecMetrics | None = None       # speculative decoding counters (when enabled)
 
 
 # A generated token whose value is still on the device (asynchronous scheduling): the step
@@ -206,6 +225,8 @@ class Request:
     matcher: Any = None                   # llguidance matcher of a constrained request
     num_checked: int = 0                  # generated tokens seen by stop strings / grammar
     stop_text_at: int | None = None       # where a stop string starts in the output text
+    drafts: list[int] = dataclasses.field(default_factory=list)   # MTP drafts to verify next
+    spec: "SpecMetrics" = dataclasses.field(default_factory=lambda: SpecMetrics())
 
     @property
     def tokens(self) -> list[int]:

@@ -22,7 +22,7 @@ import numpy as np
 from deepinfer_jax.buckets import token_bucket
 from deepinfer_jax.compile import compile_steps
 from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.engine_config import ResolvedEngineConfig
+from deepinfer_jax.engine_config import EngineConfigError, ResolvedEngineConfig
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.pages import pages_needed
 from deepinfer_jax.plan import build_plan, suppress_stops
@@ -35,6 +35,7 @@ from deepinfer_jax.request import (
     SamplingParams,
 )
 from deepinfer_jax.scheduler import ScheduleDecision, Scheduler
+from deepinfer_jax.speculative import SpecStepOutput
 from deepinfer_jax.state import init_state
 from deepinfer_jax.step import StepOutput
 from deepinfer_jax.structured import StructuredOutputs
@@ -47,6 +48,7 @@ class LoopStats:
     the device's tokens."""
 
     steps: int = 0
+    tokens: int = 0             # tokens fed (drafts included)
     host_seconds: float = 0.0
     wait_seconds: float = 0.0
 
@@ -57,7 +59,8 @@ class InFlight:
 
     decision: ScheduleDecision
     token_index: tuple[int | None, ...]     # per row: where its token goes in `generated`
-    output: StepOutput
+    output: StepOutput | SpecStepOutput
+    speculative: bool = False
 
 
 class EngineCore:
@@ -65,6 +68,9 @@ class EngineCore:
                  tokenizer: TextTokenizer | None = None):
         if ecfg.batch_invariant:
             require_batch_invariant_support()
+        if ecfg.spec_tokens and not params.mtp:
+            raise EngineConfigError("speculative decoding needs the checkpoint's MTP weights "
+                                    "(mtp.* tensors); this checkpoint has none")
         self.cfg = cfg.replace(batch_invariant=ecfg.batch_invariant)
         self.params, self.ecfg = params, ecfg
         self.tokenizer = tokenizer
@@ -72,6 +78,10 @@ class EngineCore:
             tokenizer.path, cfg.vocab_size, cfg.eos_token_ids, ecfg.grammar_compile_timeout_s)
         self.state = init_state(self.cfg, ecfg, params.embed.dtype)
         self.steps = compile_steps(params, self.state, self.cfg, ecfg)
+        # With speculation, small batches run the speculative step and large ones (no room in
+        # the verify budget) the plain one; the MTP window then lags, which only costs drafts.
+        self.spec_steps = (compile_steps(params, self.state, self.cfg, ecfg, speculative=True)
+                           if ecfg.spec_tokens else None)
         self.scheduler = Scheduler(ecfg, cfg.eos_token_ids)
         self._seeds = np.random.default_rng(ecfg.seed)
         self._arrivals = itertools.count()
@@ -143,11 +153,15 @@ class EngineCore:
         bucket = token_bucket(self.ecfg.token_buckets, decision.num_tokens)
         plan = build_plan(decision, bucket, self.ecfg)
         self._fill_masks(plan, decision)
-        self.state, output = self.steps[bucket](self.params, self.state, jax.device_put(plan))
+        speculative = decision.speculative
+        steps = self.spec_steps if speculative else self.steps
+        self.state, output = steps[bucket](self.params, self.state, jax.device_put(plan))
         for leaf in jax.tree.leaves(output):
             leaf.copy_to_host_async()
         self.stats.steps += 1
-        return InFlight(decision, self.scheduler.commit(decision), output)
+        self.stats.tokens += decision.num_tokens
+        token_index = () if speculative else self.scheduler.commit(decision)
+        return InFlight(decision, token_index, output, speculative)
 
     def _fill_masks(self, plan, decision: ScheduleDecision) -> None:
         """Token bitmasks of the rows that sample: grammar (the matcher has seen every token
@@ -165,8 +179,11 @@ class EngineCore:
         waited = time.perf_counter() - waited
         self.stats.wait_seconds += waited
         self.stats.host_seconds -= waited      # step() adds the whole call
-        touched = self.scheduler.resolve(flight.decision, flight.token_index, out.next_tokens,
-                                         (out.logprob, out.top_ids, out.top_logprobs))
+        if flight.speculative:
+            touched = self.scheduler.resolve_spec(flight.decision, out)
+        else:
+            touched = self.scheduler.resolve(flight.decision, flight.token_index, out.next_tokens,
+                                             (out.logprob, out.top_ids, out.top_logprobs))
         for req in touched:
             self._check_output(req)
         now = time.time()

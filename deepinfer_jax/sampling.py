@@ -78,17 +78,39 @@ def filter_logits(logits: Array, rows: SamplingRows) -> Array:
     return jnp.where(kept, scaled, -jnp.inf)
 
 
+def process_logits(logits: Array, rows: SamplingRows, prompt_mask: Array,
+                   output_counts: Array) -> Array:
+    """Penalties, then the token bitmask: the logits greedy rows take the argmax of."""
+    processed = apply_penalties(logits, rows, prompt_mask, output_counts)
+    return jnp.where(unpack_bitmask(rows.allowed, logits.shape[-1]), processed, -jnp.inf)
+
+
+def row_keys(rows: SamplingRows, purpose: int = 0) -> Array:
+    """One key per row from (seed, position[, purpose]): purpose 0 samples a token; the
+    speculative verifier uses 1 (accept or not) and 2 (resample after a rejection)."""
+    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(rows.seed, rows.position)
+    return keys if purpose == 0 else jax.vmap(lambda k: jax.random.fold_in(k, purpose))(keys)
+
+
+def token_logprobs(logits: Array, tokens: Array, num_logprobs: int) -> SampleOutput:
+    """Raw logprobs of the chosen tokens and the top alternatives."""
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    top_logprobs, top_ids = jax.lax.top_k(raw, num_logprobs)
+    chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+    return SampleOutput(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)
+
+
+def filter_if_sampling(processed: Array, rows: SamplingRows) -> Array:
+    """filter_logits, skipped (a sort over the vocabulary per row) when every row is greedy."""
+    return jax.lax.cond(jnp.any(rows.temperature > 0), filter_logits, lambda x, _: x,
+                        processed, rows)
+
+
 def sample(logits: Array, rows: SamplingRows, prompt_mask: Array, output_counts: Array,
            num_logprobs: int) -> SampleOutput:
     """logits f32[N, V] -> one token per row (plus logprobs)."""
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
-    processed = apply_penalties(logits, rows, prompt_mask, output_counts)
-    processed = jnp.where(unpack_bitmask(rows.allowed, logits.shape[-1]), processed, -jnp.inf)
+    processed = process_logits(logits, rows, prompt_mask, output_counts)
     greedy = jnp.argmax(processed, axis=-1)
-    filtered = filter_logits(processed, rows)
-    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(rows.seed, rows.position)
-    drawn = jax.vmap(jax.random.categorical)(keys, filtered)
+    drawn = jax.vmap(jax.random.categorical)(row_keys(rows), filter_if_sampling(processed, rows))
     tokens = jnp.where(rows.temperature > 0, drawn, greedy).astype(jnp.int32)
-    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
-    chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-    return SampleOutput(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)
+    return token_logprobs(logits, tokens, num_logprobs)

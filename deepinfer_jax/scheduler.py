@@ -31,13 +31,16 @@ from deepinfer_jax.request import PLACEHOLDER, FinishReason, Request, RequestSta
 class ScheduledSeq:
     request: Request
     start: int          # tokens already in the device state (position of the first new token)
-    num_tokens: int     # tokens fed this step
+    num_tokens: int     # tokens fed this step (including drafts)
     samples: bool       # the chunk reaches the last known token: sample the next one
+    num_drafts: int = 0 # the last num_drafts fed tokens are MTP drafts to verify
+    draft_cap: int = 0  # the most drafts the row may propose for the next step
 
 
 @dataclasses.dataclass(frozen=True)
 class ScheduleDecision:
     seqs: tuple[ScheduledSeq, ...]
+    speculative: bool = False     # run the speculative step (verify drafts, draft with MTP)
 
     @property
     def num_tokens(self) -> int:
@@ -95,16 +98,22 @@ class Scheduler:
         ready = [r for r in self.running if not (r.matcher is not None and r.has_placeholders)]
         decodes = [r for r in ready if r.num_pending == 1]
         prefills = [r for r in ready if r.num_pending > 1]
+        cap = self._draft_cap(len(self.running) + min(len(self.waiting), len(self._free_slots)))
+        if cap == 0:                  # a plain step: drafts made for it would be misaligned
+            for req in decodes:
+                req.drafts = []
         for req in decodes + prefills:
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:   # preempted earlier in this loop
                 continue
-            n = min(req.num_pending, budget)
+            n = min(req.num_pending + len(req.drafts), budget)
+            drafts = max(0, n - req.num_pending)             # drafts ride after the last token
             if not self._make_room(req, req.num_computed + n, scheduled):
                 continue
-            scheduled.append(ScheduledSeq(req, req.num_computed, n,
-                                          req.num_computed + n == req.num_tokens))
+            samples = req.num_computed + n - drafts == req.num_tokens
+            scheduled.append(ScheduledSeq(req, req.num_computed, n, samples, drafts,
+                                          cap if samples and self._may_draft(req) else 0))
             budget -= n
         while self.waiting and budget > 0 and self._free_slots:
             req = self.waiting[0]
@@ -117,9 +126,11 @@ class Scheduler:
             req.status, req.slot = RequestStatus.RUNNING, self._free_slots.pop()
             req.pages = self.pages.allocate(pages_needed(n, self.ecfg.page_size))
             self.running.append(req)
-            scheduled.append(ScheduledSeq(req, req.num_computed, n, n == req.num_pending))
+            samples = n == req.num_pending
+            scheduled.append(ScheduledSeq(req, req.num_computed, n, samples, 0,
+                                          cap if samples and self._may_draft(req) else 0))
             budget -= n
-        return ScheduleDecision(tuple(scheduled))
+        return ScheduleDecision(tuple(scheduled), speculative=cap > 0)
 
     def commit(self, decision: ScheduleDecision) -> tuple[int | None, ...]:
         """The step was launched: advance the computed counts and give each sampled token a
@@ -162,6 +173,62 @@ class Scheduler:
         return touched
 
     # ---- internals ------------------------------------------------------------------------
+    def resolve_spec(self, decision: ScheduleDecision, out) -> list[Request]:
+        """A speculative step's results (read synchronously): each row committed its last
+        token plus `a` accepted drafts and produced a + 1 new tokens; its next drafts wait in
+        `req.drafts`. Stops inside the new tokens drop the tokens after them."""
+        touched = []
+        for row, seq in enumerate(decision.seqs):
+            req = seq.request
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            new = int(out.num_new[row])
+            accepted = max(new - 1, 0)
+            req.num_computed = seq.start + seq.num_tokens - seq.num_drafts + accepted
+            req.drafts = []
+            if not seq.samples:
+                continue
+            req.spec.steps += 1
+            req.spec.drafted += seq.num_drafts
+            req.spec.accepted += accepted
+            touched.append(req)
+            for j in range(new):
+                token = int(out.new_tokens[row, j])
+                req.generated.append(token)
+                if req.params.logprobs is not None:
+                    n = req.params.logprobs
+                    req.logprobs.append(TokenLogprobs(token, float(out.logprob[row, j]), tuple(
+                        (int(t), float(lp)) for t, lp in zip(out.top_ids[row, j][:n],
+                                                           out.top_logprobs[row, j][:n]))))
+                else:
+                    req.logprobs.append(None)
+                if self._is_stop(req, token):
+                    self.stop_at(req, len(req.generated) - 1)
+                    break
+                if (len(req.generated) >= req.params.max_tokens
+                        or req.num_tokens >= self.ecfg.max_model_len):
+                    self.finish(req, FinishReason.LENGTH)
+                    break
+            if req.status is RequestStatus.RUNNING:
+                req.drafts = [int(t) for t in out.drafts[row, : int(out.num_drafts[row])]]
+        return touched
+
+    def _draft_cap(self, batch: int) -> int:
+        """Drafts per row for the next step: the verify-token budget shared by the batch's
+        requests (0 once the batch is large: the step is compute-bound)."""
+        spec = self.ecfg.speculative
+        if spec is None:
+            return 0
+        return min(spec.num_speculative_tokens, spec.verify_token_budget // max(batch, 1))
+
+    @staticmethod
+    def _may_draft(req: Request) -> bool:
+        """Rows whose next tokens depend on host state per token do not speculate: grammar
+        masks, penalties, and min_tokens still holding back stops."""
+        p = req.params
+        return not (p.constrained or p.repetition_penalty != 1 or p.presence_penalty
+                    or p.frequency_penalty or len(req.generated) < p.min_tokens)
+
     def _is_stop(self, req: Request, token: int) -> bool:
         p = req.params
         return (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
@@ -185,6 +252,7 @@ class Scheduler:
         self._release(req)
         self.running.remove(req)
         req.status, req.num_computed = RequestStatus.WAITING, 0
+        req.drafts = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)

@@ -42,34 +42,42 @@ class LayerState:
 @pytree_dataclass
 class StateCache:
     layers: tuple[LayerState, ...]
+    mtp: LayerState | None  # the MTP block's window ring (speculative decoding only)
     last_tokens: Array      # i32[slots]     each slot's most recently sampled token
     prompt_mask: Array      # bool[slots, V] tokens of the prompt (repetition penalty)
     output_counts: Array    # i32[slots, V]  generated-token counts (presence/frequency penalty)
 
 
-def _tail(slots: int, rate: int, overlap: bool, dim: int) -> CompressorTail:
+def _tail(slots: int, rate: int, overlap: bool, dim: int, spare: int) -> CompressorTail:
     ring, width = (2 * rate, 2 * dim) if overlap else (rate, dim)
+    ring += spare
     # Two separate buffers: the state is donated, and a buffer may be donated only once.
     return CompressorTail(kv=jnp.zeros((slots, ring, width), jnp.float32),
                           score=jnp.zeros((slots, ring, width), jnp.float32))
 
 
 def init_state(cfg: ModelConfig, ecfg: ResolvedEngineConfig, dtype) -> StateCache:
-    slots = ecfg.max_num_seqs
+    """Zeroed state. With speculation every ring holds `spec_tokens` spare rows: a rejected
+    draft's row then lands where it overwrites nothing a committed token still needs."""
+    slots, spare = ecfg.max_num_seqs, ecfg.spec_tokens
     layers = []
     for kind in cfg.layer_types:
-        window = jnp.zeros((slots, cfg.sliding_window, cfg.head_dim), dtype)
+        window = jnp.zeros((slots, cfg.sliding_window + spare, cfg.head_dim), dtype)
         rows = tail = index_keys = index_tail = None
         if kind is not AttentionKind.SLIDING:
             rate = cfg.compress_rate(kind)
             n_rows = ecfg.num_pages * ecfg.rows_per_page(rate)
             rows = jnp.zeros((n_rows, cfg.head_dim), dtype)
-            tail = _tail(slots, rate, kind is AttentionKind.CSA, cfg.head_dim)
+            tail = _tail(slots, rate, kind is AttentionKind.CSA, cfg.head_dim, spare)
         if kind is AttentionKind.CSA:
             index_keys = jnp.zeros((n_rows, cfg.index_head_dim), dtype)
-            index_tail = _tail(slots, rate, True, cfg.index_head_dim)
+            index_tail = _tail(slots, rate, True, cfg.index_head_dim, spare)
         layers.append(LayerState(window, rows, tail, index_keys, index_tail))
-    return StateCache(tuple(layers), last_tokens=jnp.zeros((slots,), jnp.int32),
+    mtp = None
+    if spare:   # the MTP block's own window (it is a window-only layer)
+        mtp = LayerState(jnp.zeros((slots, cfg.sliding_window + spare, cfg.head_dim), dtype),
+                         None, None, None, None)
+    return StateCache(tuple(layers), mtp=mtp, last_tokens=jnp.zeros((slots,), jnp.int32),
                       prompt_mask=jnp.zeros((slots, cfg.vocab_size), bool),
                       output_counts=jnp.zeros((slots, cfg.vocab_size), jnp.int32))
 

@@ -47,14 +47,15 @@ def ring_or_flat_index(ctx: TokenContext, flat_index: Array, positions: Array, r
     return jnp.where(in_step, flat_index, ring_index)
 
 
-def window_keys(kv: Array, window: Array, ctx: TokenContext) -> tuple[Array, Array]:
-    """Each token's raw window: kv [T, hd] of this step, window ring [slots, W, hd] ->
-    (keys [T, W, hd], visible bool[T, W]); column j is the row at distance j."""
-    num_tokens, w = kv.shape[0], window.shape[1]
-    dist = jnp.arange(w)
+def window_keys(kv: Array, window: Array, ctx: TokenContext, width: int) -> tuple[Array, Array]:
+    """Each token's raw window of `width` rows: kv [T, hd] of this step, window ring
+    [slots, R >= width, hd] -> (keys [T, width, hd], visible bool[T, width]); column j is the
+    row at distance j."""
+    num_tokens, ring = kv.shape[0], window.shape[1]
+    dist = jnp.arange(width)
     positions = ctx.positions[:, None] - dist                               # [T, W]
     token = jnp.arange(num_tokens)
-    index = ring_or_flat_index(ctx, token[:, None] - dist, positions, w, num_tokens, token)
+    index = ring_or_flat_index(ctx, token[:, None] - dist, positions, ring, num_tokens, token)
     source = jnp.concatenate([kv, window.reshape(-1, kv.shape[-1])])
     visible = (positions >= 0) & ctx.valid[:, None]
     return source[index], visible

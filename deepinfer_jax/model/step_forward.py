@@ -125,7 +125,7 @@ def layer_step(p: LayerParams, streams: Array, token_ids: Array, ctx: TokenConte
     """One block on the flat batch's residual streams [T, hc, D]."""
     rowwise = rowwise_for(cfg)
     t = rowwise(lambda s, pos: token_inputs(p, kind, cfg, s, pos), streams, ctx.positions)
-    keys, visible = window_keys(t.kv, ls.window, ctx)                     # [T, W, hd]
+    keys, visible = window_keys(t.kv, ls.window, ctx, cfg.sliding_window)   # [T, W, hd]
     ls = dataclasses.replace(ls, window=write_ring(ls.window, t.kv, ctx))
     if kind is not AttentionKind.SLIDING:
         rate = cfg.compress_rate(kind)

@@ -1,0 +1,175 @@
+"""MTP speculative decoding inside the jitted step: verify drafts, then draft the next ones.
+
+A decoding row feeds its last token x_t and c drafts d_1..d_c (positions t..t+c). The target
+model runs over all of them at once; draft d_{j+1} is accepted while the target agrees:
+* greedy rows: argmax of the target's logits at t+j equals d_{j+1};
+* sampled rows: rejection sampling against a point-mass draft (drafts are the MTP block's
+  argmax): accept with probability p(d_{j+1}) under the target's processed distribution, else
+  sample from that distribution with d_{j+1} removed. The output follows the target's
+  distribution exactly; random draws come from the request's (seed, position) stream.
+The a accepted drafts and one target token (the "bonus") are the row's new tokens; positions
+t..t+a are committed. Rejected drafts' rows land in spare ring slots (state.py) and in pages
+where they stay invisible until an accepted token overwrites them, so nothing needs undoing.
+
+Then the MTP block catches up over the committed positions (pairing each position's final
+residual streams with the next token, the bonus at the last one), and drafts up to `cap`
+tokens per row by applying itself recursively. With varlen, drafting stops once the drafts'
+cumulative probability under the MTP block falls below the confidence threshold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_jax.config import AttentionKind, MlpKind, ModelConfig
+from deepinfer_jax.engine_config import ResolvedEngineConfig
+from deepinfer_jax.model.forward import project_logits
+from deepinfer_jax.model.mtp import mtp_input
+from deepinfer_jax.model.params import ModelParams
+from deepinfer_jax.model.ragged import TokenContext, token_context
+from deepinfer_jax.model.step_forward import forward_step, layer_step
+from deepinfer_jax.pytree import pytree_dataclass
+from deepinfer_jax.sampling import SamplingRows, filter_if_sampling, process_logits, row_keys, token_logprobs
+from deepinfer_jax.state import StateCache
+from deepinfer_jax.step import record_fed_tokens
+
+Array = jax.Array
+
+
+@pytree_dataclass
+class SpecStepOutput:
+    new_tokens: Array      # i32[N, S]     accepted drafts, then the bonus token (S = k + 1)
+    num_new: Array         # i32[N]        a + 1 for rows that sample, else 0
+    drafts: Array          # i32[N, k]     drafts for the next step
+    num_drafts: Array      # i32[N]        how many of them to verify (confidence, cap)
+    logprob: Array         # f32[N, S]     raw logprobs of the new tokens
+    top_ids: Array         # i32[N, S, L]
+    top_logprobs: Array    # f32[N, S, L]
+
+
+def _repeat_rows(plan, positions: Array) -> SamplingRows:
+    """Sampling controls for every verify position: row fields repeated S times."""
+    s = positions.shape[1]
+    rep = lambda a: jnp.repeat(a, s, axis=0)  # noqa: E731
+    return SamplingRows(temperature=rep(plan.temperature), top_k=rep(plan.top_k),
+                        top_p=rep(plan.top_p), min_p=rep(plan.min_p),
+                        repetition_penalty=rep(plan.repetition_penalty),
+                        presence_penalty=rep(plan.presence_penalty),
+                        frequency_penalty=rep(plan.frequency_penalty), seed=rep(plan.seed),
+                        position=positions.reshape(-1), allowed=rep(plan.allowed))
+
+
+def verify(logits: Array, drafted: Array, num_drafts: Array, rows: SamplingRows,
+           prompt_mask: Array, output_counts: Array, num_logprobs: int):
+    """logits f32[N, S, V] at positions t..t+k, drafted i32[N, S] (d_{j+1} at column j) ->
+    (new tokens i32[N, S], accepted i32[N], SampleOutput of the new tokens, flattened)."""
+    n, s, vocab = logits.shape
+    flat = logits.reshape(n * s, vocab)
+    processed = process_logits(flat, rows, prompt_mask, output_counts)
+    filtered = filter_if_sampling(processed, rows)
+    drawn = jax.vmap(jax.random.categorical)(row_keys(rows), filtered)
+    sampled = rows.temperature > 0
+    target = jnp.where(sampled, drawn, jnp.argmax(processed, axis=-1)).reshape(n, s)
+    d = drafted.reshape(-1)
+    p_draft = jnp.take_along_axis(jax.nn.softmax(filtered, axis=-1), d[:, None], axis=-1)[:, 0]
+    uniform = jax.vmap(jax.random.uniform)(row_keys(rows, 1))
+    agree = jnp.where(sampled, uniform < p_draft, target.reshape(-1) == d).reshape(n, s)
+    in_range = jnp.arange(s)[None] < num_drafts[:, None]
+    accepted = jnp.sum(jnp.cumprod(agree & in_range, axis=1), axis=1)            # a
+    # after a rejection a sampled row draws from the target with the draft removed
+    without = jnp.where(jnp.arange(vocab)[None] == d[:, None], -jnp.inf, filtered)
+    resampled = jax.vmap(jax.random.categorical)(row_keys(rows, 2), without).reshape(n, s)
+    at = lambda a, j: jnp.take_along_axis(a, j[:, None], axis=1)[:, 0]  # noqa: E731
+    rejected = accepted < num_drafts
+    bonus = jnp.where(sampled.reshape(n, s)[:, 0] & rejected, at(resampled, accepted),
+                      at(target, accepted))
+    j = jnp.arange(s)[None]
+    new = jnp.where(j < accepted[:, None], drafted, jnp.where(j == accepted[:, None],
+                                                              bonus[:, None], 0))
+    return new.astype(jnp.int32), accepted, token_logprobs(flat, new.reshape(-1), num_logprobs)
+
+
+def draft(params: ModelParams, state: StateCache, plan, streams: Array, next_tokens: Array,
+          committed: Array, last: Array, cap: Array, cfg: ModelConfig,
+          ecfg: ResolvedEngineConfig) -> tuple[StateCache, Array, Array]:
+    """MTP catch-up over the committed flat tokens, then recursive drafting.
+
+    streams [T, hc, D] final streams of the target step; next_tokens i32[T] the token after
+    each one; committed bool[T]; last i32[N] flat index of each row's last committed token;
+    cap i32[N] drafts wanted. Returns (state, drafts i32[N, k], draft probabilities f32[N, k])."""
+    mp = params.mtp[0]
+    ctx = token_context(plan)
+    ctx = dataclasses.replace(ctx, valid=committed)
+    z = mtp_input(mp, params.embed, streams, jnp.maximum(next_tokens, 0), cfg)
+    z, mtp_state = layer_step(mp.layer, z, next_tokens, ctx, AttentionKind.SLIDING, MlpKind.MOE,
+                              state.mtp, cfg, ecfg)
+    z_row, token = z[last], None
+    position = plan.positions[last]                        # the MTP block's position for draft 1
+    drafts, probs = [], []
+    n = plan.seq_slot.shape[0]
+    for j in range(ecfg.spec_tokens):
+        if j > 0:      # the block again, on its own output and the draft it just made
+            ctx1 = TokenContext(positions=position, valid=plan.seq_samples & (cap > j),
+                                seq=jnp.arange(n), slot=plan.seq_slot, start=position,
+                                end=position + 1, block_table=plan.block_table)
+
+            def again(z_row, token, mtp_state, ctx1=ctx1):
+                z1 = mtp_input(mp, params.embed, z_row, token, cfg)
+                return layer_step(mp.layer, z1, token, ctx1, AttentionKind.SLIDING, MlpKind.MOE,
+                                  mtp_state, cfg, ecfg)
+
+            # skipped once no row wants this many drafts (large batches draft little)
+            z_row, mtp_state = jax.lax.cond(jnp.any(ctx1.valid), again,
+                                            lambda z, t, st: (z, st), z_row, token, mtp_state)
+        logits = project_logits(z_row, mp.hc_head, mp.norm, params.head, cfg)  # [N, V]
+        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        drafts.append(token)
+        probs.append(jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1))
+        position = position + 1
+    return dataclasses.replace(state, mtp=mtp_state), jnp.stack(drafts, 1), jnp.stack(probs, 1)
+
+
+def spec_step(params: ModelParams, state: StateCache, plan, *, cfg: ModelConfig,
+              ecfg: ResolvedEngineConfig) -> tuple[StateCache, SpecStepOutput]:
+    k, s = ecfg.spec_tokens, ecfg.spec_tokens + 1
+    n, num_tokens = plan.seq_slot.shape[0], plan.token_ids.shape[0]
+    state = record_fed_tokens(state, plan, plan.token_ids)
+    state, streams = forward_step(params, state, plan, plan.token_ids, cfg, ecfg)
+
+    first = plan.seq_offset + plan.seq_len - 1 - plan.num_drafts          # x_t (or last token)
+    columns = first[:, None] + jnp.arange(s)[None]                         # [N, S]
+    verify_at = jnp.clip(columns, 0, num_tokens - 1)
+    positions = plan.positions[verify_at]
+    logits = project_logits(streams[verify_at], params.hc_head, params.norm, params.head, cfg)
+    rows = _repeat_rows(plan, positions)
+    slot = jnp.minimum(plan.seq_slot, state.last_tokens.shape[0] - 1)
+    drafted = plan.token_ids[jnp.clip(columns + 1, 0, num_tokens - 1)]
+    new, accepted, lp = verify(logits, drafted, plan.num_drafts, rows,
+                               jnp.repeat(state.prompt_mask[slot], s, axis=0),
+                               jnp.repeat(state.output_counts[slot], s, axis=0), ecfg.max_logprobs)
+    bonus = jnp.take_along_axis(new, accepted[:, None], axis=1)[:, 0]
+    sink = state.last_tokens.shape[0]
+    state = dataclasses.replace(state, last_tokens=state.last_tokens.at[
+        jnp.where(plan.seq_samples, plan.seq_slot, sink)].set(bonus, mode="drop"))
+
+    # MTP: committed tokens are a prefix of each row's span; the last one pairs with the bonus
+    last = first + accepted                                                # [N]
+    row = jnp.minimum(plan.token_seq, n - 1)
+    token = jnp.arange(num_tokens)
+    committed = (plan.token_seq < n) & (token <= last[row])
+    next_tokens = jnp.where((token == last[row]) & plan.seq_samples[row], bonus[row],
+                            plan.next_token_ids)
+    state, drafts, probs = draft(params, state, plan, streams, next_tokens,
+                                 committed & (next_tokens >= 0), last, plan.draft_cap, cfg, ecfg)
+    wanted = jnp.arange(k)[None] < plan.draft_cap[:, None]
+    if ecfg.speculative.varlen:
+        wanted &= jnp.cumprod(probs, axis=1) >= ecfg.speculative.confidence_threshold
+    num_drafts = jnp.where(plan.seq_samples, jnp.sum(jnp.cumprod(wanted, axis=1), axis=1), 0)
+    l_ = lp.top_ids.shape[-1]
+    return state, SpecStepOutput(
+        new_tokens=new, num_new=jnp.where(plan.seq_samples, accepted + 1, 0), drafts=drafts,
+        num_drafts=num_drafts.astype(jnp.int32), logprob=lp.logprob.reshape(n, s),
+        top_ids=lp.top_ids.reshape(n, s, l_), top_logprobs=lp.top_logprobs.reshape(n, s, l_))
