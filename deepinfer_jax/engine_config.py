@@ -90,6 +90,9 @@ class EngineConfig:
     batch_invariant: bool | None = None
     # MTP speculation: a dict (see SpeculativeConfig); None: the DEEPINFER_* variables
     speculative_config: dict | SpeculativeConfig | None = None
+    # Prefix caching: sequences reuse the pages and slot snapshots of cached token blocks
+    enable_prefix_caching: bool = False
+    num_prefix_snapshots: int | None = None   # snapshot pool (None: 4 per slot)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens"):
@@ -109,6 +112,11 @@ class EngineConfig:
                 raise EngineConfigError("token_buckets must be positive and reach "
                                         "max_num_batched_tokens")
             object.__setattr__(self, "token_buckets", buckets)
+        if self.enable_prefix_caching and self.speculative_config is not None:
+            raise EngineConfigError("prefix caching and MTP speculation cannot be combined yet "
+                                    "(a snapshot does not hold the MTP block's window)")
+        if self.num_prefix_snapshots is not None and self.num_prefix_snapshots < 1:
+            raise EngineConfigError("num_prefix_snapshots must be >= 1")
 
     def resolve(self, model: ModelConfig) -> "ResolvedEngineConfig":
         return ResolvedEngineConfig.build(self, model)
@@ -134,6 +142,8 @@ class ResolvedEngineConfig:
     vocab_size: int
     batch_invariant: bool
     speculative: SpeculativeConfig | None
+    enable_prefix_caching: bool = False
+    num_snapshots: int = 0            # snapshot pool of the prefix cache (0: no cache)
 
     @property
     def spec_tokens(self) -> int:
@@ -179,7 +189,10 @@ class ResolvedEngineConfig:
                    max_logprobs=min(ec.max_logprobs, model.vocab_size),
                    grammar_compile_timeout_s=ec.grammar_compile_timeout_s,
                    vocab_size=model.vocab_size, batch_invariant=ec.batch_invariant,
-                   speculative=ec.speculative_config)
+                   speculative=ec.speculative_config,
+                   enable_prefix_caching=ec.enable_prefix_caching,
+                   num_snapshots=(ec.num_prefix_snapshots or 4 * ec.max_num_seqs)
+                   if ec.enable_prefix_caching else 0)
 
     def seq_bucket(self, token_bucket: int) -> int:
         return min(token_bucket, self.max_num_seqs)

@@ -166,6 +166,13 @@ class LLM:
         return out
 
     @property
+    def prefix_cache_stats(self):
+        """Prefix-cache counters (hits, reused and replayed tokens, cached blocks), or None
+        when prefix caching is off."""
+        cache = self.engine.scheduler.prefix_cache
+        return None if cache is None else cache.current_stats()
+
+    @property
     def spec_metrics(self):
         """Speculative decoding counters summed over the requests this LLM finished."""
         return self._spec_totals

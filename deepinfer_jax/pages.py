@@ -33,6 +33,9 @@ class PageAllocator:
             self._refs[p] = 1
         return pages
 
+    def refs(self, page: int) -> int:
+        return self._refs[page]
+
     def share(self, page: int) -> None:
         if self._refs[page] <= 0:
             raise ValueError(f"page {page} is not allocated")

@@ -227,6 +227,10 @@ class Request:
     stop_text_at: int | None = None       # where a stop string starts in the output text
     drafts: list[int] = dataclasses.field(default_factory=list)   # MTP drafts to verify next
     spec: "SpecMetrics" = dataclasses.field(default_factory=lambda: SpecMetrics())
+    block_keys: list[int] = dataclasses.field(default_factory=list)  # prefix-cache block hashes
+    # positions below this were computed before (by this request before a preemption, or by
+    # the request that cached their blocks): feeding them again is a replay
+    replay_until: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -247,6 +251,11 @@ class Request:
         if PLACEHOLDER in self.generated:
             return self.generated[: self.generated.index(PLACEHOLDER)]
         return self.generated
+
+    @property
+    def known_tokens(self) -> list[int]:
+        """The prompt and the generated tokens the host has."""
+        return self.prompt + self.resolved_tokens
 
     @property
     def has_placeholders(self) -> bool:

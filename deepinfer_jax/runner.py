@@ -34,7 +34,8 @@ from deepinfer_jax.request import (
     RequestOutput,
     SamplingParams,
 )
-from deepinfer_jax.scheduler import ScheduleDecision, Scheduler
+from deepinfer_jax.scheduler import Restore, ScheduleDecision, Scheduler
+from deepinfer_jax.snapshots import compile_copies, init_pool, slot_rings
 from deepinfer_jax.speculative import SpecStepOutput
 from deepinfer_jax.state import init_state
 from deepinfer_jax.step import StepOutput
@@ -83,6 +84,10 @@ class EngineCore:
         self.spec_steps = (compile_steps(params, self.state, self.cfg, ecfg, speculative=True)
                            if ecfg.spec_tokens else None)
         self.scheduler = Scheduler(ecfg, cfg.eos_token_ids)
+        if ecfg.enable_prefix_caching:     # slot snapshots of the prefix cache
+            self.snapshot_pool = init_pool(self.state, ecfg.num_snapshots)
+            self._save, self._restore = compile_copies(self.state, self.snapshot_pool,
+                                                       ecfg.max_num_seqs, ecfg.max_model_len)
         self._seeds = np.random.default_rng(ecfg.seed)
         self._arrivals = itertools.count()
         self._in_flight: collections.deque[InFlight] = collections.deque()
@@ -155,13 +160,39 @@ class EngineCore:
         self._fill_masks(plan, decision)
         speculative = decision.speculative
         steps = self.spec_steps if speculative else self.steps
+        if decision.restores:
+            self._restore_snapshots(decision.restores)
         self.state, output = steps[bucket](self.params, self.state, jax.device_put(plan))
         for leaf in jax.tree.leaves(output):
             leaf.copy_to_host_async()
         self.stats.steps += 1
         self.stats.tokens += decision.num_tokens
+        saves = self.scheduler.snapshot_saves(decision)
+        if saves:
+            self._save_snapshots(saves)
         token_index = () if speculative else self.scheduler.commit(decision)
         return InFlight(decision, token_index, output, speculative)
+
+    def _restore_snapshots(self, restores: tuple[Restore, ...]) -> None:
+        width, ecfg = self.ecfg.max_num_seqs, self.ecfg
+        slots = np.full(width, ecfg.max_num_seqs, np.int32)
+        snapshots = np.zeros(width, np.int32)
+        tokens = np.full((width, ecfg.max_model_len), -1, np.int32)
+        prompt_len = np.zeros(width, np.int32)
+        for i, r in enumerate(restores):
+            slots[i], snapshots[i], prompt_len[i] = r.slot, r.snapshot, r.prompt_len
+            tokens[i, : len(r.tokens)] = r.tokens
+        self.state = self._restore(self.state, self.snapshot_pool, snapshots, slots, tokens,
+                                   prompt_len)
+
+    def _save_snapshots(self, saves: list[tuple[int, int]]) -> None:
+        width = self.ecfg.max_num_seqs
+        slots = np.zeros(width, np.int32)
+        snapshots = np.full(width, self.ecfg.num_snapshots, np.int32)   # padding: dropped
+        for i, (slot, snapshot) in enumerate(saves):
+            slots[i], snapshots[i] = slot, snapshot
+        self.snapshot_pool = self._save(slot_rings(self.state), self.snapshot_pool, slots,
+                                        snapshots)
 
     def _fill_masks(self, plan, decision: ScheduleDecision) -> None:
         """Token bitmasks of the rows that sample: grammar (the matcher has seen every token

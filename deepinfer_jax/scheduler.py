@@ -9,6 +9,13 @@ A running request that needs a page when none is free preempts the newest runnin
 (possibly itself): its slot and pages are freed and it goes back to the front of the queue,
 keeping its generated tokens, to be recomputed later. Nothing is lost.
 
+With prefix caching (prefix_cache.py), admission first looks the request's tokens up: the
+matched blocks' pages are shared and their snapshot restored (`ScheduleDecision.restores`),
+so computing starts after them; cached blocks no sequence uses are evicted before anything is
+preempted, and a preempted request resumes from its own cached blocks. Prefill chunks are cut
+at block boundaries so that each chunk's end can be snapshotted (`snapshot_saves`); the
+blocks a step completes enter the cache once their tokens are known on the host.
+
 A step's effects arrive in two parts, so that the runner can plan step N+1 while step N runs:
 `commit` when the step is launched (counts advance; each sampled token is a PLACEHOLDER that
 the next step reads on the device) and `resolve` when its tokens reach the host (placeholders
@@ -24,6 +31,7 @@ import dataclasses
 
 from deepinfer_jax.engine_config import ResolvedEngineConfig
 from deepinfer_jax.pages import PageAllocator, pages_needed
+from deepinfer_jax.prefix_cache import PrefixCache, SnapshotAllocator, extend_block_keys
 from deepinfer_jax.request import PLACEHOLDER, FinishReason, Request, RequestStatus, TokenLogprobs
 
 
@@ -38,9 +46,31 @@ class ScheduledSeq:
 
 
 @dataclasses.dataclass(frozen=True)
+class Restore:
+    """Before the step: load a cached snapshot into an admitted request's slot."""
+
+    slot: int
+    snapshot: int
+    tokens: tuple[int, ...]       # the tokens the snapshot covers (penalty counters)
+    prompt_len: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingBlock:
+    """A block a launched step completed, waiting for its tokens to reach the host before it
+    enters the prefix cache. Holds a reference to the page (and the snapshot, if any)."""
+
+    request: Request
+    index: int
+    page: int
+    snapshot: int | None
+
+
+@dataclasses.dataclass(frozen=True)
 class ScheduleDecision:
     seqs: tuple[ScheduledSeq, ...]
     speculative: bool = False     # run the speculative step (verify drafts, draft with MTP)
+    restores: tuple[Restore, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -56,6 +86,11 @@ class Scheduler:
         self.pages = PageAllocator(ecfg.num_pages)
         self._free_slots = list(range(ecfg.max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
+        self.prefix_cache = None
+        if ecfg.enable_prefix_caching:
+            self.prefix_cache = PrefixCache(self.pages, SnapshotAllocator(ecfg.num_snapshots),
+                                            ecfg.page_size)
+        self._pending_blocks: list[PendingBlock] = []
 
     # ---- queue management -----------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -91,6 +126,7 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> ScheduleDecision:
+        self._cache_completed_blocks()
         budget = self.ecfg.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         # A constrained request needs its last token on the host (its grammar mask depends on
@@ -107,7 +143,7 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:   # preempted earlier in this loop
                 continue
-            n = min(req.num_pending + len(req.drafts), budget)
+            n = self._chunk(req, req.num_pending + len(req.drafts), budget)
             drafts = max(0, n - req.num_pending)             # drafts ride after the last token
             if not self._make_room(req, req.num_computed + n, scheduled):
                 continue
@@ -115,22 +151,32 @@ class Scheduler:
             scheduled.append(ScheduledSeq(req, req.num_computed, n, samples, drafts,
                                           cap if samples and self._may_draft(req) else 0))
             budget -= n
+        restores = []
         while self.waiting and budget > 0 and self._free_slots:
             req = self.waiting[0]
             if req.has_placeholders:   # preempted with a token in flight: recompute needs it
                 break
-            n = min(req.num_pending, budget)
-            if not self.pages.can_allocate(pages_needed(n, self.ecfg.page_size)):
+            match = self._reuse_cached_prefix(req)
+            n = self._chunk(req, req.num_pending, budget)
+            need = pages_needed(req.num_computed + n, self.ecfg.page_size) - len(req.pages)
+            if not self._can_allocate(need):
+                self.pages.free(req.pages)
+                req.pages, req.num_computed = [], 0
                 break
             self.waiting.popleft()
             req.status, req.slot = RequestStatus.RUNNING, self._free_slots.pop()
-            req.pages = self.pages.allocate(pages_needed(n, self.ecfg.page_size))
+            req.pages += self.pages.allocate(need)
             self.running.append(req)
+            if match is not None:
+                self._count_lookup(req, match)
+                if match.snapshot is not None:
+                    restores.append(Restore(req.slot, match.snapshot,
+                                            tuple(req.tokens[: match.num_tokens]), len(req.prompt)))
             samples = n == req.num_pending
             scheduled.append(ScheduledSeq(req, req.num_computed, n, samples, 0,
                                           cap if samples and self._may_draft(req) else 0))
             budget -= n
-        return ScheduleDecision(tuple(scheduled), speculative=cap > 0)
+        return ScheduleDecision(tuple(scheduled), speculative=cap > 0, restores=tuple(restores))
 
     def commit(self, decision: ScheduleDecision) -> tuple[int | None, ...]:
         """The step was launched: advance the computed counts and give each sampled token a
@@ -139,6 +185,10 @@ class Scheduler:
         for seq in decision.seqs:
             req = seq.request
             req.num_computed = seq.start + seq.num_tokens
+            if self.prefix_cache is not None:
+                self.prefix_cache.stats.replayed_tokens += max(
+                    0, min(req.num_computed, req.replay_until) - seq.start)
+            req.replay_until = max(req.replay_until, req.num_computed)
             if not seq.samples:
                 token_index.append(None)
                 continue
@@ -170,7 +220,94 @@ class Scheduler:
             touched.append(req)
             if self._is_stop(req, token):
                 self.stop_at(req, index)    # drops tokens computed after the stop
+        self._cache_completed_blocks()
         return touched
+
+    # ---- prefix caching -------------------------------------------------------------------
+    def snapshot_saves(self, decision: ScheduleDecision) -> list[tuple[int, int]]:
+        """Call when the step is launched (before `commit`): the blocks it completes wait to
+        be cached, and where a row ends on a block boundary its slot is to be snapshotted
+        after the step. Returns (slot, snapshot) pairs to copy."""
+        if self.prefix_cache is None:
+            return []
+        bs, saves = self.ecfg.page_size, []
+        for seq in decision.seqs:
+            req = seq.request
+            end = seq.start + seq.num_tokens - seq.num_drafts
+            extend_block_keys(req.block_keys, req.known_tokens, bs)
+            for index in range(seq.start // bs, end // bs):
+                cached = (self.prefix_cache.get(req.block_keys[index])
+                          if index < len(req.block_keys) else None)
+                wants_snapshot = (index + 1) * bs == end
+                if cached is not None and (cached.snapshot is not None or not wants_snapshot):
+                    continue
+                snapshot = self.prefix_cache.allocate_snapshot() if wants_snapshot else None
+                self.pages.share(req.pages[index])
+                self._pending_blocks.append(PendingBlock(req, index, req.pages[index], snapshot))
+                if snapshot is not None:
+                    saves.append((req.slot, snapshot))
+        return saves
+
+    def _cache_completed_blocks(self) -> None:
+        """Move pending blocks whose tokens the host now knows into the cache; drop those
+        whose tokens were cut (stop, abort)."""
+        if not self._pending_blocks:
+            return
+        bs, waiting = self.ecfg.page_size, []
+        for block in self._pending_blocks:
+            req, end = block.request, (block.index + 1) * bs
+            known = req.known_tokens
+            del req.block_keys[len(known) // bs:]     # a stop may have cut generated tokens
+            extend_block_keys(req.block_keys, known, bs)
+            if block.index < len(req.block_keys):
+                keys = req.block_keys
+                self.prefix_cache.insert(keys[block.index], keys[block.index - 1] if block.index
+                                         else None, tuple(known[end - bs: end]), block.page,
+                                         block.snapshot)
+            elif req.num_tokens >= end:               # a token still in flight
+                waiting.append(block)
+            else:
+                self.pages.free([block.page])
+                if block.snapshot is not None:
+                    self.prefix_cache.snapshots.free(block.snapshot)
+        self._pending_blocks = waiting
+
+    def _reuse_cached_prefix(self, req: Request):
+        """Give an admitted request the pages of its longest cached prefix (at least its last
+        token stays to compute, it samples the next). Returns the match (None: no cache)."""
+        if self.prefix_cache is None:
+            return None
+        extend_block_keys(req.block_keys, req.known_tokens, self.ecfg.page_size)
+        usable = req.tokens[: req.num_tokens - 1]
+        match = self.prefix_cache.lookup(usable, req.block_keys[: len(usable) // self.ecfg.page_size])
+        for page in match.pages:
+            self.pages.share(page)
+        req.pages, req.num_computed = list(match.pages), match.num_tokens
+        return match
+
+    def _count_lookup(self, req: Request, match) -> None:
+        stats = self.prefix_cache.stats
+        stats.queries += 1
+        stats.hits += match.num_tokens > 0
+        stats.hit_tokens += match.num_tokens
+        req.replay_until = max(req.replay_until, match.num_cached)
+
+    def _chunk(self, req: Request, wanted: int, budget: int) -> int:
+        """Tokens to feed `req` this step. With prefix caching a prefill chunk that stops
+        short of the last token ends on a block boundary, where its state can be snapshotted."""
+        n = min(wanted, budget)
+        if self.prefix_cache is not None and n < req.num_pending:
+            end = req.num_computed + n
+            aligned = end - end % self.ecfg.page_size
+            if aligned > req.num_computed:
+                n = aligned - req.num_computed
+        return n
+
+    def _can_allocate(self, n: int) -> bool:
+        """Whether n pages are free, after evicting idle cached blocks if need be."""
+        if self.prefix_cache is not None and not self.pages.can_allocate(n):
+            self.prefix_cache.evict(n)
+        return self.pages.can_allocate(n)
 
     # ---- internals ------------------------------------------------------------------------
     def resolve_spec(self, decision: ScheduleDecision, out) -> list[Request]:
@@ -237,7 +374,7 @@ class Scheduler:
         """Give `req` the pages for positions < end, preempting the newest running requests
         not yet scheduled in this step (or `req` itself). False if `req` was preempted."""
         need = pages_needed(end, self.ecfg.page_size) - len(req.pages)
-        while not self.pages.can_allocate(need):
+        while not self._can_allocate(need):
             taken = {s.request for s in scheduled}
             victims = [r for r in self.running if r is not req and r not in taken]
             victim = max(victims, key=lambda r: r.arrival_index) if victims else req

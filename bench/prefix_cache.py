@@ -1,0 +1,157 @@
+"""Prefix caching: time to first token with a long cached prefix vs cold, the tokens actually
+computed, and what the cache holds per token vs a full per-layer KV cache.
+
+    python bench/prefix_cache.py                                   # CPU: 2k cached tokens
+    python bench/prefix_cache.py --v4-flash-layers 4 --prefix 16384 --chunk 2048   # GPU
+
+Cold: a prompt of `prefix + suffix` tokens that shares nothing with the cache. Warm: the same
+length, after a request made of the prefix alone (untimed) left it in the cache. Both run in
+one engine with prefix caching on; an engine with caching off runs the cold prompt too, to
+show what the bookkeeping costs (runs interleaved). Bytes per token: the cached pages
+(compressed rows and indexer keys) plus the slot snapshots the cache keeps for the prefix, vs
+a cache that keeps every layer's K=V row of every token; also computed for the full
+DeepSeek-V4-Flash config (shapes only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.common import environment, write_results  # noqa: E402
+from bench.overlap import model_config  # noqa: E402
+from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
+from deepinfer_jax.config import AttentionKind, ModelConfig  # noqa: E402
+from deepinfer_jax.engine_config import EngineConfig, ResolvedEngineConfig  # noqa: E402
+from deepinfer_jax.snapshots import init_pool  # noqa: E402
+from deepinfer_jax.state import init_state  # noqa: E402
+from deepinfer_jax.weights import random_params  # noqa: E402
+
+FIRST_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
+
+
+def bytes_per_page(cfg: ModelConfig, ecfg: ResolvedEngineConfig, itemsize: int) -> int:
+    total = 0
+    for kind in cfg.layer_types:
+        if kind is AttentionKind.SLIDING:
+            continue
+        width = cfg.head_dim + (cfg.index_head_dim if kind is AttentionKind.CSA else 0)
+        total += ecfg.rows_per_page(cfg.compress_rate(kind)) * width * itemsize
+    return total
+
+
+def bytes_per_snapshot(cfg: ModelConfig, ecfg: ResolvedEngineConfig, dtype) -> int:
+    state = jax.eval_shape(lambda: init_state(cfg, ecfg, dtype))
+    pool = jax.eval_shape(lambda: init_pool(state, 1))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pool))
+
+
+def footprint(cfg: ModelConfig, ecfg: ResolvedEngineConfig, prefix: int, snapshots: int,
+              dtype=jnp.bfloat16) -> dict:
+    """Bytes per cached token: pages + snapshots vs every layer's K=V row of every token."""
+    itemsize = jnp.dtype(dtype).itemsize
+    pages = -(-prefix // ecfg.page_size)
+    cached = pages * bytes_per_page(cfg, ecfg, itemsize) + snapshots * bytes_per_snapshot(
+        cfg, ecfg, dtype)
+    full = cfg.num_layers * cfg.head_dim * itemsize      # one K=V head per layer (MQA)
+    return {"prefix_tokens": prefix, "snapshots": snapshots,
+            "cached_bytes_per_token": cached / prefix, "full_kv_bytes_per_token": full,
+            "ratio": cached / prefix / full}
+
+
+def first_token(llm: LLM, prompt: list[int]) -> dict:
+    engine = llm.engine
+    fed, stats = engine.stats.tokens, llm.prefix_cache_stats
+    start = time.perf_counter()
+    out = llm.generate([prompt], FIRST_TOKEN, use_tqdm=False)[0]
+    ttft = time.perf_counter() - start
+    after = llm.prefix_cache_stats
+    row = {"ttft_s": ttft, "metrics_ttft_s": out.metrics.time_to_first_token,
+           "tokens_computed": engine.stats.tokens - fed}
+    if stats is not None:
+        row.update(hit_tokens=after.hit_tokens - stats.hit_tokens,
+                   replayed_tokens=after.replayed_tokens - stats.replayed_tokens)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", type=Path, default=REPO / "configs/bench/small-cpu.json")
+    ap.add_argument("--v4-flash-layers", type=int, default=0)
+    ap.add_argument("--prefix", type=int, default=2048)
+    ap.add_argument("--suffix", type=int, default=64)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    cfg = model_config(args)
+    model = Model(cfg, random_params(cfg, 0, jnp.bfloat16))
+    rng = np.random.default_rng(0)
+    new = lambda n: rng.integers(2, cfg.vocab_size, n).tolist()  # noqa: E731
+    options = dict(max_num_seqs=4, max_model_len=args.prefix + args.suffix + 64,
+                   max_num_batched_tokens=args.chunk, show_progress=False,
+                   compilation_cache_dir=str(REPO / ".cache" / "xla-bench"))
+    runs = {"cold": [], "warm": [], "caching off": []}
+    llm = LLM(model, enable_prefix_caching=True, **options)
+    plain = LLM(model, **options)
+    for engine in (llm, plain):
+        engine.generate([new(args.chunk + 8)], FIRST_TOKEN, use_tqdm=False)      # warm-up
+    for _ in range(args.repeats):          # interleaved, so that drifts hit every run alike
+        runs["caching off"].append(first_token(plain, new(args.prefix + args.suffix)))
+        runs["cold"].append(first_token(llm, new(args.prefix + args.suffix)))
+        prefix = new(args.prefix)
+        llm.generate([prefix], FIRST_TOKEN, use_tqdm=False)                     # caches it
+        runs["warm"].append(first_token(llm, prefix + new(args.suffix)))
+    del llm, plain
+
+    summary = {name: {**rows[-1], "ttft_s": float(np.median([r["ttft_s"] for r in rows]))}
+               for name, rows in runs.items()}
+    ecfg = EngineConfig(**options).resolve(cfg)
+    # a snapshot at every chunk end (the most the cache keeps for a prefix prefilled alone)
+    measured = footprint(cfg, ecfg, args.prefix, -(-args.prefix // args.chunk))
+    flash = ModelConfig.from_json_file(REPO / "configs" / "deepseek-v4-flash.json").replace(
+        num_mtp_layers=0, quantization=None)
+    flash_prefix = 16384
+    flash_ecfg = EngineConfig(max_num_seqs=1, max_model_len=flash_prefix + 1024,
+                              max_num_batched_tokens=8192).resolve(flash)
+    flash_fp = footprint(flash, flash_ecfg, flash_prefix, -(-flash_prefix // 8192))
+    device = jax.devices()[0].platform
+    label = (f"V4-Flash dimensions, {cfg.num_layers} layers" if args.v4_flash_layers
+             else str(args.config.relative_to(REPO)))
+    payload = {"environment": environment(), "model": label, "prefix": args.prefix,
+               "suffix": args.suffix, "chunk": args.chunk, "runs": runs, "median": summary,
+               "footprint": measured, "footprint_v4_flash_16k": flash_fp,
+               "command": "python bench/prefix_cache.py " + " ".join(sys.argv[1:])}
+    cold, warm = summary["cold"]["ttft_s"], summary["warm"]["ttft_s"]
+    table = (f"Prompt of {args.prefix} + {args.suffix} tokens, first token only "
+             f"(median of {args.repeats}).\n\n"
+             "| run | TTFT (s) | tokens computed | prefix tokens reused | replayed |\n"
+             "|---|---:|---:|---:|---:|\n")
+    for name, row in summary.items():
+        table += (f"| {name} | {row['ttft_s']:.3f} | {row['tokens_computed']} | "
+                  f"{row.get('hit_tokens', '-')} | {row.get('replayed_tokens', '-')} |\n")
+    table += f"\nTTFT speed-up with the prefix cached: {cold / warm:.1f}x.\n\n"
+    table += ("| model | cached prefix | snapshots | cached bytes/token | full KV bytes/token | "
+              "ratio |\n|---|---:|---:|---:|---:|---:|\n")
+    for name, fp in ((label, measured), ("DeepSeek-V4-Flash (shapes)", flash_fp)):
+        table += (f"| {name} | {fp['prefix_tokens']} | {fp['snapshots']} | "
+                  f"{fp['cached_bytes_per_token']:.0f} | {fp['full_kv_bytes_per_token']:.0f} | "
+                  f"{fp['ratio']:.2f} |\n")
+    table += (f"\nFull KV: one bf16 K=V row of head_dim per layer and token. Cached: the pages "
+              f"(compressed rows, indexer keys) plus a slot snapshot at each chunk end "
+              f"(chunks of {args.chunk}; V4-Flash: 8192). Random bf16 weights. "
+              f"Command: `{payload['command']}`.")
+    write_results(f"prefix-cache-{device}", payload, table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Snapshots of a slot's rings for the prefix cache: copy a slot out, copy it back in.
+
+A snapshot holds what a sequence keeps per slot besides its pages: every layer's window ring
+and compressor tails (`SlotRings`). Restoring one also rebuilds the slot's penalty counters
+from the sequence's tokens, since a cached block may have been a prompt for one request and
+generated text for another. Both copies are pure functions of fixed shapes (`width` copies per
+call, padded with out-of-range ids that are dropped), compiled once at start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_jax.state import StateCache
+
+# Per layer: (window [S, W, hd], tail CompressorTail | None, index_tail CompressorTail | None),
+# S = slots in the state, snapshots in the pool.
+SlotRings = tuple
+
+
+def slot_rings(state: StateCache) -> SlotRings:
+    return tuple((ls.window, ls.tail, ls.index_tail) for ls in state.layers)
+
+
+def init_pool(state: StateCache, count: int) -> SlotRings:
+    return jax.tree.map(lambda a: jnp.zeros((count, *a.shape[1:]), a.dtype), slot_rings(state))
+
+
+def save(rings: SlotRings, pool: SlotRings, slots: jax.Array, snapshots: jax.Array) -> SlotRings:
+    """pool[snapshots[i]] = rings[slots[i]]."""
+    return jax.tree.map(lambda p, r: p.at[snapshots].set(r[jnp.minimum(slots, r.shape[0] - 1)],
+                                                         mode="drop"), pool, rings)
+
+
+def restore(state: StateCache, pool: SlotRings, snapshots: jax.Array, slots: jax.Array,
+            tokens: jax.Array, prompt_len: jax.Array) -> StateCache:
+    """state[slots[i]] = pool[snapshots[i]], and the penalty counters of slots[i] recounted
+    from tokens[i] (i32[L], -1 padded; positions >= prompt_len[i] are generated tokens)."""
+    rings = jax.tree.map(
+        lambda r, p: r.at[slots].set(p[jnp.minimum(snapshots, p.shape[0] - 1)], mode="drop"),
+        slot_rings(state), pool)
+    layers = tuple(dataclasses.replace(ls, window=w, tail=t, index_tail=it)
+                   for ls, (w, t, it) in zip(state.layers, rings, strict=True))
+    n_slots = state.last_tokens.shape[0]
+    prompt_mask = state.prompt_mask.at[slots].set(False, mode="drop")
+    counts = state.output_counts.at[slots].set(0, mode="drop")
+    generated = jnp.arange(tokens.shape[1])[None, :] >= prompt_len[:, None]
+    real = tokens >= 0
+    row_slot = jnp.broadcast_to(slots[:, None], tokens.shape)
+    ids = jnp.maximum(tokens, 0)
+    prompt_mask = prompt_mask.at[jnp.where(real & ~generated, row_slot, n_slots), ids].set(
+        True, mode="drop")
+    counts = counts.at[jnp.where(real & generated, row_slot, n_slots), ids].add(1, mode="drop")
+    return dataclasses.replace(state, layers=layers, prompt_mask=prompt_mask,
+                               output_counts=counts)
+
+
+def compile_copies(state: StateCache, pool: SlotRings, width: int, max_len: int):
+    """(save, restore) compiled for `width` copies per call; save donates the pool, restore
+    the state."""
+    ids = jax.ShapeDtypeStruct((width,), jnp.int32)
+    tokens = jax.ShapeDtypeStruct((width, max_len), jnp.int32)
+    save_c = jax.jit(save, donate_argnums=(1,)).lower(slot_rings(state), pool, ids, ids).compile()
+    restore_c = jax.jit(restore, donate_argnums=(0,)).lower(
+        state, pool, ids, ids, tokens, ids).compile()
+    return save_c, restore_c

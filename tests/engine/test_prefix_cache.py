@@ -1,0 +1,120 @@
+"""Prefix caching in the engine: a warm cache, and a preempted-and-resumed sequence, give the
+same tokens and per-token logprobs as a cold run, bitwise (batch-invariant mode, bf16); the
+tokens the model runs on a hit are only those after the reused prefix, counted."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import deepinfer_jax
+from deepinfer_jax import SamplingParams
+from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.engine_config import EngineConfig, EngineConfigError
+from tests.conftest import REPO
+
+BUDGET, BLOCK = 128, 64
+ENGINE = dict(max_num_seqs=8, max_model_len=1024, max_num_batched_tokens=BUDGET,
+              token_buckets=(16, 32, 64, 128), page_size=BLOCK, show_progress=False,
+              batch_invariant=True)
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = ModelConfig.from_json_file(REPO / "configs/tiny/tiny-mixed.json")
+    return deepinfer_jax.Model(cfg, deepinfer_jax.random_params(cfg, 3, jnp.bfloat16))
+
+
+@pytest.fixture(scope="module")
+def cold(model):
+    return deepinfer_jax.LLM(model, **ENGINE)
+
+
+def run_alone(llm, prompts, params):
+    return [llm.generate([p], q, use_tqdm=False)[0] for p, q in zip(prompts, params)]
+
+
+def assert_same(outputs, reference):
+    for out, ref in zip(outputs, reference, strict=True):
+        assert out.token_ids == ref.token_ids
+        np.testing.assert_array_equal([lp.logprob for lp in out.logprobs],
+                                      [lp.logprob for lp in ref.logprobs])
+
+
+def tokens(rng, n):
+    return rng.integers(2, 512, size=n).tolist()
+
+
+def test_warm_cache_equals_cold_run_bitwise(model, cold):
+    rng = np.random.default_rng(0)
+    base = tokens(rng, 500)
+    first = base                                   # its decode crosses block 7's end (512)
+    first_params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=1)
+    first_out = cold.generate([first], first_params, use_tqdm=False)[0]
+    penalized = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1,
+                               repetition_penalty=1.3, presence_penalty=0.5)
+    sampled = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1, temperature=0.8, seed=5)
+    prompts = [base + tokens(rng, 10),
+               base + tokens(rng, 70),
+               base[:300],
+               base,
+               tokens(rng, 200),
+               # a chat's next turn: the first answer is now prompt (penalties recounted)
+               first + first_out.token_ids + tokens(rng, 20),
+               base + tokens(rng, 40)]
+    params = [GREEDY, GREEDY, GREEDY, GREEDY, GREEDY, penalized, sampled]
+    reference = run_alone(cold, prompts, params)
+
+    warm = deepinfer_jax.LLM(model, enable_prefix_caching=True, **ENGINE)
+    assert_same([warm.generate([first], first_params, use_tqdm=False)[0]], [first_out])
+    assert_same(warm.generate(prompts, params, use_tqdm=False), reference)   # one batch
+    stats = warm.prefix_cache_stats
+    assert stats.hits >= 5 and stats.hit_tokens >= 5 * 256
+    assert_same(warm.generate(prompts, params, use_tqdm=False), reference)   # all cached now
+    assert warm.prefix_cache_stats.hits == stats.hits + len(prompts)
+    assert not cold.prefix_cache_stats
+
+
+def test_a_hit_computes_only_what_follows_the_reused_prefix(model):
+    llm = deepinfer_jax.LLM(model, enable_prefix_caching=True, **ENGINE)
+    rng = np.random.default_rng(1)
+    first = tokens(rng, 600)
+    llm.generate([first], GREEDY, use_tqdm=False)
+    fed, stats = llm.engine.stats.tokens, llm.prefix_cache_stats
+    second = first + tokens(rng, 30)
+    llm.generate([second], GREEDY, use_tqdm=False)
+    fed = llm.engine.stats.tokens - fed
+    hit = llm.prefix_cache_stats.hit_tokens - stats.hit_tokens
+    # prefill chunks of 128 end on block ends, so the snapshot closest to 600 is at 512; the
+    # block 512..576 is cached but has none, and 576..600 never filled a block
+    assert hit == 512
+    assert llm.prefix_cache_stats.replayed_tokens - stats.replayed_tokens == 576 - 512
+    assert fed == len(second) - hit + GREEDY.max_tokens - 1
+    assert fed <= 30 + BUDGET + GREEDY.max_tokens       # bounded by one chunk, not the prompt
+
+
+def test_preempted_sequences_resume_from_the_cache_exactly(model, cold):
+    rng = np.random.default_rng(2)
+    prompts = [tokens(rng, n) for n in (250, 230, 270, 240)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=1)
+    reference = run_alone(cold, prompts, [params] * 4)
+    cold_fed = sum(len(p) + params.max_tokens - 1 for p in prompts)
+
+    # 4 sequences of ~5 pages each, 16 pages: decoding runs out of pages and preempts
+    tight = deepinfer_jax.LLM(model, enable_prefix_caching=True, **{**ENGINE, "num_pages": 16})
+    assert_same(tight.generate(prompts, params, use_tqdm=False), reference)
+    preemptions = tight.engine.scheduler.num_preemptions
+    stats = tight.prefix_cache_stats
+    assert preemptions > 0 and stats.hit_tokens > 0
+    # a resumed sequence recomputes at most the tokens since its last snapshot: less than a
+    # block while decoding (a snapshot at every block end), less than a chunk in prefill
+    extra = tight.engine.stats.tokens - cold_fed
+    assert 0 < extra <= preemptions * (BUDGET + BLOCK)
+    assert stats.replayed_tokens == extra        # every token fed twice is counted as replayed
+
+
+def test_prefix_caching_refuses_speculation():
+    with pytest.raises(EngineConfigError, match="prefix caching"):
+        EngineConfig(enable_prefix_caching=True, speculative_config={"method": "mtp"})

@@ -1,0 +1,142 @@
+"""The prefix cache's bookkeeping on the host alone: keys, matching, reference counts, LRU
+eviction, snapshot reuse, and the scheduler's use of it (no model, no jax)."""
+
+from __future__ import annotations
+
+from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.engine_config import EngineConfig
+from deepinfer_jax.pages import PageAllocator
+from deepinfer_jax.prefix_cache import PrefixCache, SnapshotAllocator, extend_block_keys
+from deepinfer_jax.request import Request, SamplingParams
+from deepinfer_jax.scheduler import Scheduler
+from tests.conftest import REPO
+
+BS = 4
+MODEL = ModelConfig.from_json_file(REPO / "configs" / "tiny" / "tiny-mixed.json")
+
+
+def keys_of(tokens):
+    keys = []
+    extend_block_keys(keys, tokens, BS)
+    return keys
+
+
+def cache_with(num_pages=16, num_snapshots=8):
+    pages = PageAllocator(num_pages)
+    return PrefixCache(pages, SnapshotAllocator(num_snapshots), BS), pages
+
+
+def put(cache, pages, tokens, snapshot_every_block=True):
+    """Cache every full block of `tokens` as a finished sequence would leave it."""
+    keys = keys_of(tokens)
+    for i, key in enumerate(keys):
+        page = pages.allocate(1)[0]     # the sequence's page, handed over to the cache
+        snapshot = cache.snapshots.allocate() if snapshot_every_block else None
+        cache.insert(key, keys[i - 1] if i else None, tuple(tokens[i * BS:(i + 1) * BS]), page,
+                     snapshot)
+    return keys
+
+
+def test_keys_chain_from_the_start():
+    a = keys_of([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    b = keys_of([0, 2, 3, 4, 5, 6, 7, 8])
+    assert len(a) == 2 and len(b) == 2
+    assert a[1] != b[1]                    # the same second block after a different first one
+    grown = a[:1]
+    extend_block_keys(grown, [1, 2, 3, 4, 5, 6, 7, 8], BS)
+    assert grown == a
+
+
+def test_lookup_matches_whole_blocks_up_to_the_last_snapshot():
+    cache, pages = cache_with()
+    tokens = list(range(100, 112))                        # three blocks
+    put(cache, pages, tokens)
+    probe = tokens[:10] + [0, 0]                          # diverges inside the third block
+    match = cache.lookup(probe, keys_of(probe))
+    assert match.num_tokens == 8 and match.num_cached == 8 and len(match.pages) == 2
+    cache.blocks[keys_of(tokens)[1]].snapshot = None      # no snapshot at the end of block 2
+    match = cache.lookup(probe, keys_of(probe))
+    assert match.num_tokens == 4 and match.num_cached == 8
+    assert cache.lookup([5] * 12, keys_of([5] * 12)).num_tokens == 0
+
+
+def test_a_hash_collision_cannot_alias_two_prefixes():
+    cache, pages = cache_with()
+    tokens = [1, 2, 3, 4]
+    keys = put(cache, pages, tokens)
+    assert cache.lookup([9, 9, 9, 9], keys).num_tokens == 0   # same key, other tokens
+
+
+def test_insert_gives_back_what_it_does_not_keep():
+    cache, pages = cache_with(num_pages=4, num_snapshots=2)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    keys = keys_of(tokens)
+    page = pages.allocate(1)[0]
+    cache.insert(keys[1], keys[0], tuple(tokens[4:]), page, cache.snapshots.allocate())
+    assert pages.num_free == 4 and cache.snapshots.num_free == 2   # parent missing: refused
+    put(cache, pages, tokens, snapshot_every_block=False)
+    twin = pages.allocate(1)[0]
+    cache.insert(keys[1], keys[0], tuple(tokens[4:]), twin, cache.snapshots.allocate())
+    assert pages.refs(twin) == 0                                   # already cached: page back
+    assert cache.blocks[keys[1]].snapshot is not None              # but its snapshot is kept
+
+
+def test_eviction_is_lru_takes_descendants_and_spares_used_pages():
+    cache, pages = cache_with(num_pages=6)
+    a = put(cache, pages, [1] * 8)                 # two blocks
+    put(cache, pages, [2] * 8)                     # B
+    c = put(cache, pages, [3] * 8)
+    assert pages.num_free == 0
+    cache.lookup([1] * 8, a)                       # B is now the least recently used, then A
+    cache.lookup([3] * 8, c)
+    pages.share(cache.blocks[c[0]].page)           # a running sequence holds C's first page
+    cache.evict(2)
+    assert set(cache.blocks) == set(a) | set(c)    # B went first (least recently used)
+    cache.evict(5)
+    # A went (its second block with its first), then C's second; C's first is in use
+    assert set(cache.blocks) == {c[0]} and pages.num_free == 5
+
+
+def test_a_full_snapshot_pool_takes_from_the_oldest_inner_block():
+    cache, pages = cache_with(num_snapshots=3)
+    a = put(cache, pages, list(range(12)))          # three blocks, three snapshots
+    snapshot = cache.allocate_snapshot()
+    assert snapshot is not None
+    assert cache.blocks[a[0]].snapshot is None      # the inner block lost its snapshot ...
+    assert cache.lookup(list(range(12)), a).num_tokens == 12   # ... the chain's end did not
+
+
+def _scheduler(num_pages, budget=24, page_size=16):
+    ecfg = EngineConfig(max_num_seqs=4, max_model_len=128, page_size=page_size,
+                        num_pages=num_pages, max_num_batched_tokens=budget,
+                        enable_prefix_caching=True, compilation_cache_dir=None).resolve(MODEL)
+    return Scheduler(ecfg, MODEL.eos_token_ids)
+
+
+def _run(sched, request):
+    """Serve `request` alone to the end, synchronously; returns the decisions."""
+    sched.add(request)
+    decisions = []
+    while sched.has_work():
+        decision = sched.schedule()
+        sched.snapshot_saves(decision)
+        index = sched.commit(decision)
+        sched.resolve(decision, index, [7] * len(decision.seqs))
+        decisions.append(decision)
+    return decisions
+
+
+def test_scheduler_cuts_chunks_at_blocks_and_reuses_the_cached_prefix():
+    prompt = list(range(20, 95))                    # 75 tokens, blocks of 16, budget 24
+    sched = _scheduler(num_pages=32)
+    first = _run(sched, Request("a", prompt, SamplingParams(max_tokens=2), 0))
+    assert [d.seqs[0].num_tokens for d in first] == [16, 16, 16, 16, 11, 1]  # cut at block ends
+    again = _run(sched, Request("b", prompt + [50], SamplingParams(max_tokens=1), 1))
+    seq = again[0].seqs[0]
+    assert seq.start == 64 and again[0].restores[0].tokens == tuple(prompt[:64])
+    stats = sched.prefix_cache.current_stats()
+    assert stats.queries == 2 and stats.hits == 1 and stats.hit_tokens == 64
+    # every page is either free or held by the cache alone
+    held = {b.page for b in sched.prefix_cache.blocks.values()}
+    assert sched.pages.num_free + len(held) == 32
+    assert all(sched.pages.refs(p) == 1 for p in held)
