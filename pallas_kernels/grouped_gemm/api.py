@@ -1,0 +1,126 @@
+"""Grouped GEMM dispatch: the Mosaic GPU kernel or the jnp reference, same contract.
+
+`grouped_matmul(lhs, rhs, group_sizes, ...)` is reference.grouped_matmul's contract (rows
+sorted by group). On the kernel path the rows are laid out in whole tiles per group
+(layout.py), multiplied, and gathered back. `expert_mlp` chains the gate/up GEMM (SwiGLU in
+its epilogue) and the down GEMM in that tiled layout, so the intermediate is never re-laid.
+`matmul(x, w)` is the batch-invariant dense GEMM: the same kernel with one group, so a row's
+result never depends on the number of rows.
+
+Shapes the kernel cannot tile (K or N not a multiple of its blocks, as in tiny test models)
+take the reference path; `kernel_runs(...)` says which path a shape gets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.common import gpu_interpret, implementation
+from pallas_kernels.grouped_gemm import layout, reference
+from pallas_kernels.grouped_gemm.mosaic_gpu import TileConfig, tiled_group_matmul
+
+# tests/kernels passed on the H200 (2026-11-29): the kernel is the default on SM90+ GPUs.
+VALIDATED_ON_GPU = True
+
+
+def default_config(num_rows: int, n_out: int, fp8: bool = False,
+                   swiglu: bool = False) -> TileConfig:
+    """Measured on the H200 (bench/results/kernels-moe-gpu.md). Small (decode) batches:
+    64-row tiles, since a hit expert usually has one or two rows and the padded layout grows
+    with the tile. Large batches: 128-row tiles; with the SwiGLU epilogue's two accumulators
+    64 columns each (128 x 128 x 2 f32 accumulators spill: 111 vs 267 TFLOP/s)."""
+    if num_rows < 4096:
+        block_m, widths, steps = 64, (128, 64, 32, 16, 8), 4
+    else:
+        block_m, widths, steps = 128, ((64, 32, 16, 8) if swiglu else (128, 64, 32, 16, 8)), 6
+    if fp8:
+        widths = tuple(w for w in widths if w in (64, 128))
+    block_n = next((b for b in widths if n_out % b == 0), 0)
+    return TileConfig(block_m=block_m, block_n=block_n, max_concurrent_steps=steps)
+
+
+KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)   # wgmma's 16-bit inputs (f32 would run as tf32)
+
+
+def kernel_fits(k: int, n_out: int, config: TileConfig, fp8: bool, dtype=jnp.bfloat16) -> bool:
+    if jnp.dtype(dtype) not in KERNEL_DTYPES:
+        return False
+    try:
+        config.check(k, n_out, fp8)
+    except ValueError:
+        return False
+    return True
+
+
+def kernel_runs(num_rows: int, k: int, n_out: int, fp8: bool = False,
+                impl: str | None = None, dtype=jnp.bfloat16) -> bool:
+    """Whether grouped_matmul takes the kernel path for this shape and dtype."""
+    impl = impl or implementation(VALIDATED_ON_GPU)
+    return impl != "reference" and kernel_fits(k, n_out, default_config(num_rows, n_out, fp8),
+                                               fp8, dtype)
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                   rhs_scale: jax.Array | None = None, swiglu_limit: float | None = None,
+                   impl: str | None = None, config: TileConfig | None = None) -> jax.Array:
+    """lhs [M, K] rows sorted by group, rhs [G, K, N], group_sizes i32[G] -> [M, N]
+    ([M, N/2] with swiglu_limit). impl: "reference", "mosaic_gpu" or "interpret"."""
+    impl = impl or implementation(VALIDATED_ON_GPU)
+    n_out = rhs.shape[2] // (2 if swiglu_limit is not None else 1)
+    config = config or default_config(lhs.shape[0], n_out, rhs_scale is not None,
+                                      swiglu_limit is not None)
+    if impl == "reference" or not kernel_fits(lhs.shape[1], n_out, config,
+                                              rhs_scale is not None, lhs.dtype):
+        return reference.grouped_matmul(lhs, rhs, group_sizes, rhs_scale=rhs_scale,
+                                        swiglu_limit=swiglu_limit)
+    with _mode(impl):
+        tiles = layout.tile_layout(group_sizes, lhs.shape[0], config.block_m)
+        out = tiled_group_matmul(layout.to_tiles(lhs, tiles, config.block_m), rhs,
+                                 tiles.tile_group, rhs_scale, swiglu_limit=swiglu_limit,
+                                 config=config)
+        return layout.from_tiles(out, tiles)
+
+
+def expert_mlp(x: jax.Array, w13: jax.Array, w2: jax.Array, group_sizes: jax.Array,
+               swiglu_limit: float, *, w13_scale: jax.Array | None = None,
+               w2_scale: jax.Array | None = None, impl: str | None = None) -> jax.Array:
+    """Each row through its group's clamped-SwiGLU expert: x [M, D] sorted by group,
+    w13 [G, D, 2I] (gate | up), w2 [G, I, D] -> [M, D] in x's dtype."""
+    impl = impl or implementation(VALIDATED_ON_GPU)
+    (rows, dim), inter = x.shape, w2.shape[1]
+    fp8 = w13_scale is not None
+    up_cfg = default_config(rows, inter, fp8, swiglu=True)
+    down_cfg = default_config(rows, dim, fp8)
+    if (impl == "reference" or not kernel_fits(dim, inter, up_cfg, fp8, x.dtype)
+            or not kernel_fits(inter, dim, down_cfg, fp8, x.dtype)):
+        hidden = reference.grouped_matmul(x, w13, group_sizes, rhs_scale=w13_scale,
+                                          swiglu_limit=swiglu_limit)
+        return reference.grouped_matmul(hidden, w2, group_sizes, rhs_scale=w2_scale)
+    with _mode(impl):
+        tiles = layout.tile_layout(group_sizes, rows, up_cfg.block_m)
+        hidden = tiled_group_matmul(layout.to_tiles(x, tiles, up_cfg.block_m), w13,
+                                    tiles.tile_group, w13_scale, swiglu_limit=swiglu_limit,
+                                    config=up_cfg)
+        out = tiled_group_matmul(hidden, w2, tiles.tile_group, w2_scale, config=down_cfg)
+        return layout.from_tiles(out, tiles)
+
+
+INVARIANT_ROWS = 1 << 20   # matmul's tile config is the large-batch one, whatever M is
+
+
+def matmul(x: jax.Array, w: jax.Array, *, impl: str | None = None,
+           config: TileConfig | None = None) -> jax.Array:
+    """Batch-invariant x [M, K] @ w [K, N] -> [M, N] in x's dtype (f32 accumulation).
+
+    The tile config does not depend on M, so nothing about a row's computation does."""
+    config = config or default_config(INVARIANT_ROWS, w.shape[1])
+    sizes = jnp.full((1,), x.shape[0], jnp.int32)
+    return grouped_matmul(x, w[None], sizes, impl=impl, config=config)
+
+
+def _mode(impl: str):
+    """The kernel compiled for the GPU, or simulated on the CPU (impl="interpret")."""
+    return gpu_interpret() if impl == "interpret" else contextlib.nullcontext()

@@ -1,0 +1,53 @@
+"""Rows sorted by group <-> whole tiles of one group each (what the kernel computes on).
+
+The kernel works on tiles of `block_m` rows that all belong to one group, so each group's
+rows are padded up to whole tiles: M rows in G groups need at most cdiv(M, block_m) + G - 1
+tiles, and never more tiles than rows. Computed with jnp in fixed shapes (inside the jitted
+step, from device-side sizes).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+def max_tiles(num_rows: int, num_groups: int, block_m: int) -> int:
+    # Each group's last tile may be partial (one extra tile per group) but every used tile
+    # holds at least one row.
+    return max(1, min(num_rows, -(-num_rows // block_m) + num_groups - 1))
+
+
+class TileLayout(NamedTuple):
+    padded_row: jax.Array    # i32[M]  where each sorted row sits in the tiled layout
+    tile_group: jax.Array    # i32[T]  each tile's group, -1 for unused tiles
+
+
+def tile_layout(group_sizes: jax.Array, num_rows: int, block_m: int) -> TileLayout:
+    num_groups = group_sizes.shape[0]
+    tiles = max_tiles(num_rows, num_groups, block_m)
+    group_end = jnp.cumsum(group_sizes)
+    group_start = group_end - group_sizes
+    tiles_per_group = -(-group_sizes // block_m)
+    tile_end = jnp.cumsum(tiles_per_group)
+    tile_start = tile_end - tiles_per_group
+    row = jnp.arange(num_rows)
+    group = jnp.searchsorted(group_end, row, side="right")
+    padded_row = tile_start[group] * block_m + row - group_start[group]
+    t = jnp.arange(tiles)
+    tile_group = jnp.searchsorted(tile_end, t, side="right")
+    tile_group = jnp.where(t < tile_end[-1], tile_group, -1).astype(jnp.int32)
+    return TileLayout(padded_row.astype(jnp.int32), tile_group)
+
+
+def to_tiles(rows: jax.Array, layout: TileLayout, block_m: int) -> jax.Array:
+    """[M, K] sorted rows -> [T * block_m, K], padding rows zero."""
+    tiles = layout.tile_group.shape[0]
+    out = jnp.zeros((tiles * block_m, rows.shape[1]), rows.dtype)
+    return out.at[layout.padded_row].set(rows, unique_indices=True)
+
+
+def from_tiles(tiled: jax.Array, layout: TileLayout) -> jax.Array:
+    return tiled[layout.padded_row]

@@ -1,0 +1,156 @@
+"""The grouped GEMM kernel against its jnp reference, in GPU interpret mode on the CPU (the
+same tests run the compiled kernel on a GPU), plus the reference against a float64 numpy
+computation and the kernel's lowering for CUDA."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pallas_kernels.common import abstract_gpu, on_hopper_or_newer
+from pallas_kernels.grouped_gemm import api, layout, reference
+from pallas_kernels.grouped_gemm.mosaic_gpu import TileConfig, tiled_group_matmul
+
+KERNEL = "mosaic_gpu" if on_hopper_or_newer() else "interpret"
+K, N = 128, 256
+SIZES = {                                   # rows per group
+    "balanced": [40, 40, 40, 40],
+    "empty experts": [0, 70, 0, 0, 3, 0, 0, 1, 0],
+    "one hot expert": [0, 0, 150, 0],
+    "one token": [0, 1, 0],
+    "one group": [77],
+}
+
+
+def problem(sizes, fp8: bool, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    lhs = jnp.asarray(rng.standard_normal((int(sizes.sum()), K)), jnp.bfloat16)
+    weights = rng.standard_normal((len(sizes), K, N)) / 8
+    if not fp8:
+        return lhs, jnp.asarray(weights, jnp.bfloat16), sizes, None
+    scale = rng.uniform(0.01, 0.05, (len(sizes), K // 128, N // 128)).astype(np.float32)
+    full = np.repeat(np.repeat(scale, 128, 1), 128, 2)
+    codes = (weights / full).astype(ml_dtypes.float8_e4m3fn)
+    return lhs, jnp.asarray(codes), sizes, jnp.asarray(scale)
+
+
+def close(out, ref):
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert out.shape == ref.shape
+    np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2 * max(np.abs(ref).max(), 1e-3))
+
+
+@pytest.mark.parametrize("case", SIZES)
+@pytest.mark.parametrize("swiglu", [None, 7.0])
+def test_kernel_matches_reference_bf16(case, swiglu):
+    lhs, rhs, sizes, _ = problem(SIZES[case], fp8=False)
+    ref = reference.grouped_matmul(lhs, rhs, sizes, swiglu_limit=swiglu)
+    close(api.grouped_matmul(lhs, rhs, sizes, swiglu_limit=swiglu, impl=KERNEL), ref)
+
+
+@pytest.mark.parametrize("rows", [100, 5000])
+def test_default_configs_small_and_large_batches(rows):
+    """The decode-sized and prefill-sized default tiles (api.default_config) on one problem."""
+    rng = np.random.default_rng(rows)
+    sizes = jnp.asarray(np.bincount(rng.integers(0, 6, rows), minlength=6), jnp.int32)
+    lhs = jnp.asarray(rng.standard_normal((rows, K)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((6, K, N)) / 8, jnp.bfloat16)
+    assert api.default_config(rows, N // 2, swiglu=True).block_m == (64 if rows < 4096 else 128)
+    ref = reference.grouped_matmul(lhs, rhs, sizes, swiglu_limit=7.0)
+    close(api.grouped_matmul(lhs, rhs, sizes, swiglu_limit=7.0, impl=KERNEL), ref)
+
+
+@pytest.mark.parametrize("case", ["balanced", "empty experts"])
+@pytest.mark.parametrize("swiglu", [None, 0.0])
+def test_kernel_matches_reference_fp8_block_scales(case, swiglu):
+    lhs, rhs, sizes, scale = problem(SIZES[case], fp8=True)
+    ref = reference.grouped_matmul(lhs, rhs, sizes, rhs_scale=scale, swiglu_limit=swiglu)
+    out = api.grouped_matmul(lhs, rhs, sizes, rhs_scale=scale, swiglu_limit=swiglu, impl=KERNEL,
+                             config=TileConfig(block_n=128))
+    close(out, ref)
+
+
+def test_expert_mlp_matches_reference_chain():
+    rng = np.random.default_rng(7)
+    sizes = jnp.asarray(SIZES["empty experts"], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((int(sizes.sum()), K)), jnp.bfloat16)
+    w13 = jnp.asarray(rng.standard_normal((len(sizes), K, N)) / 8, jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((len(sizes), N // 2, K)) / 8, jnp.bfloat16)
+    ref = api.expert_mlp(x, w13, w2, sizes, 7.0, impl="reference")
+    close(api.expert_mlp(x, w13, w2, sizes, 7.0, impl=KERNEL), ref)
+
+
+def test_a_rows_result_does_not_depend_on_its_groups_size():
+    """What batch-invariant MoE needs: the same (row, expert) pair gives the same bits
+    whether the expert got one row or many."""
+    lhs, rhs, sizes, _ = problem(SIZES["one hot expert"], fp8=False)
+    many = np.asarray(api.grouped_matmul(lhs, rhs, sizes, swiglu_limit=7.0, impl=KERNEL),
+                      np.float32)
+    one = api.grouped_matmul(lhs[:1], rhs, jnp.asarray([0, 0, 1, 0], jnp.int32),
+                             swiglu_limit=7.0, impl=KERNEL)
+    np.testing.assert_array_equal(np.asarray(one, np.float32), many[:1])
+
+
+def test_unfit_shapes_take_the_reference_path():
+    assert not api.kernel_runs(8, 96, 40, impl="mosaic_gpu")       # K not a multiple of 64
+    assert api.kernel_runs(8, 128, 128, impl="mosaic_gpu")
+    assert not api.kernel_runs(8, 128, 128, impl="reference")
+    lhs = jnp.ones((5, 96), jnp.bfloat16)
+    rhs = jnp.ones((2, 96, 40), jnp.bfloat16)
+    out = api.grouped_matmul(lhs, rhs, jnp.asarray([2, 3], jnp.int32), impl="mosaic_gpu")
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.full((5, 40), 96.0))
+
+
+def test_reference_against_float64():
+    lhs, rhs, sizes, scale = problem(SIZES["empty experts"], fp8=True, seed=3)
+    f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    weights = f64(rhs) * np.repeat(np.repeat(f64(scale), 128, 1), 128, 2)
+    weights = f64(weights.astype(ml_dtypes.bfloat16))   # the reference dequantizes to bf16
+    groups = np.repeat(np.arange(len(sizes)), np.asarray(sizes))
+    gate_up = np.einsum("mk,mkn->mn", f64(lhs), weights[groups])
+    gate, up = np.minimum(gate_up[:, : N // 2], 7.0), np.clip(gate_up[:, N // 2:], -7.0, 7.0)
+    expected = gate / (1 + np.exp(-gate)) * up
+    out = reference.grouped_matmul(lhs, rhs, sizes, rhs_scale=scale, swiglu_limit=7.0)
+    np.testing.assert_allclose(f64(out), expected, rtol=1e-2, atol=1e-2 * np.abs(expected).max())
+
+
+def test_tile_layout_gives_every_row_one_slot_in_its_groups_tile():
+    sizes = jnp.asarray([0, 70, 0, 3, 130, 1], jnp.int32)
+    bm = 64
+    tiles = layout.tile_layout(sizes, int(sizes.sum()), bm)
+    padded, groups = np.asarray(tiles.padded_row), np.asarray(tiles.tile_group)
+    assert len(set(padded.tolist())) == len(padded)
+    row_group = np.repeat(np.arange(len(sizes)), np.asarray(sizes))
+    assert (groups[padded // bm] == row_group).all()
+    assert len(groups) == layout.max_tiles(int(sizes.sum()), len(sizes), bm)
+    used = -(-np.asarray(sizes) // bm)
+    assert (groups[: used.sum()] >= 0).all() and (groups[used.sum():] == -1).all()
+
+
+def test_dense_gemm_rows_do_not_depend_on_the_number_of_rows():
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((1000, K)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((K, N)) / 8, jnp.bfloat16)
+    full = np.asarray(api.matmul(x, w, impl=KERNEL), np.float32)
+    close(full, api.matmul(x, w, impl="reference"))
+    for m in (1, 3, 64):
+        np.testing.assert_array_equal(np.asarray(api.matmul(x[:m], w, impl=KERNEL), np.float32),
+                                      full[:m])
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_kernel_lowers_for_cuda(fp8):
+    """Mosaic GPU's own checks (layouts, tiling, shared memory) run at lowering."""
+    lhs, rhs, sizes, scale = problem(SIZES["balanced"], fp8=fp8)
+    tiles = layout.tile_layout(sizes, lhs.shape[0], 64)
+    fn = jax.jit(functools.partial(tiled_group_matmul, swiglu_limit=7.0))
+    with abstract_gpu():
+        exported = jax.export.export(fn, platforms=["cuda"])(
+            layout.to_tiles(lhs, tiles, 64), rhs, tiles.tile_group, scale)
+    assert "mosaic_gpu" in exported.mlir_module()
