@@ -5,6 +5,8 @@ XLA fuses differently as shapes change, so a row's result can change with the nu
 next to it. In batch-invariant mode every matmul-like op runs over fixed-size row tiles in a
 loop: each tile is the same program whatever the batch, and rows never share a reduction.
 Elementwise ops and row-wise reductions (norms, softmax, sorting) are already per row.
+On a GPU where the Pallas grouped-GEMM kernel runs, `linear` uses its dense form instead
+(fixed K tiles, no split-K: row-invariant by construction, at tensor-core speed).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.grouped_gemm import api as gemm
 
 TILE = 8   # rows per tile; every bucket is a multiple of it
 
@@ -35,6 +39,9 @@ def linear(x: jax.Array, w: jax.Array, invariant: bool) -> jax.Array:
     if not invariant:
         return x @ w
     flat = x.reshape(-1, x.shape[-1])
+    if x.dtype == w.dtype and gemm.kernel_runs(gemm.INVARIANT_ROWS, w.shape[0], w.shape[1],
+                                               dtype=x.dtype):
+        return gemm.matmul(flat, w).reshape(*x.shape[:-1], w.shape[-1])
     return per_row_tiles(lambda t: t @ w, flat).reshape(*x.shape[:-1], w.shape[-1])
 
 

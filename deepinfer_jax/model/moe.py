@@ -6,8 +6,10 @@ layers pick top-k of `scores + bias` (the bias steers selection only); hash laye
 `routed_scaling_factor`. Each expert is a clamped SwiGLU: silu(min(a, L)) * clamp(b, -L, L).
 
 Routed experts run grouped: the (token, expert) pairs are sorted by expert and pushed through
-one grouped matmul (`jax.lax.ragged_dot`) over the stacked weights; then each token's K
-outputs are summed in a fixed order (slot 0..K-1), whatever the grouping.
+the grouped GEMM (pallas_kernels/grouped_gemm: the Mosaic GPU kernel on a GPU, jnp's
+`ragged_dot` elsewhere) over the stacked weights; then each token's K outputs are summed in a
+fixed order (slot 0..K-1), whatever the grouping. The kernel computes each row on its own, so
+it also serves batch-invariant mode; without it that mode runs each pair on its own.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 from deepinfer_jax.config import MlpKind, ModelConfig, ScoringFunc
 from deepinfer_jax.model.invariant import linear
 from deepinfer_jax.model.params import ExpertParams, MoEParams, SharedExpertParams
+from pallas_kernels.grouped_gemm import api as gemm
 
 
 def score(logits: jax.Array, func: ScoringFunc) -> jax.Array:
@@ -63,8 +66,7 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, p: Expe
     order = jnp.argsort(flat_expert, stable=True)                        # pairs sorted by expert
     group_sizes = jnp.bincount(flat_expert, length=n_experts).astype(jnp.int32)
     sorted_x = x[order // top_k]                                         # [N*K, D]
-    hidden = swiglu(jax.lax.ragged_dot(sorted_x, p.w13, group_sizes), limit)
-    out = jax.lax.ragged_dot(hidden.astype(x.dtype), p.w2, group_sizes)  # [N*K, D]
+    out = gemm.expert_mlp(sorted_x, p.w13, p.w2, group_sizes, limit)     # [N*K, D]
     out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
     # Back to (token, slot) order, then a fixed-order sum over the K slots.
     unsorted = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
@@ -98,7 +100,10 @@ def moe(x: jax.Array, token_ids: jax.Array, p: MoEParams, kind: MlpKind, cfg: Mo
     """x [..., D], token_ids i32[...] -> [..., D]."""
     flat = x.reshape(-1, x.shape[-1])
     experts, weights = route(flat, token_ids.reshape(-1), p, kind, cfg)
-    grouped = routed_experts_invariant if cfg.batch_invariant else routed_experts
+    pairs, (inter, dim) = flat.shape[0] * cfg.num_experts_per_tok, p.experts.w2.shape[1:]
+    on_kernel = (gemm.kernel_runs(pairs, dim, inter, dtype=flat.dtype)
+                 and gemm.kernel_runs(pairs, inter, dim, dtype=flat.dtype))
+    grouped = routed_experts_invariant if cfg.batch_invariant and not on_kernel else routed_experts
     out = grouped(flat, experts, weights, p.experts, cfg.swiglu_limit)
     if p.shared is not None:
         out = out + shared_expert(flat, p.shared, cfg.swiglu_limit, cfg.batch_invariant)
