@@ -44,6 +44,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--buckets", type=int, nargs="+", default=None,
+                    help="token buckets to compile (default: powers of two up to --chunk)")
     args = ap.parse_args()
     cfg = model_config(args)
     model = Model(cfg, random_params(cfg, 0, jnp.bfloat16))
@@ -51,6 +53,7 @@ def main() -> None:
     for invariant in (False, True):
         llm = LLM(model, batch_invariant=invariant, max_num_seqs=args.decode_batch,
                   max_model_len=args.prefill + 64, max_num_batched_tokens=args.chunk,
+                  token_buckets=args.buckets and tuple(args.buckets),
                   compilation_cache_dir=str(REPO / ".cache" / "xla-bench"))
         decode = steady_decode(llm, args.decode_batch, args.steps)
         rows.append({"batch_invariant": invariant,

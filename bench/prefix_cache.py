@@ -91,6 +91,8 @@ def main() -> None:
     ap.add_argument("--suffix", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--buckets", type=int, nargs="+", default=None,
+                    help="token buckets to compile (default: powers of two up to --chunk)")
     args = ap.parse_args()
     cfg = model_config(args)
     model = Model(cfg, random_params(cfg, 0, jnp.bfloat16))
@@ -98,6 +100,7 @@ def main() -> None:
     new = lambda n: rng.integers(2, cfg.vocab_size, n).tolist()  # noqa: E731
     options = dict(max_num_seqs=4, max_model_len=args.prefix + args.suffix + 64,
                    max_num_batched_tokens=args.chunk, show_progress=False,
+                   token_buckets=args.buckets and tuple(args.buckets),
                    compilation_cache_dir=str(REPO / ".cache" / "xla-bench"))
     runs = {"cold": [], "warm": [], "caching off": []}
     llm = LLM(model, enable_prefix_caching=True, **options)

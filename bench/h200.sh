@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU runs, as steps for one call of the device tool (each step under its own time limit,
+# so one failure leaves the others' results). Logs and result files go to $OUT.
+#
+#   bash bench/h200.sh kernels moe invariance          # carry: .whl
+#
+# Wheels the GPU image lacks (tokamax and its needs, llguidance) travel in .whl/.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT/logs"
+# No --xla_gpu_autotune_level=0: without autotuning XLA picked a 10 TFLOP/s GEMM (8192^3).
+# XLA_FLAGS passes through from the caller.
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$(pwd)
+else
+  export PYTHONPATH=$(pwd)
+fi
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv \
+  > "$OUT/logs/gpu.txt" 2>&1
+
+step() {   # name, limit in seconds, command...
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" > "$OUT/logs/$name.log" 2>&1
+  echo "step $name: exit $? in $((SECONDS - start)) s" | tee -a "$OUT/logs/steps.txt"
+  tail -n 3 "$OUT/logs/$name.log"
+  cp bench/results/*gpu* "$OUT/" 2>/dev/null   # now, in case a later step outlasts the call
+}
+
+for name in "$@"; do
+  case $name in
+    kernels)     step kernels 240 python3 -m pytest -q -p no:cacheprovider tests/kernels ;;
+    kernels-defaults) step kernels-defaults 60 python3 -m pytest -q -p no:cacheprovider \
+                   tests/kernels -k default_configs ;;
+    moe-model)   step moe-model 90 python3 -m pytest -q -p no:cacheprovider \
+                   tests/model/test_moe.py -k kernel ;;
+    moe)         step moe 240 python3 bench/kernels_moe.py ;;
+    invariance)  step invariance 300 python3 -m pytest -q -p no:cacheprovider \
+                   tests/engine/test_batch_invariance.py -k "not computes_the_same_model" ;;
+    bi-bench)    step bi-bench 240 python3 bench/batch_invariant.py --v4-flash-layers 2 \
+                   --prefill 8192 --decode-batch 64 --buckets 64 256 ;;
+    speculative) step speculative 140 python3 bench/speculative.py ;;
+    prefix)      step prefix 200 python3 bench/prefix_cache.py --v4-flash-layers 2 \
+                   --prefix 16384 --chunk 2048 --buckets 16 128 512 2048 --repeats 2 ;;
+    *) echo "unknown step $name" ;;
+  esac
+done
+cat "$OUT/logs/steps.txt"

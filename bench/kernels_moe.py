@@ -1,0 +1,356 @@
+"""Grouped MoE GEMM and batch-invariant dense GEMM: our Mosaic GPU kernel against XLA's
+`ragged_dot`/`dot` and tokamax's `ragged_dot`, on DeepSeek-V4-Flash expert shapes, one run.
+
+    python bench/kernels_moe.py                      # H200: the issue's shapes
+    python bench/kernels_moe.py --smoke              # CPU: tiny shapes, kernel interpreted
+
+Cases: routed experts (256 experts, hidden 4096, expert width 2048, top-6) for a prefill batch
+(8192 tokens) and decode batches (16, 64 tokens); tokens pick 6 distinct experts uniformly.
+Per case: the gate/up GEMM (ours fuses the clamped SwiGLU into it), the down GEMM, and the
+whole expert MLP, each as time, TFLOP/s and the rate at which the hit experts' weights were
+read. Ceilings measured in the same run: XLA's dense bf16 matmul (8192^3) and device copy
+bandwidth (torch's copy when torch is there, as the issue's reference, and XLA's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.common import environment, write_results  # noqa: E402
+from pallas_kernels.grouped_gemm import api, reference  # noqa: E402
+from pallas_kernels.grouped_gemm.mosaic_gpu import TileConfig  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    experts: int = 256
+    hidden: int = 4096
+    inter: int = 2048
+    top_k: int = 6
+    prefill_tokens: int = 8192
+    decode_tokens: tuple[int, ...] = (16, 64)
+    dense_rows: tuple[int, ...] = (4096, 8192)
+
+
+SMOKE = Shapes(experts=8, hidden=128, inter=128, top_k=2, prefill_tokens=64,
+               decode_tokens=(4,), dense_rows=(64,))
+
+
+def timed_ms(fn, *args, calls: int = 10, repeats: int = 5) -> float:
+    """Median over `repeats` of the mean time of `calls` back-to-back launches."""
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / calls * 1e3)
+    return statistics.median(samples)
+
+
+def rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+# --- ceilings -------------------------------------------------------------------------------
+
+def xla_matmul_tflops(n: int) -> float:
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    ms = timed_ms(jax.jit(jnp.dot), a, b)
+    return 2 * n**3 / ms / 1e9
+
+
+def xla_copy_tbps(num_bytes: int) -> float:
+    x = jax.random.normal(jax.random.key(0), (num_bytes // 2,), jnp.bfloat16)
+    ms = timed_ms(jax.jit(lambda v: v * 1), x)   # one read and one write of each byte
+    return 2 * num_bytes / ms / 1e9
+
+
+TORCH_COPY = """
+import torch, statistics
+x = torch.randn(2**30, device="cuda", dtype=torch.bfloat16); y = torch.empty_like(x)
+for _ in range(3): y.copy_(x)
+t = []
+for _ in range(20):
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record(); y.copy_(x); b.record(); torch.cuda.synchronize(); t.append(a.elapsed_time(b))
+print(2 * x.numel() * 2 / statistics.median(t) / 1e9)
+"""
+
+
+def torch_copy_tbps() -> float | None:
+    """torch's device copy, in its own process (two allocators would fight over memory)."""
+    try:
+        out = subprocess.run([sys.executable, "-c", TORCH_COPY], capture_output=True, text=True,
+                             timeout=120, check=True)
+        return float(out.stdout.strip().splitlines()[-1])
+    except Exception:   # noqa: BLE001 - no torch or no CUDA: report XLA's copy only
+        return None
+
+
+# --- problem --------------------------------------------------------------------------------
+
+def routing(tokens: int, shapes: Shapes, seed: int) -> jax.Array:
+    """Rows per expert when each token picks top_k distinct experts uniformly."""
+    keys = jax.random.uniform(jax.random.key(seed), (tokens, shapes.experts))
+    picks = jnp.argsort(keys, axis=1)[:, : shapes.top_k]
+    return jnp.bincount(picks.reshape(-1), length=shapes.experts).astype(jnp.int32)
+
+
+def fp8_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """bf16 [G, K, N] -> E4M3 codes and f32 scales per 128 x 128 block (amax / 448)."""
+    g, k, n = w.shape
+    blocks = w.astype(jnp.float32).reshape(g, k // 128, 128, n // 128, 128)
+    scale = jnp.max(jnp.abs(blocks), axis=(2, 4)) / 448.0 + 1e-12
+    codes = (blocks / scale[:, :, None, :, None]).astype(ml_dtypes.float8_e4m3fn)
+    return codes.reshape(g, k, n), scale
+
+
+@dataclasses.dataclass
+class Experts:
+    w13: jax.Array          # [E, D, 2I] bf16
+    w2: jax.Array           # [E, I, D]  bf16
+    w13_fp8: tuple          # (codes, scales)
+    w2_fp8: tuple
+
+
+def make_experts(shapes: Shapes) -> Experts:
+    e, d, i = shapes.experts, shapes.hidden, shapes.inter
+    w13 = (jax.random.normal(jax.random.key(1), (e, d, 2 * i), jnp.bfloat16) * d**-0.5)
+    w2 = (jax.random.normal(jax.random.key(2), (e, i, d), jnp.bfloat16) * i**-0.5)
+    return Experts(w13, w2, jax.jit(fp8_blocks)(w13), jax.jit(fp8_blocks)(w2))
+
+
+# --- implementations ------------------------------------------------------------------------
+
+def tokamax_ragged_dot():
+    """tokamax's ragged_dot, or None where it cannot be imported. It imports a profiling
+    module of xprof at start-up that timing does not need: an empty stand-in serves."""
+    stub = Path(tempfile.mkdtemp()) / "xprof" / "cli" / "tools"
+    stub.mkdir(parents=True)
+    for folder in (stub.parents[1], stub.parent, stub):
+        (folder / "__init__.py").write_text("")
+    (stub / "get_kernel_stats_tool.py").write_text("")
+    sys.path.append(str(stub.parents[2]))
+    try:
+        import tokamax
+    except Exception as error:  # noqa: BLE001
+        print(f"tokamax unavailable: {error}", file=sys.stderr)
+        return None, None
+    return functools.partial(tokamax.ragged_dot, implementation="mosaic"), tokamax.__version__
+
+
+def swiglu(gate_up, limit):
+    return reference.swiglu(gate_up.astype(jnp.float32), limit)
+
+
+def row_problem(tokens: int, shapes: Shapes, seed: int):
+    sizes = routing(tokens, shapes, seed)
+    rows = tokens * shapes.top_k
+    x = jax.random.normal(jax.random.key(seed + 10), (rows, shapes.hidden), jnp.bfloat16)
+    h = jax.random.normal(jax.random.key(seed + 20), (rows, shapes.inter), jnp.bfloat16)
+    return sizes, x, h
+
+
+LIMIT = 10.0   # V4-Flash's swiglu_limit
+
+
+def moe_case(name: str, tokens: int, shapes: Shapes, experts: Experts, impl: str,
+             tokamax_dot, sweep: list[TileConfig]) -> list[dict]:
+    sizes, x, h = row_problem(tokens, shapes, seed=tokens)
+    rows, d, i = x.shape[0], shapes.hidden, shapes.inter
+    hit = int(jnp.count_nonzero(sizes))
+    flops = {"gate_up": 2 * rows * d * 2 * i, "down": 2 * rows * i * d,
+             "mlp": 2 * rows * d * 3 * i}
+    weight_bytes = {"gate_up": hit * d * 2 * i * 2, "down": hit * i * d * 2,
+                    "mlp": hit * d * 3 * i * 2}
+
+    # Weights are jit arguments (closed over, jit would embed gigabytes of constants).
+    bf16 = {"gate_up": (experts.w13, None), "down": (experts.w2, None)}
+    fp8 = {"gate_up": experts.w13_fp8, "down": experts.w2_fp8}
+
+    def ours(weights):
+        def op(name, a, s, w13, s13, w2, s2, cfg=None):
+            if name == "gate_up":
+                return api.grouped_matmul(a, w13, s, rhs_scale=s13, swiglu_limit=LIMIT,
+                                          impl=impl, config=cfg)
+            if name == "down":
+                return api.grouped_matmul(a, w2, s, rhs_scale=s2, impl=impl, config=cfg)
+            return api.expert_mlp(a, w13, w2, s, LIMIT, w13_scale=s13, w2_scale=s2, impl=impl)
+        return op, weights
+
+    def via(dot):
+        def op(name, a, s, w13, _s13, w2, _s2):
+            if name == "gate_up":
+                return swiglu(dot(a, w13, s), LIMIT).astype(a.dtype)
+            if name == "down":
+                return dot(a, w2, s)
+            return dot(swiglu(dot(a, w13, s), LIMIT).astype(a.dtype), w2, s)
+        return op, bf16
+
+    peers = {}
+    # XLA lowers ragged_dot densely on GPU: a [rows, experts, N] intermediate.
+    dense_bytes = rows * shapes.experts * 2 * i * 2
+    if dense_bytes < 32 * 2**30:
+        peers["xla ragged_dot"] = via(jax.lax.ragged_dot)
+    else:
+        results_skipped = {"case": name, "rows": rows, "op": "all", "impl": "xla ragged_dot",
+                           "error": f"not run: its dense lowering needs {dense_bytes / 2**30:.0f} "
+                                    "GiB (rows x experts x N), more than the GPU has"}
+    if tokamax_dot is not None:                           # the peers first: ours are
+        peers["tokamax ragged_dot"] = via(tokamax_dot)    # checked against their outputs
+    peers |= {"ours bf16": ours(bf16), "ours fp8": ours(fp8)}
+
+    results, outputs = [], {}
+    if "xla ragged_dot" not in peers:
+        results.append(results_skipped)
+    for op in ("gate_up", "down", "mlp"):
+        arg = h if op == "down" else x
+        for peer, (fn, weights) in peers.items():
+            row = {"case": name, "tokens": tokens, "rows": rows, "hit_experts": hit, "op": op,
+                   "impl": peer}
+            args = (arg, sizes, *weights["gate_up"], *weights["down"])
+            try:
+                fn = jax.jit(functools.partial(fn, op))
+                outputs[peer, op] = fn(*args)
+                row["ms"] = timed_ms(fn, *args)
+            except Exception as error:  # noqa: BLE001 - a peer that cannot run this shape
+                row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+                results.append(row)
+                continue
+            read = weight_bytes[op] // (2 if peer == "ours fp8" else 1)
+            row["tflops"] = flops[op] / row["ms"] / 1e9
+            row["weight_tbps"] = read / row["ms"] / 1e9
+            ref = outputs.get(("xla ragged_dot", op), outputs.get(("tokamax ragged_dot", op)))
+            if ref is not None and peer.startswith("ours"):
+                row["rel_err_vs_peer"] = rel_err(outputs[peer, op], ref)
+            results.append(row)
+        if op == "gate_up" and impl != "interpret":
+            fn, weights = peers["ours bf16"]
+            args = (x, sizes, *weights["gate_up"], *weights["down"])
+            results += tile_sweep(name, tokens, rows, hit, flops[op], weight_bytes[op],
+                                  functools.partial(fn, op), args, sweep)
+    return results
+
+
+def tile_sweep(name, tokens, rows, hit, flops, weight_bytes, fn, args, sweep) -> list[dict]:
+    out = []
+    for cfg in sweep:
+        row = {"case": name, "tokens": tokens, "rows": rows, "hit_experts": hit,
+               "op": "gate_up", "impl": f"ours bf16 {cfg.block_m}x{cfg.block_n}x{cfg.block_k}"
+                                         f"/{cfg.max_concurrent_steps}"}
+        try:
+            row["ms"] = timed_ms(jax.jit(functools.partial(fn, cfg=cfg)), *args)
+            row["tflops"] = flops / row["ms"] / 1e9
+            row["weight_tbps"] = weight_bytes / row["ms"] / 1e9
+        except Exception as error:  # noqa: BLE001 - e.g. a tile that overflows shared memory
+            row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+        out.append(row)
+    return out
+
+
+def dense_case(m: int, shapes: Shapes, impl: str) -> list[dict]:
+    k = n = shapes.hidden
+    x = jax.random.normal(jax.random.key(3), (m, k), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(4), (k, n), jnp.bfloat16) * k**-0.5
+    rows = []
+    ours = jax.jit(functools.partial(api.matmul, impl=impl))   # x, w are arguments
+    xla = jax.jit(jnp.dot)
+    for name, fn in (("ours invariant", ours), ("xla dot", xla)):
+        ms = timed_ms(fn, x, w)
+        rows.append({"case": f"dense M={m}", "op": "matmul", "impl": name, "rows": m, "ms": ms,
+                     "tflops": 2 * m * k * n / ms / 1e9})
+    rows[0]["rel_err_vs_peer"] = rel_err(ours(x, w), xla(x, w))
+    full = np.asarray(ours(x, w), np.float32)
+    rows[0]["rows_bitwise_equal_for_m"] = [
+        sub for sub in (1, 3, 64, min(1000, m)) if sub <= m
+        and np.array_equal(np.asarray(ours(x[:sub], w), np.float32), full[:sub])]
+    return rows
+
+
+def table(results: list[dict], ceilings: dict) -> str:
+    lines = [
+        f"Ceilings measured in this run: XLA bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s; "
+        f"copy {ceilings['copy_tbps']:.2f} TB/s ({ceilings['copy_source']}).", "",
+        "| case | op | impl | rows | hit experts | ms | TFLOP/s | weights TB/s | % matmul | "
+        "% copy | rel err |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['case']} | {r['op']} | {r['impl']} | {r.get('rows', '')} | | "
+                         f"failed: {r['error']} | | | | | |")
+            continue
+        tbps = r.get("weight_tbps")
+        lines.append(
+            f"| {r['case']} | {r['op']} | {r['impl']} | {r['rows']} | {r.get('hit_experts', '')} | "
+            f"{r['ms']:.3f} | {r['tflops']:.1f} | {'' if tbps is None else f'{tbps:.2f}'} | "
+            f"{100 * r['tflops'] / ceilings['matmul_tflops']:.0f}% | "
+            f"{'' if tbps is None else f'{100 * tbps / ceilings["copy_tbps"]:.0f}%'} | "
+            f"{r.get('rel_err_vs_peer', float('nan')):.1e} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes; kernel interpreted on CPU")
+    ap.add_argument("--name", default=None)
+    args = ap.parse_args()
+    shapes = SMOKE if args.smoke else Shapes()
+    impl = "interpret" if args.smoke else "mosaic_gpu"
+
+    ceilings = {"matmul_tflops": xla_matmul_tflops(256 if args.smoke else 8192),
+                "xla_copy_tbps": xla_copy_tbps(2**20 if args.smoke else 2**32)}
+    torch_tbps = None if args.smoke else torch_copy_tbps()
+    ceilings["torch_copy_tbps"] = torch_tbps
+    ceilings["copy_tbps"] = torch_tbps or ceilings["xla_copy_tbps"]
+    ceilings["copy_source"] = "torch copy_" if torch_tbps else "XLA elementwise"
+    print(ceilings, flush=True)
+
+    tokamax_dot, tokamax_version = (None, None) if args.smoke else tokamax_ragged_dot()
+    experts = make_experts(shapes)
+    prefill_sweep = [TileConfig(128, 64, 64, 4), TileConfig(128, 64, 64, 6),
+                     TileConfig(64, 128, 64, 4), TileConfig(128, 128, 64, 3)]
+    decode_sweep = [TileConfig(64, 128, 64, 4), TileConfig(64, 128, 64, 6),
+                    TileConfig(64, 64, 64, 8), TileConfig(64, 256, 64, 3)]
+    results = []
+    results += moe_case("prefill", shapes.prefill_tokens, shapes, experts, impl, tokamax_dot,
+                        prefill_sweep)
+    print(table(results, ceilings), flush=True)
+    for tokens in shapes.decode_tokens:
+        results += moe_case(f"decode {tokens}", tokens, shapes, experts, impl, tokamax_dot,
+                            decode_sweep)
+    for m in shapes.dense_rows:
+        results += dense_case(m, shapes, impl)
+    text = table(results, ceilings)
+    print(text)
+    env = environment() | {"tokamax": tokamax_version}
+    note = (f"\n\nShapes: {dataclasses.asdict(shapes)}; bf16 activations; FP8 = E4M3 weights with "
+            "128x128 block scales. `weights TB/s` = bytes of the hit experts' weights / time. "
+            "Ours includes laying rows out in whole tiles per expert and back; the peers' "
+            "gate_up includes a separate jnp SwiGLU. Command: `python bench/kernels_moe.py"
+            f"{' --smoke' if args.smoke else ''}`.")
+    name = args.name or ("kernels-moe-cpu-smoke" if args.smoke else "kernels-moe-gpu")
+    write_results(name, {"environment": env, "ceilings": ceilings, "results": results},
+                  text + note)
+
+
+if __name__ == "__main__":
+    main()
