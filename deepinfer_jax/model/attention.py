@@ -17,6 +17,7 @@ from deepinfer_jax.model.invariant import linear, per_row_tiles
 from deepinfer_jax.model.norms import rms_norm, unweighted_rms_norm
 from deepinfer_jax.model.params import AttentionParams
 from deepinfer_jax.model.rope import apply_rope
+from pallas_kernels.sink_attention import api as attention_kernel
 
 
 def project_queries(x: jax.Array, p: AttentionParams, cos: jax.Array, sin: jax.Array,
@@ -42,7 +43,13 @@ def sink_attention(q: jax.Array, keys: jax.Array, visible: jax.Array, sinks: jax
 
     q [B, S, H, hd], keys [B, T, hd] (also the values), visible bool[B, S, T],
     sinks f32[H] -> [B, S, H, hd].
+
+    One query per row (the engine's decode/verify step) runs on the Pallas kernel where it
+    runs (a GPU, once validated there): one program per token reading its rows in a fixed
+    order, so it is batch-invariant too.
     """
+    if q.shape[1] == 1 and attention_kernel.kernel_runs(q, keys):
+        return attention_kernel.sink_attention(q[:, 0], keys, visible[:, 0], sinks)[:, None]
     if invariant:
         return per_row_tiles(lambda *a: sink_attention(*a, sinks), q, keys, visible)
     scale = q.shape[-1] ** -0.5

@@ -1,0 +1,119 @@
+"""Decode / verify sink attention as a Mosaic GPU kernel (SM90: TMA pipeline + wgmma).
+
+One program per (query token, block of `block_d` output dims). The token's 64 heads are the
+wgmma M dimension (DeepSeek-V4's heads all share one K=V head, so they read each row once
+together). The program keeps q [H, hd] in shared memory and streams the token's rows through
+a TMA pipeline in blocks of `block_r`: scores S = q @ rows^T over the full head dim, the mask
+as an additive bias (0 or -inf), an online softmax whose running max starts at the head's
+sink logit (and its running sum at exp(0) = 1, the sink's own term), and P @ V for its
+`block_d` output dims. Splitting the 512 output dims across programs keeps the f32
+accumulator in one warpgroup's registers; each program recomputes S (cheap: decode is bound
+by reading rows, and the repeated reads of a row hit L2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+HEADS = 64     # the wgmma M: the heads of one token
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    block_r: int = 64             # rows per pipeline step (P @ V's K: a multiple of 64)
+    block_d: int = 128            # output dims per program
+    max_concurrent_steps: int = 2
+
+    def check(self, heads: int, rows: int, head_dim: int) -> None:
+        if heads != HEADS:
+            raise ValueError(f"the kernel computes {HEADS} heads per token, got {heads}")
+        if self.block_r % 64 or rows % self.block_r or head_dim % self.block_d or head_dim % 64:
+            raise ValueError(f"rows={rows} and head_dim={head_dim} must be multiples of "
+                             f"{self.block_r} and {self.block_d}")
+
+
+def sink_attention(q: jax.Array, rows: jax.Array, bias: jax.Array, sinks: jax.Array, *,
+                   config: AttentionConfig = AttentionConfig()) -> jax.Array:
+    """q [T, 64, hd], rows [T, R, hd] (bf16), bias f32[T, R] (0 visible, -inf not),
+    sinks f32[64] -> [T, 64, hd] in q's dtype."""
+    tokens, heads, head_dim = q.shape
+    num_rows = rows.shape[1]
+    config.check(heads, num_rows, head_dim)
+    br, bd = config.block_r, config.block_d
+    scale = head_dim ** -0.5
+
+    def body(q_ref, rows_ref, bias_ref, sinks_ref, out_ref, q_smem, sinks_smem, p_smem, out_smem,
+             barriers):
+        token, dcol = lax.axis_index("token"), lax.axis_index("dcol")
+        plgpu.copy_gmem_to_smem(q_ref.at[token], q_smem, barriers.at[0])
+        plgpu.copy_gmem_to_smem(sinks_ref, sinks_smem, barriers.at[1])
+        plgpu.barrier_wait(barriers.at[0])
+        plgpu.barrier_wait(barriers.at[1])
+
+        def attend(dims: slice):
+            """The whole row loop for output dims `dims` (static: V is that column slice of
+            the row block already in shared memory for S)."""
+            def step(_, k_smem, bias_smem, carry):
+                acc, peak, total = carry
+
+                def scores(s_ref):
+                    plgpu.wgmma(s_ref, q_smem, k_smem.T)
+                    return s_ref[...]
+
+                s = pl.run_scoped(scores, plgpu.ACC((heads, br)))
+                s = s * scale + lax.broadcast_in_dim(bias_smem[...], (heads, br), [1])
+                new_peak = jnp.maximum(peak, s.max(axis=1))
+                alpha = jnp.exp(peak - new_peak)
+                p = jnp.exp(s - lax.broadcast_in_dim(new_peak, s.shape, [0]))
+                total = total * alpha + p.sum(axis=1)
+
+                # P goes through shared memory (wgmma could take it from registers, GPU
+                # interpret mode cannot), then this block's P @ V joins the rescaled sum.
+                p_smem[...] = p.astype(p_smem.dtype)
+                plgpu.commit_smem()
+
+                def weighted_rows(pv_ref):
+                    plgpu.wgmma(pv_ref, p_smem, k_smem.at[:, dims])
+                    return pv_ref[...]
+
+                pv = pl.run_scoped(weighted_rows, plgpu.ACC((heads, bd)))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+                return acc, new_peak, total
+
+            # The running max starts at the sink logit and the running sum at its term, 1.
+            init = (jnp.zeros((heads, bd), jnp.float32), sinks_smem[...],
+                    jnp.ones((heads,), jnp.float32))
+            specs = [plgpu.BlockSpec((br, head_dim), lambda r: (r, 0)),
+                     plgpu.BlockSpec((br,), lambda r: (r,))]
+            acc, _, total = plgpu.emit_pipeline(
+                step, grid=(num_rows // br,), in_specs=specs, init_carry=init,
+                max_concurrent_steps=config.max_concurrent_steps)(
+                rows_ref.at[token], bias_ref.at[token])
+            out_smem[...] = (acc / lax.broadcast_in_dim(total, acc.shape, [0])).astype(
+                out_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem, out_ref.at[token, :, dims])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        for c in range(head_dim // bd):      # one static column slice per program
+            pl.when(dcol == c)(functools.partial(attend, slice(c * bd, (c + 1) * bd)))
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=(tokens, head_dim // bd), grid_names=("token", "dcol"),
+        scratch_types=dict(q_smem=plgpu.SMEM((heads, head_dim), q.dtype),
+                           sinks_smem=plgpu.SMEM((heads,), jnp.float32),
+                           p_smem=plgpu.SMEM((heads, br), q.dtype),
+                           out_smem=plgpu.SMEM((heads, bd), q.dtype),
+                           barriers=plgpu.Barrier(num_barriers=2)),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    return kernel(q, rows, bias, sinks)
+
+

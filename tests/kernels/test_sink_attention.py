@@ -1,0 +1,95 @@
+"""The decode/verify sink-attention kernel against its jnp reference (GPU interpret mode on the
+CPU, compiled on a GPU), the reference against float64 numpy and the model's attention, and
+the kernel's lowering for CUDA."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from deepinfer_jax.model.attention import sink_attention as model_sink_attention
+from pallas_kernels.common import abstract_gpu, on_hopper_or_newer
+from pallas_kernels.sink_attention import api, reference
+from pallas_kernels.sink_attention.mosaic_gpu import sink_attention as kernel
+
+KERNEL = "mosaic_gpu" if on_hopper_or_newer() else "interpret"
+HD = 512
+
+
+def visibility(pattern: str, tokens: int, rows: int, rng) -> np.ndarray:
+    """Which rows each token sees: every one, a random subset, none (an empty set: only the
+    sink), or the first few (fewer valid rows than selected, as with a short context)."""
+    match pattern:
+        case "all":
+            return np.ones((tokens, rows), bool)
+        case "random":
+            return rng.random((tokens, rows)) < 0.6
+        case "none":
+            return np.zeros((tokens, rows), bool)
+        case "first few":
+            return np.arange(rows)[None, :] < rng.integers(1, 9, (tokens, 1))
+
+
+def problem(tokens: int, heads: int, rows: int, pattern: str, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((tokens, heads, HD)) * 2, jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((tokens, rows, HD)), jnp.bfloat16)
+    sinks = jnp.asarray(rng.standard_normal(heads), jnp.float32)
+    return q, kv, jnp.asarray(visibility(pattern, tokens, rows, rng)), sinks
+
+
+def close(out, ref):
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert out.shape == ref.shape and np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2 * max(np.abs(ref).max(), 1e-3))
+
+
+@pytest.mark.parametrize("pattern", ["all", "random", "none", "first few"])
+@pytest.mark.parametrize("rows", [64, 100, 320])
+def test_kernel_matches_reference(rows, pattern):
+    q, kv, visible, sinks = problem(3, 64, rows, pattern, seed=rows)
+    close(api.sink_attention(q, kv, visible, sinks, impl=KERNEL),
+          reference.sink_attention(q, kv, visible, sinks))
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_head_counts_other_than_64(heads):
+    q, kv, visible, sinks = problem(2, heads, 64, "random", seed=heads)
+    close(api.sink_attention(q, kv, visible, sinks, impl=KERNEL),
+          reference.sink_attention(q, kv, visible, sinks))
+
+
+def test_reference_against_float64_and_the_model():
+    q, kv, visible, sinks = problem(2, 8, 40, "random", seed=9)
+    f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    logits = np.einsum("thd,trd->thr", f64(q), f64(kv)) / np.sqrt(HD)
+    logits = np.where(np.asarray(visible)[:, None], logits, -np.inf)
+    full = np.concatenate([logits, np.broadcast_to(f64(sinks)[None, :, None], (2, 8, 1))], -1)
+    probs = np.exp(full - full.max(-1, keepdims=True))
+    probs = probs / probs.sum(-1, keepdims=True)
+    expected = np.einsum("thr,trd->thd", probs[..., :-1], f64(kv))
+    out = reference.sink_attention(q, kv, visible, sinks)
+    np.testing.assert_allclose(f64(out), expected, rtol=2e-2, atol=2e-2 * np.abs(expected).max())
+    model = model_sink_attention(q[:, None], kv, visible[:, None], sinks)[:, 0]
+    np.testing.assert_array_equal(np.asarray(model, np.float32), np.asarray(out, np.float32))
+
+
+def test_kernel_lowers_for_cuda():
+    """Mosaic GPU's own checks (layouts, wgmma shapes, shared memory) run at lowering."""
+    q, kv, visible, sinks = problem(2, 64, 128, "random")
+    bias = jnp.where(visible, 0.0, -jnp.inf).astype(jnp.float32)
+    with abstract_gpu():
+        exported = jax.export.export(jax.jit(kernel), platforms=["cuda"])(q, kv, bias, sinks)
+    assert "mosaic_gpu" in exported.mlir_module()
+
+
+def test_the_models_decode_attention_dispatches_to_the_kernel(monkeypatch):
+    """The model's one-query-per-row attention (what the engine's step runs) on the kernel
+    path equals the reference path within bf16 tolerance."""
+    q, kv, visible, sinks = problem(2, 64, 64, "random", seed=4)
+    expected = model_sink_attention(q[:, None], kv, visible[:, None], sinks)
+    monkeypatch.setenv("DEEPINFER_KERNELS", KERNEL)
+    assert api.kernel_runs(q, kv)
+    close(model_sink_attention(q[:, None], kv, visible[:, None], sinks), expected)
