@@ -2,7 +2,7 @@
 # The GPU runs, as steps for one call of the device tool (each step under its own time limit,
 # so one failure leaves the others' results). Logs and result files go to $OUT.
 #
-#   bash bench/h200.sh kernels moe invariance          # carry: .whl
+#   bash bench/h200.sh kernels moe attention invariance     # carry: .whl
 #
 # Wheels the GPU image lacks (tokamax and its needs, llguidance) travel in .whl/.
 set -u
@@ -34,6 +34,7 @@ for name in "$@"; do
     kernels)     step kernels 240 python3 -m pytest -q -p no:cacheprovider tests/kernels ;;
     kernels-defaults) step kernels-defaults 60 python3 -m pytest -q -p no:cacheprovider \
                    tests/kernels -k default_configs ;;
+    attention)   step attention 240 python3 bench/kernels_attention.py ;;
     moe-model)   step moe-model 90 python3 -m pytest -q -p no:cacheprovider \
                    tests/model/test_moe.py -k kernel ;;
     moe)         step moe 240 python3 bench/kernels_moe.py ;;
