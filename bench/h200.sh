@@ -4,7 +4,8 @@
 #
 #   bash bench/h200.sh kernels moe attention invariance     # carry: .whl
 #
-# Wheels the GPU image lacks (tokamax and its needs, llguidance) travel in .whl/.
+# Wheels the GPU image lacks travel in .whl/: bench/gpu-wheels.txt lists them and says how
+# to fetch them.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/logs"
@@ -42,9 +43,10 @@ for name in "$@"; do
                    tests/engine/test_batch_invariance.py -k "not computes_the_same_model" ;;
     bi-bench)    step bi-bench 240 python3 bench/batch_invariant.py --v4-flash-layers 2 \
                    --prefill 8192 --decode-batch 64 --buckets 64 256 ;;
-    speculative) step speculative 140 python3 bench/speculative.py ;;
+    speculative) step speculative 240 python3 bench/speculative.py --buckets 16 64 256 ;;
     prefix)      step prefix 200 python3 bench/prefix_cache.py --v4-flash-layers 2 \
                    --prefix 16384 --chunk 2048 --buckets 16 128 512 2048 --repeats 2 ;;
+    e2e)         step e2e 560 python3 bench/e2e.py ;;      # carry the transformers 5.23 wheel
     *) echo "unknown step $name" ;;
   esac
 done

@@ -58,9 +58,12 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--buckets", type=int, nargs="+", default=None,
+                    help="token buckets to compile (default: powers of two up to the budget)")
     args = ap.parse_args()
     common = dict(max_num_seqs=max(args.batches), max_model_len=512,
                   max_num_batched_tokens=max(2 * max(args.batches), 256),
+                  token_buckets=args.buckets and tuple(args.buckets),
                   compilation_cache_dir=str(REPO / ".cache" / "xla-bench"))
     base = LLM(MODEL, **common)
     spec = LLM(MODEL, speculative_config={"num_speculative_tokens": args.k}, **common)

@@ -1,0 +1,255 @@
+"""End-to-end engine performance on a DeepSeek-V4-Flash slice, beside its roofline and the
+Hugging Face peer, in one run.
+
+    python bench/e2e.py                                   # H200: 4 layers (CSA, HCA, CSA, HCA)
+    python bench/e2e.py --config configs/bench/small-cpu.json --layers 2 --prefill 256 \\
+        --batches 1 4 --context 512 --peer-python .venv-oracle/bin/python   # CPU check
+
+Rows: prefill of one 1k / 8k-token prompt (tokens/s, which is also its time to first token)
+and steady decode at batch 1, 16, 64, 256 with a 4k context (tokens/s and the per-step
+inter-token latency percentiles). The requests of a decode case share their first
+context - 64 tokens through the prefix cache (prefilled once), so the case starts quickly
+and each request still attends over its full context.
+
+Rooflines, measured in the same run: a decode step must read the dense weights, the hit
+experts' weights (expected number for uniform routing) and each request's cache rows (window,
+selected compressed rows, the indexer's keys); over the measured copy bandwidth. A prefill
+token costs 2 FLOPs per active parameter plus attention's; over XLA's measured bf16 matmul
+rate. The peer (bench/hf_e2e_peer.py) runs in its own process first, so that the two never
+share the GPU's memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench import kernels_moe as ceilings_bench  # noqa: E402  (the ceiling measurements)
+from bench.common import environment, write_results  # noqa: E402
+from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
+from deepinfer_jax.config import AttentionKind, MlpKind, ModelConfig  # noqa: E402
+from deepinfer_jax.weights import random_params  # noqa: E402
+
+KINDS = [AttentionKind.CSA, AttentionKind.HCA]
+TAIL = 64            # tokens of each decode request after the shared prefix
+
+
+def slice_config(path: Path, layers: int) -> ModelConfig:
+    cfg = ModelConfig.from_json_file(path)
+    kinds = tuple((KINDS * layers)[:layers])
+    return cfg.replace(num_layers=layers, layer_types=kinds, mlp_types=(MlpKind.MOE,) * layers,
+                       num_mtp_layers=0, quantization=None)
+
+
+# --- rooflines ------------------------------------------------------------------------------
+
+def weight_counts(params, cfg: ModelConfig) -> dict:
+    """Elements: dense (read every step; the embedding table excluded, it is gathered) and
+    one routed expert of one layer."""
+    total = sum(leaf.size for leaf in jax.tree.leaves(params))
+    routed = sum(layer.moe.experts.w13.size + layer.moe.experts.w2.size
+                 for layer in params.layers)
+    return {"dense": total - routed - params.embed.size,
+            "per_expert": routed // (cfg.num_layers * cfg.n_routed_experts)}
+
+
+def rows_read(cfg: ModelConfig, kind: AttentionKind, position: int) -> tuple[int, int]:
+    """(attention rows of head_dim, indexer key rows of index_head_dim) a token reads."""
+    window = min(cfg.sliding_window, position + 1)
+    if kind is AttentionKind.CSA:
+        compressed = position // cfg.compress_rate(kind)
+        return window + min(cfg.index_topk, compressed), compressed
+    if kind is AttentionKind.HCA:
+        return window + position // cfg.compress_rate(kind), 0
+    return window, 0
+
+
+def decode_roofline(counts: dict, cfg: ModelConfig, batch: int, context: int,
+                    copy_tbps: float) -> dict:
+    experts, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    hit = experts * (1 - (1 - k / experts) ** batch)
+    weight_bytes = 2 * (counts["dense"] + cfg.num_layers * hit * counts["per_expert"])
+    cache_bytes = 0
+    for kind in cfg.layer_types:
+        attn, index = rows_read(cfg, kind, context)
+        cache_bytes += batch * 2 * (attn * cfg.head_dim + index * cfg.index_head_dim)
+    seconds = (weight_bytes + cache_bytes) / (copy_tbps * 1e12)
+    return {"bytes_per_step": weight_bytes + cache_bytes, "tokens_per_s": batch / seconds}
+
+
+def prefill_roofline(counts: dict, cfg: ModelConfig, length: int, matmul_tflops: float) -> dict:
+    active = counts["dense"] + cfg.num_layers * cfg.num_experts_per_tok * counts["per_expert"]
+    flops = 2 * active * length
+    for position in range(0, length, 64):            # attention, sampled every 64 positions
+        for kind in cfg.layer_types:
+            attn, index = rows_read(cfg, kind, position)
+            flops += 64 * (4 * cfg.num_heads * cfg.head_dim * attn
+                           + 2 * cfg.index_n_heads * cfg.index_head_dim * index)
+    return {"flops": flops, "tokens_per_s": length / (flops / (matmul_tflops * 1e12))}
+
+
+# --- the engine -----------------------------------------------------------------------------
+
+def prefill(llm: LLM, length: int, rng) -> dict:
+    vocab = llm.model.config.vocab_size
+    llm.generate([rng.integers(2, vocab, length).tolist()], SamplingParams(max_tokens=1),
+                 use_tqdm=False)                                               # warm-up
+    samples = []
+    for _ in range(2):
+        prompt = rng.integers(2, vocab, length).tolist()
+        start = time.perf_counter()
+        llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+        samples.append(time.perf_counter() - start)
+    seconds = statistics.median(samples)
+    return {"tokens_per_s": length / seconds, "ttft_s": seconds}
+
+
+def decode(llm: LLM, batch: int, context: int, steps: int, rng) -> dict:
+    engine, vocab = llm.engine, llm.model.config.vocab_size
+    shared = rng.integers(2, vocab, context - TAIL).tolist()
+    params = SamplingParams(max_tokens=10_000, ignore_eos=True)
+    engine.add_request("d0", shared + rng.integers(2, vocab, TAIL).tolist(), params)
+    while not any(r.generated for r in engine.scheduler.running):
+        engine.step()                          # the shared prefix is now in the prefix cache
+    for i in range(1, batch):
+        engine.add_request(f"d{i}", shared + rng.integers(2, vocab, TAIL).tolist(), params)
+    while not (len(engine.scheduler.running) == batch
+               and all(len(r.generated) >= 2 for r in engine.scheduler.running)):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    for req in list(engine.scheduler.running):
+        engine.abort(req.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    p50, p90, p99 = np.percentile(times, [50, 90, 99])
+    return {"tokens_per_s": batch / statistics.mean(times), "itl_p50_s": p50, "itl_p90_s": p90,
+            "itl_p99_s": p99}
+
+
+# --- the peer -------------------------------------------------------------------------------
+
+def run_peer(args, cfg: ModelConfig) -> dict | None:
+    if not args.peer_python:
+        return None
+    spec = {"config": cfg.to_hf_dict(), "prefill": args.prefill,
+            "decode": [[b, args.context] for b in args.peer_batches],
+            "new_tokens": args.peer_new_tokens, "seed": 0}
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_file, out_file = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_file.write_text(json.dumps(spec))
+        done = subprocess.run([args.peer_python, str(REPO / "bench/hf_e2e_peer.py"),
+                               str(spec_file), str(out_file)], text=True, capture_output=True,
+                              timeout=args.peer_timeout)
+        if done.returncode:
+            print(done.stderr[-3000:], file=sys.stderr)
+            return {"error": done.stderr.strip().splitlines()[-1][:200] if done.stderr else "?"}
+        return json.loads(out_file.read_text())
+
+
+def table(rows: list[dict], note: str) -> str:
+    lines = ["| case | engine tok/s | roofline tok/s | % of roofline | TTFT s | ITL p50 / p90 / "
+             "p99 ms | HF tok/s | engine / HF |", "|---|---:|---:|---:|---:|---|---:|---:|"]
+    for r in rows:
+        ttft = f"{r['ttft_s']:.3f}" if "ttft_s" in r else ""
+        itl = (" / ".join(f"{1e3 * r[f'itl_{p}_s']:.2f}" for p in ("p50", "p90", "p99"))
+               if "itl_p50_s" in r else "")
+        hf = r.get("hf_tokens_per_s")
+        hf_cells = ("| |" if hf is None else f"| {hf:.1f} | {r['tokens_per_s'] / hf:.1f}x |")
+        lines.append(f"| {r['case']} | {r['tokens_per_s']:.0f} | "
+                     f"{r['roofline_tokens_per_s']:.0f} | "
+                     f"{100 * r['tokens_per_s'] / r['roofline_tokens_per_s']:.0f}% | {ttft} | "
+                     f"{itl} {hf_cells}")
+    return "\n".join(lines) + "\n\n" + note
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", type=Path, default=REPO / "configs/deepseek-v4-flash.json")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--prefill", type=int, nargs="+", default=[1024, 8192])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--peer-python", default=sys.executable,
+                    help="Python with torch and transformers>=5.23 ('' skips the peer)")
+    ap.add_argument("--peer-batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--peer-new-tokens", type=int, default=16)
+    ap.add_argument("--peer-timeout", type=int, default=420)
+    ap.add_argument("--name", default=None)
+    args = ap.parse_args()
+
+    cfg = slice_config(args.config, args.layers)
+    peer = run_peer(args, cfg)                         # first: it frees the GPU when it exits
+    print("peer:", peer, flush=True)
+    ceilings = {"matmul_tflops": ceilings_bench.xla_matmul_tflops(
+                    8192 if jax.default_backend() == "gpu" else 512),
+                "copy_tbps": ceilings_bench.torch_copy_tbps()
+                or ceilings_bench.xla_copy_tbps(2**32 if jax.default_backend() == "gpu" else 2**24)}
+    print(ceilings, flush=True)
+
+    params = random_params(cfg, 0, jnp.bfloat16)
+    counts = weight_counts(params, cfg)
+    budget = max(args.prefill)
+    llm = LLM(Model(cfg, params), max_num_seqs=max(args.batches),
+              max_model_len=max(budget, args.context) + 64, max_num_batched_tokens=budget,
+              token_buckets=tuple(sorted({16, 64, 256, 1024, budget} | set(args.prefill))),
+              enable_prefix_caching=True,
+              compilation_cache_dir=str(REPO / ".cache" / "xla-bench"))
+    rng = np.random.default_rng(0)
+    peer_rows = {r["case"]: r for r in (peer or {}).get("rows", [])}
+    rows = []
+    for length in args.prefill:
+        row = {"case": f"prefill {length}", **prefill(llm, length, rng)}
+        roof = prefill_roofline(counts, cfg, length, ceilings["matmul_tflops"])
+        row |= {"roofline_tokens_per_s": roof["tokens_per_s"], "flops": roof["flops"]}
+        if f"prefill {length}" in peer_rows:
+            row["hf_tokens_per_s"] = peer_rows[f"prefill {length}"]["tokens_per_s"]
+        rows.append(row)
+        print(row, flush=True)
+    for batch in args.batches:
+        row = {"case": f"decode b{batch} ctx {args.context}",
+               **decode(llm, batch, args.context, args.steps, rng)}
+        roof = decode_roofline(counts, cfg, batch, args.context, ceilings["copy_tbps"])
+        row |= {"roofline_tokens_per_s": roof["tokens_per_s"],
+                "bytes_per_step": roof["bytes_per_step"]}
+        if "tokens_per_s" in peer_rows.get(row["case"], {}):
+            row["hf_tokens_per_s"] = peer_rows[row["case"]]["tokens_per_s"]
+        rows.append(row)
+        print(row, flush=True)
+
+    env = environment() | {"peer": {k: v for k, v in (peer or {}).items() if k != "rows"}}
+    command = "python bench/e2e.py " + " ".join(sys.argv[1:])
+    note = (f"Model: {args.config.name} cut to {args.layers} layers "
+            f"({', '.join(k.name for k in cfg.layer_types)}), random bf16 weights, routed MoE "
+            f"in every layer. Ceilings measured in this run: matmul "
+            f"{ceilings['matmul_tflops']:.0f} TFLOP/s, copy {ceilings['copy_tbps']:.2f} TB/s. "
+            f"Peer: HF transformers {env['peer'].get('transformers', '-')} DeepseekV4ForCausalLM, "
+            f"bf16, eager attention, same slice and prompt lengths. Command: `{command}`.")
+    text = table(rows, note)
+    print(text)
+    name = args.name or f"e2e-{jax.devices()[0].platform}"
+    write_results(name, {"environment": env, "ceilings": ceilings, "weights": counts,
+                         "rows": rows, "peer": peer, "command": command}, text)
+
+
+if __name__ == "__main__":
+    main()
