@@ -1,0 +1,47 @@
+"""The engine with its Pallas kernels in the step (interpreted on the CPU, compiled on a GPU):
+the routed experts' grouped GEMM and the decode/verify sink attention, against the same
+engine on the jnp reference path. bf16, so the two agree to rounding: same greedy tokens,
+per-step logprobs within a few thousandths."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import deepinfer_jax
+from deepinfer_jax import SamplingParams
+from deepinfer_jax.config import ModelConfig
+from pallas_kernels.grouped_gemm import api as gemm
+from pallas_kernels.sink_attention import api as attention
+from tests.conftest import REPO
+
+# Dimensions the kernels tile: head_dim a multiple of 128, hidden and expert width of 64.
+CFG = ModelConfig.from_json_file(REPO / "configs/tiny/tiny-mixed.json").replace(
+    hidden_size=128, head_dim=128, moe_intermediate_size=64, num_mtp_layers=0)
+KERNELS = "interpret" if jax.default_backend() == "cpu" else "mosaic_gpu"
+
+
+def run(monkeypatch, kernels: str):
+    monkeypatch.setenv("DEEPINFER_KERNELS", kernels)
+    model = deepinfer_jax.Model(CFG, deepinfer_jax.random_params(CFG, 3, jnp.bfloat16))
+    llm = deepinfer_jax.LLM(model, max_num_seqs=2, max_model_len=256, max_num_batched_tokens=64,
+                            token_buckets=(16, 64), page_size=64, show_progress=False)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(2, CFG.vocab_size, n).tolist() for n in (40, 150)]
+    out = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True, logprobs=1),
+                       use_tqdm=False)
+    return [o.token_ids for o in out], [[lp.logprob for lp in o.logprobs] for o in out]
+
+
+def test_engine_on_kernels_matches_the_reference_path(monkeypatch):
+    q = jnp.zeros((1, CFG.num_heads, CFG.head_dim), jnp.bfloat16)
+    monkeypatch.setenv("DEEPINFER_KERNELS", KERNELS)
+    assert attention.kernel_runs(q, q)                              # the kernels really run
+    inter, hidden = CFG.moe_intermediate_size, CFG.hidden_size
+    assert gemm.kernel_runs(16, hidden, inter) and gemm.kernel_runs(16, inter, hidden)
+    tokens, logprobs = run(monkeypatch, "reference")
+    kernel_tokens, kernel_logprobs = run(monkeypatch, KERNELS)
+    assert kernel_tokens == tokens
+    np.testing.assert_allclose(np.concatenate(kernel_logprobs), np.concatenate(logprobs),
+                               atol=0.03)
