@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO))
 from bench.common import environment, write_results  # noqa: E402
 from pallas_kernels.grouped_gemm import api, reference  # noqa: E402
 from pallas_kernels.grouped_gemm.mosaic_gpu import TileConfig  # noqa: E402
+from pallas_kernels.grouped_gemm.mosaic_gpu_ws import WarpSpecializedConfig  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +176,7 @@ LIMIT = 10.0   # V4-Flash's swiglu_limit
 
 
 def moe_case(name: str, tokens: int, shapes: Shapes, experts: Experts, impl: str,
-             tokamax_dot, sweep: list[TileConfig]) -> list[dict]:
+             tokamax_dot, sweep: dict[str, list]) -> list[dict]:
     sizes, x, h = row_problem(tokens, shapes, seed=tokens)
     rows, d, i = x.shape[0], shapes.hidden, shapes.inter
     hit = int(jnp.count_nonzero(sizes))
@@ -244,20 +245,24 @@ def moe_case(name: str, tokens: int, shapes: Shapes, experts: Experts, impl: str
             if ref is not None and peer.startswith("ours"):
                 row["rel_err_vs_peer"] = rel_err(outputs[peer, op], ref)
             results.append(row)
-        if op == "gate_up" and impl != "interpret":
+        if op in sweep and impl != "interpret":
             fn, weights = peers["ours bf16"]
-            args = (x, sizes, *weights["gate_up"], *weights["down"])
-            results += tile_sweep(name, tokens, rows, hit, flops[op], weight_bytes[op],
-                                  functools.partial(fn, op), args, sweep)
+            args = (arg, sizes, *weights["gate_up"], *weights["down"])
+            results += tile_sweep(name, op, tokens, rows, hit, flops[op], weight_bytes[op],
+                                  functools.partial(fn, op), args, sweep[op])
     return results
 
 
-def tile_sweep(name, tokens, rows, hit, flops, weight_bytes, fn, args, sweep) -> list[dict]:
+def label(cfg) -> str:
+    kind = "ws " if isinstance(cfg, WarpSpecializedConfig) else ""
+    return f"ours bf16 {kind}{cfg.block_m}x{cfg.block_n}x{cfg.block_k}/{cfg.max_concurrent_steps}"
+
+
+def tile_sweep(name, op, tokens, rows, hit, flops, weight_bytes, fn, args, sweep) -> list[dict]:
     out = []
     for cfg in sweep:
         row = {"case": name, "tokens": tokens, "rows": rows, "hit_experts": hit,
-               "op": "gate_up", "impl": f"ours bf16 {cfg.block_m}x{cfg.block_n}x{cfg.block_k}"
-                                         f"/{cfg.max_concurrent_steps}"}
+               "op": op, "impl": label(cfg)}
         try:
             row["ms"] = timed_ms(jax.jit(functools.partial(fn, cfg=cfg)), *args)
             row["tflops"] = flops / row["ms"] / 1e9
@@ -275,8 +280,14 @@ def dense_case(m: int, shapes: Shapes, impl: str) -> list[dict]:
     rows = []
     ours = jax.jit(functools.partial(api.matmul, impl=impl))   # x, w are arguments
     xla = jax.jit(jnp.dot)
-    for name, fn in (("ours invariant", ours), ("xla dot", xla)):
-        ms = timed_ms(fn, x, w)
+    ws = jax.jit(functools.partial(api.matmul, impl=impl, config=WarpSpecializedConfig(256)))
+    for name, fn in (("ours invariant", ours), ("xla dot", xla), ("ours invariant ws 128x256", ws)):
+        try:
+            ms = timed_ms(fn, x, w)
+        except Exception as error:  # noqa: BLE001 - report and go on
+            rows.append({"case": f"dense M={m}", "op": "matmul", "impl": name, "rows": m,
+                         "error": f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"})
+            continue
         rows.append({"case": f"dense M={m}", "op": "matmul", "impl": name, "rows": m, "ms": ms,
                      "tflops": 2 * m * k * n / ms / 1e9})
     rows[0]["rel_err_vs_peer"] = rel_err(ours(x, w), xla(x, w))
@@ -326,10 +337,15 @@ def main() -> None:
 
     tokamax_dot, tokamax_version = (None, None) if args.smoke else tokamax_ragged_dot()
     experts = make_experts(shapes)
-    prefill_sweep = [TileConfig(128, 64, 64, 4), TileConfig(128, 64, 64, 6),
-                     TileConfig(64, 128, 64, 4), TileConfig(128, 128, 64, 3)]
-    decode_sweep = [TileConfig(64, 128, 64, 4), TileConfig(64, 128, 64, 6),
-                    TileConfig(64, 64, 64, 8), TileConfig(64, 256, 64, 3)]
+    ws = WarpSpecializedConfig
+    prefill_sweep = {"gate_up": [TileConfig(128, 64, 64, 6), ws(64, 64, 4), ws(128, 64, 3),
+                                 ws(128, 64, 4)],
+                     "down": [TileConfig(128, 128, 64, 4), TileConfig(128, 128, 64, 6),
+                              ws(128, 64, 4), ws(256, 64, 3)]}
+    decode_sweep = {"gate_up": [TileConfig(64, 128, 64, 4), TileConfig(64, 64, 64, 8),
+                                ws(128, 64, 4)],
+                    "down": [TileConfig(64, 128, 64, 4), TileConfig(64, 256, 64, 3),
+                             ws(256, 64, 3)]}
     results = []
     results += moe_case("prefill", shapes.prefill_tokens, shapes, experts, impl, tokamax_dot,
                         prefill_sweep)

@@ -19,8 +19,11 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common import gpu_interpret, implementation
-from pallas_kernels.grouped_gemm import layout, reference
-from pallas_kernels.grouped_gemm.mosaic_gpu import TileConfig, tiled_group_matmul
+from pallas_kernels.grouped_gemm import layout, mosaic_gpu, mosaic_gpu_ws, reference
+from pallas_kernels.grouped_gemm.mosaic_gpu import TileConfig
+from pallas_kernels.grouped_gemm.mosaic_gpu_ws import WarpSpecializedConfig
+
+Config = TileConfig | WarpSpecializedConfig
 
 # tests/kernels passed on the H200 (2026-11-29): the kernel is the default on SM90+ GPUs.
 VALIDATED_ON_GPU = True
@@ -45,7 +48,7 @@ def default_config(num_rows: int, n_out: int, fp8: bool = False,
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)   # wgmma's 16-bit inputs (f32 would run as tf32)
 
 
-def kernel_fits(k: int, n_out: int, config: TileConfig, fp8: bool, dtype=jnp.bfloat16) -> bool:
+def kernel_fits(k: int, n_out: int, config: Config, fp8: bool, dtype=jnp.bfloat16) -> bool:
     if jnp.dtype(dtype) not in KERNEL_DTYPES:
         return False
     try:
@@ -65,9 +68,10 @@ def kernel_runs(num_rows: int, k: int, n_out: int, fp8: bool = False,
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                    rhs_scale: jax.Array | None = None, swiglu_limit: float | None = None,
-                   impl: str | None = None, config: TileConfig | None = None) -> jax.Array:
+                   impl: str | None = None, config: Config | None = None) -> jax.Array:
     """lhs [M, K] rows sorted by group, rhs [G, K, N], group_sizes i32[G] -> [M, N]
-    ([M, N/2] with swiglu_limit). impl: "reference", "mosaic_gpu" or "interpret"."""
+    ([M, N/2] with swiglu_limit). impl: "reference", "mosaic_gpu" or "interpret"; config:
+    the one-warpgroup kernel's TileConfig or the warp-specialised kernel's config."""
     impl = impl or implementation(VALIDATED_ON_GPU)
     n_out = rhs.shape[2] // (2 if swiglu_limit is not None else 1)
     config = config or default_config(lhs.shape[0], n_out, rhs_scale is not None,
@@ -78,22 +82,25 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                                         swiglu_limit=swiglu_limit)
     with _mode(impl):
         tiles = layout.tile_layout(group_sizes, lhs.shape[0], config.block_m)
-        out = tiled_group_matmul(layout.to_tiles(lhs, tiles, config.block_m), rhs,
-                                 tiles.tile_group, rhs_scale, swiglu_limit=swiglu_limit,
-                                 config=config)
+        out = _tiled(layout.to_tiles(lhs, tiles, config.block_m), rhs, tiles.tile_group,
+                     rhs_scale, swiglu_limit, config)
         return layout.from_tiles(out, tiles)
 
 
 def expert_mlp(x: jax.Array, w13: jax.Array, w2: jax.Array, group_sizes: jax.Array,
                swiglu_limit: float, *, w13_scale: jax.Array | None = None,
-               w2_scale: jax.Array | None = None, impl: str | None = None) -> jax.Array:
+               w2_scale: jax.Array | None = None, impl: str | None = None,
+               configs: tuple[Config, Config] | None = None) -> jax.Array:
     """Each row through its group's clamped-SwiGLU expert: x [M, D] sorted by group,
-    w13 [G, D, 2I] (gate | up), w2 [G, I, D] -> [M, D] in x's dtype."""
+    w13 [G, D, 2I] (gate | up), w2 [G, I, D] -> [M, D] in x's dtype. configs: the gate/up
+    and down kernels' (their tiles must have the same rows)."""
     impl = impl or implementation(VALIDATED_ON_GPU)
     (rows, dim), inter = x.shape, w2.shape[1]
     fp8 = w13_scale is not None
-    up_cfg = default_config(rows, inter, fp8, swiglu=True)
-    down_cfg = default_config(rows, dim, fp8)
+    up_cfg, down_cfg = configs or (default_config(rows, inter, fp8, swiglu=True),
+                                   default_config(rows, dim, fp8))
+    if up_cfg.block_m != down_cfg.block_m:
+        raise ValueError("the gate/up and down kernels must tile the same rows")
     if (impl == "reference" or not kernel_fits(dim, inter, up_cfg, fp8, x.dtype)
             or not kernel_fits(inter, dim, down_cfg, fp8, x.dtype)):
         hidden = reference.grouped_matmul(x, w13, group_sizes, rhs_scale=w13_scale,
@@ -101,10 +108,9 @@ def expert_mlp(x: jax.Array, w13: jax.Array, w2: jax.Array, group_sizes: jax.Arr
         return reference.grouped_matmul(hidden, w2, group_sizes, rhs_scale=w2_scale)
     with _mode(impl):
         tiles = layout.tile_layout(group_sizes, rows, up_cfg.block_m)
-        hidden = tiled_group_matmul(layout.to_tiles(x, tiles, up_cfg.block_m), w13,
-                                    tiles.tile_group, w13_scale, swiglu_limit=swiglu_limit,
-                                    config=up_cfg)
-        out = tiled_group_matmul(hidden, w2, tiles.tile_group, w2_scale, config=down_cfg)
+        hidden = _tiled(layout.to_tiles(x, tiles, up_cfg.block_m), w13, tiles.tile_group,
+                        w13_scale, swiglu_limit, up_cfg)
+        out = _tiled(hidden, w2, tiles.tile_group, w2_scale, None, down_cfg)
         return layout.from_tiles(out, tiles)
 
 
@@ -112,13 +118,21 @@ INVARIANT_ROWS = 1 << 20   # matmul's tile config is the large-batch one, whatev
 
 
 def matmul(x: jax.Array, w: jax.Array, *, impl: str | None = None,
-           config: TileConfig | None = None) -> jax.Array:
+           config: Config | None = None) -> jax.Array:
     """Batch-invariant x [M, K] @ w [K, N] -> [M, N] in x's dtype (f32 accumulation).
 
     The tile config does not depend on M, so nothing about a row's computation does."""
     config = config or default_config(INVARIANT_ROWS, w.shape[1])
     sizes = jnp.full((1,), x.shape[0], jnp.int32)
     return grouped_matmul(x, w[None], sizes, impl=impl, config=config)
+
+
+def _tiled(lhs, rhs, tile_group, rhs_scale, swiglu_limit, config: Config) -> jax.Array:
+    if isinstance(config, WarpSpecializedConfig):
+        return mosaic_gpu_ws.tiled_group_matmul(lhs, rhs, tile_group, swiglu_limit=swiglu_limit,
+                                                config=config)
+    return mosaic_gpu.tiled_group_matmul(lhs, rhs, tile_group, rhs_scale,
+                                         swiglu_limit=swiglu_limit, config=config)
 
 
 def _mode(impl: str):

@@ -15,6 +15,8 @@ import pytest
 from pallas_kernels.common import abstract_gpu, on_hopper_or_newer
 from pallas_kernels.grouped_gemm import api, layout, reference
 from pallas_kernels.grouped_gemm.mosaic_gpu import TileConfig, tiled_group_matmul
+from pallas_kernels.grouped_gemm.mosaic_gpu_ws import WarpSpecializedConfig
+from pallas_kernels.grouped_gemm.mosaic_gpu_ws import tiled_group_matmul as tiled_group_matmul_ws
 
 KERNEL = "mosaic_gpu" if on_hopper_or_newer() else "interpret"
 K, N = 128, 256
@@ -52,6 +54,31 @@ def test_kernel_matches_reference_bf16(case, swiglu):
     lhs, rhs, sizes, _ = problem(SIZES[case], fp8=False)
     ref = reference.grouped_matmul(lhs, rhs, sizes, swiglu_limit=swiglu)
     close(api.grouped_matmul(lhs, rhs, sizes, swiglu_limit=swiglu, impl=KERNEL), ref)
+
+
+WS = WarpSpecializedConfig(block_n=64)
+
+
+@pytest.mark.parametrize("case", SIZES)
+@pytest.mark.parametrize("swiglu", [None, 7.0])
+def test_warp_specialized_kernel_matches_reference(case, swiglu):
+    lhs, rhs, sizes, _ = problem(SIZES[case], fp8=False)
+    ref = reference.grouped_matmul(lhs, rhs, sizes, swiglu_limit=swiglu)
+    close(api.grouped_matmul(lhs, rhs, sizes, swiglu_limit=swiglu, impl=KERNEL, config=WS), ref)
+
+
+def test_warp_specialized_expert_mlp_and_dense_invariance():
+    rng = np.random.default_rng(8)
+    sizes = jnp.asarray(SIZES["one hot expert"], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((int(sizes.sum()), K)), jnp.bfloat16)
+    w13 = jnp.asarray(rng.standard_normal((len(sizes), K, N)) / 8, jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((len(sizes), N // 2, K)) / 8, jnp.bfloat16)
+    close(api.expert_mlp(x, w13, w2, sizes, 7.0, impl=KERNEL, configs=(WS, WS)),
+          api.expert_mlp(x, w13, w2, sizes, 7.0, impl="reference"))
+    full = np.asarray(api.matmul(x, w13[0], impl=KERNEL, config=WS), np.float32)
+    for m in (1, 3, 64):
+        np.testing.assert_array_equal(
+            np.asarray(api.matmul(x[:m], w13[0], impl=KERNEL, config=WS), np.float32), full[:m])
 
 
 @pytest.mark.parametrize("rows", [100, 5000])
@@ -142,6 +169,16 @@ def test_dense_gemm_rows_do_not_depend_on_the_number_of_rows():
     for m in (1, 3, 64):
         np.testing.assert_array_equal(np.asarray(api.matmul(x[:m], w, impl=KERNEL), np.float32),
                                       full[:m])
+
+
+def test_warp_specialized_kernel_lowers_for_cuda():
+    lhs, rhs, sizes, _ = problem(SIZES["balanced"], fp8=False)
+    tiles = layout.tile_layout(sizes, lhs.shape[0], WS.block_m)
+    fn = jax.jit(functools.partial(tiled_group_matmul_ws, swiglu_limit=7.0, config=WS))
+    with abstract_gpu():
+        exported = jax.export.export(fn, platforms=["cuda"])(
+            layout.to_tiles(lhs, tiles, WS.block_m), rhs, tiles.tile_group)
+    assert "mosaic_gpu" in exported.mlir_module()
 
 
 @pytest.mark.parametrize("fp8", [False, True])

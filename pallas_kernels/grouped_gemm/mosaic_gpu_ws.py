@@ -1,0 +1,124 @@
+"""The grouped GEMM, warp-specialised (SM90): a producer warpgroup and two consumer warpgroups.
+
+Same contract as mosaic_gpu.tiled_group_matmul (bf16 weights only). A program computes a tile
+of 128 rows (one group, as laid out by layout.py) by `block_n` columns (each SwiGLU half): a
+memory warpgroup streams the rows' K blocks and the group's weight blocks through shared
+memory, and each of two compute warpgroups runs wgmma on its 64 rows of the tile, with one
+accumulator per half. Doubling the rows that share each weight block halves the weight bytes
+per FLOP of the one-warpgroup kernel, and the producer keeps copies in flight while both
+consumers compute: the structure of jax's Hopper matmul example, applied to expert tiles.
+
+The sum over K runs in the same order for every row, so a row's result does not depend on
+the batch here either. Not yet timed on the H200 (bench/kernels_moe.py sweeps it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+WG_ROWS = 64          # rows per consumer warpgroup (the wgmma M)
+CONSUMERS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class WarpSpecializedConfig:
+    block_n: int = 128            # output columns per program (per SwiGLU half)
+    block_k: int = 64
+    max_concurrent_steps: int = 3
+
+    @property
+    def block_m(self) -> int:     # the tile rows layout.py must use
+        return WG_ROWS * CONSUMERS
+
+    def check(self, k: int, n_out: int, fp8: bool) -> None:
+        if fp8:
+            raise ValueError("the warp-specialised kernel takes bf16 weights only")
+        if self.block_n % 8 or not 0 < self.block_n <= 256:
+            raise ValueError(f"wgmma: 0 < block_n <= 256, a multiple of 8 ({self})")
+        if k % self.block_k or n_out % self.block_n:
+            raise ValueError(f"K={k} and N={n_out} must be multiples of {self.block_k} and "
+                             f"{self.block_n}")
+
+
+def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
+                       swiglu_limit: float | None = None,
+                       config: WarpSpecializedConfig = WarpSpecializedConfig()) -> jax.Array:
+    """lhs [T * 128, K] (tile t belongs to group tile_group[t]; -1: unused), rhs [G, K, N]
+    -> [T * 128, N] ([.., N/2] with the SwiGLU epilogue: rhs holds gate | up)."""
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    rows, k = lhs.shape
+    n = rhs.shape[2]
+    n_out = n // 2 if swiglu_limit is not None else n
+    config.check(k, n_out, fp8=False)
+    halves = 2 if swiglu_limit is not None else 1
+
+    def body(tile_group_ref, lhs_ref, rhs_ref, out_ref):
+        tile, col = lax.axis_index("tile"), lax.axis_index("col")
+        group = tile_group_ref[tile]
+        wg = lax.axis_index("wg")
+        my_rows = pl.ds(wg * WG_ROWS, WG_ROWS)
+        operands = (lhs_ref.at[pl.ds(tile * bm, bm)], *[rhs_ref.at[jnp.maximum(group, 0)]] * halves)
+
+        def pipeline(mma, compute_context):
+            specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), delay_release=1)]
+            specs += [plgpu.BlockSpec((bk, bn), functools.partial(
+                lambda kk, half: (kk, col + half * (n_out // bn)), half=half), delay_release=1)
+                for half in range(halves)]
+            return plgpu.emit_pipeline_warp_specialized(
+                mma, grid=(k // bk,), memory_registers=40, in_specs=specs, wg_axis="wg",
+                num_compute_wgs=CONSUMERS, max_concurrent_steps=config.max_concurrent_steps,
+                compute_context=compute_context)
+
+        def mma(_, lhs_smem, *refs):
+            *rhs_smems, accs = refs
+            for acc, w in zip(accs, rhs_smems, strict=True):
+                plgpu.wgmma(acc, lhs_smem.at[my_rows], w)
+            plgpu.wgmma_wait(halves)      # retire the previous step's (its slots refill next)
+            return accs
+
+        # Shared memory of a multi-warpgroup kernel is allocated for all warpgroups at once:
+        # the pipeline's buffers (sized with a placeholder body) and one output tile per
+        # consumer.
+        ignore = lambda *_, **__: None  # noqa: E731
+        @functools.partial(
+            pl.run_scoped, allocations=pipeline(ignore, ignore).get_allocations(*operands),
+            out_smem=plgpu.SMEM((CONSUMERS, WG_ROWS, bn), out_ref.dtype), collective_axes="wg")
+        def scope(allocations, out_smem):
+            def compute_context(eval_pipeline):
+                def accumulate(*accs):
+                    accs = eval_pipeline(accs)
+                    values = [acc[...] for acc in accs]
+                    if swiglu_limit is not None:
+                        gate, up = values
+                        if swiglu_limit > 0:
+                            gate = jnp.minimum(gate, swiglu_limit)
+                            up = jnp.minimum(jnp.maximum(up, -swiglu_limit), swiglu_limit)
+                        result = gate / (1.0 + jnp.exp(-gate)) * up
+                    else:
+                        (result,) = values
+                    mine = out_smem.at[wg]
+                    mine[...] = result.astype(out_smem.dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(mine, out_ref.at[
+                        pl.ds(tile * bm + wg * WG_ROWS, WG_ROWS), pl.ds(col * bn, bn)])
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+                pl.run_scoped(accumulate, *[plgpu.ACC((WG_ROWS, bn)) for _ in range(halves)])
+
+            @pl.when(group >= 0)
+            def _():
+                pipeline(mma, compute_context)(*operands, allocations=allocations)
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((rows, n_out), lhs.dtype),
+        grid=(rows // bm, n_out // bn), grid_names=("tile", "col"),
+        num_threads=CONSUMERS + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    return kernel(tile_group, lhs, rhs)
