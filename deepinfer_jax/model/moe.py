@@ -21,6 +21,7 @@ from deepinfer_jax.config import MlpKind, ModelConfig, ScoringFunc
 from deepinfer_jax.model.invariant import linear
 from deepinfer_jax.model.params import ExpertParams, MoEParams, SharedExpertParams
 from pallas_kernels.grouped_gemm import api as gemm
+from pallas_kernels.grouped_gemm.reference import swiglu  # the clamped SwiGLU, one definition
 
 
 def score(logits: jax.Array, func: ScoringFunc) -> jax.Array:
@@ -46,15 +47,6 @@ def route(x: jax.Array, token_ids: jax.Array, p: MoEParams, kind: MlpKind,
     if cfg.norm_topk_prob:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     return experts.astype(jnp.int32), weights * cfg.routed_scaling_factor
-
-
-def swiglu(gate_up: jax.Array, limit: float) -> jax.Array:
-    """gate_up [..., 2I] -> silu(min(gate, L)) * clamp(up, -L, L) [..., I] (no clamp if L = 0)."""
-    gate, up = jnp.split(gate_up, 2, axis=-1)
-    if limit > 0:
-        gate = jnp.minimum(gate, limit)
-        up = jnp.clip(up, -limit, limit)
-    return jax.nn.silu(gate) * up
 
 
 def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, p: ExpertParams,
