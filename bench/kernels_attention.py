@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO))
 from bench import kernels_moe as moe_bench  # noqa: E402  (timing and ceilings)
 from bench.common import environment, write_results  # noqa: E402
 from pallas_kernels.sink_attention import api, reference  # noqa: E402
+from pallas_kernels.sink_attention.mosaic_gpu import AttentionConfig  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +65,11 @@ def case(name: str, tokens: int, rows: int, shapes: Shapes, impl: str) -> list[d
     row_bytes = tokens * rows * shapes.head_dim * 2
     flops = 2 * 2 * tokens * shapes.heads * rows * shapes.head_dim
     out, results = {}, []
-    for label, fn in (("xla (jnp)", reference.sink_attention),
-                      ("ours", functools.partial(api.sink_attention, impl=impl))):
+    variants = [("xla (jnp)", reference.sink_attention),
+                ("ours", functools.partial(api.sink_attention, impl=impl))]
+    variants += [(f"ours {bd} dims/program", functools.partial(
+        api.sink_attention, impl=impl, config=AttentionConfig(block_d=bd))) for bd in (64, 128)]
+    for label, fn in variants:
         row = {"case": name, "tokens": tokens, "rows_per_token": rows, "impl": label}
         try:
             jitted = jax.jit(fn)
@@ -77,7 +81,7 @@ def case(name: str, tokens: int, rows: int, shapes: Shapes, impl: str) -> list[d
             continue
         row["rows_tbps"] = row_bytes / row["ms"] / 1e9
         row["tflops"] = flops / row["ms"] / 1e9
-        if label == "ours" and "xla (jnp)" in out:
+        if label.startswith("ours") and "xla (jnp)" in out:
             row["rel_err_vs_xla"] = moe_bench.rel_err(out[label], out["xla (jnp)"])
         results.append(row)
     return results

@@ -23,6 +23,13 @@ from pallas_kernels.sink_attention.mosaic_gpu import sink_attention as kernel
 VALIDATED_ON_GPU = False
 
 
+def default_config(tokens: int) -> AttentionConfig:
+    """Few tokens (decode): 64 output dims per program, so that a small batch still spreads
+    over the SMs (each program re-reads its token's rows, from L2 after the first); many
+    tokens: 128, halving the repeated score computation. Neither changes a row's sums."""
+    return AttentionConfig(block_d=64 if tokens < 64 else 128)
+
+
 def kernel_fits(q: jax.Array, rows: jax.Array, config: AttentionConfig) -> bool:
     return (q.dtype == rows.dtype and q.dtype in (jnp.bfloat16, jnp.float16)
             and q.shape[-1] % config.block_d == 0 and q.shape[-1] % 64 == 0)
@@ -31,14 +38,14 @@ def kernel_fits(q: jax.Array, rows: jax.Array, config: AttentionConfig) -> bool:
 def kernel_runs(q: jax.Array, rows: jax.Array, impl: str | None = None) -> bool:
     """Whether sink_attention takes the kernel path for these operands."""
     impl = impl or implementation(VALIDATED_ON_GPU)
-    return impl != "reference" and kernel_fits(q, rows, AttentionConfig())
+    return impl != "reference" and kernel_fits(q, rows, default_config(q.shape[0]))
 
 
 def sink_attention(q: jax.Array, rows: jax.Array, visible: jax.Array, sinks: jax.Array, *,
                    impl: str | None = None, config: AttentionConfig | None = None) -> jax.Array:
     """q [T, H, hd], rows [T, R, hd], visible bool[T, R], sinks f32[H] -> [T, H, hd]."""
     impl = impl or implementation(VALIDATED_ON_GPU)
-    config = config or AttentionConfig()
+    config = config or default_config(q.shape[0])
     if impl == "reference" or not kernel_fits(q, rows, config):
         return reference.sink_attention(q, rows, visible, sinks)
     heads, num_rows = q.shape[1], rows.shape[1]

@@ -12,6 +12,7 @@ import pytest
 from deepinfer_jax.model.attention import sink_attention as model_sink_attention
 from pallas_kernels.common import abstract_gpu, on_hopper_or_newer
 from pallas_kernels.sink_attention import api, reference
+from pallas_kernels.sink_attention.mosaic_gpu import AttentionConfig
 from pallas_kernels.sink_attention.mosaic_gpu import sink_attention as kernel
 
 KERNEL = "mosaic_gpu" if on_hopper_or_newer() else "interpret"
@@ -52,6 +53,16 @@ def test_kernel_matches_reference(rows, pattern):
     q, kv, visible, sinks = problem(3, 64, rows, pattern, seed=rows)
     close(api.sink_attention(q, kv, visible, sinks, impl=KERNEL),
           reference.sink_attention(q, kv, visible, sinks))
+
+
+def test_column_blocks_of_64_and_many_tokens():
+    """The decode-sized (64 output dims per program) and prefill-sized (128) defaults."""
+    q, kv, visible, sinks = problem(70, 64, 64, "random", seed=5)
+    assert api.default_config(70).block_d == 128 and api.default_config(3).block_d == 64
+    ref = reference.sink_attention(q, kv, visible, sinks)
+    close(api.sink_attention(q, kv, visible, sinks, impl=KERNEL), ref)
+    close(api.sink_attention(q[:3], kv[:3], visible[:3], sinks, impl=KERNEL,
+                             config=AttentionConfig(block_d=64)), ref[:3])
 
 
 @pytest.mark.parametrize("heads", [16, 128])
