@@ -11,6 +11,7 @@ On a GPU where the Pallas grouped-GEMM kernel runs, `linear` uses its dense form
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import jax
@@ -18,7 +19,10 @@ import jax.numpy as jnp
 
 from pallas_kernels.grouped_gemm import api as gemm
 
-TILE = 8   # rows per tile; every bucket is a multiple of it
+# Rows per tile. 8 suits the CPU (little padding for small batches). On a GPU a tile re-reads
+# the weights of every matmul it covers, so larger tiles (DEEPINFER_INVARIANT_TILE=64) may be
+# cheaper; any fixed size is invariant, as long as it is the same for every run compared.
+TILE = int(os.environ.get("DEEPINFER_INVARIANT_TILE", "8"))
 
 
 def per_row_tiles(fn: Callable, *args, tile: int = TILE):
