@@ -42,8 +42,12 @@ def main(spec_file: str, out_file: str) -> None:
     torch.manual_seed(spec["seed"])
     config = DeepseekV4Config(**spec["config"])
     config._attn_implementation = "eager"
+    # Built in bf16 directly: a 4-layer V4-Flash slice has ~27 B parameters, which in float32
+    # (the default) would not fit beside its bf16 copy.
+    torch.set_default_dtype(torch.bfloat16)
     with torch.device(device):
-        model = DeepseekV4ForCausalLM(config).to(torch.bfloat16).eval()
+        model = DeepseekV4ForCausalLM(config).eval()
+    torch.set_default_dtype(torch.float32)
     vocab = config.vocab_size
     gen = torch.Generator(device="cpu").manual_seed(spec["seed"])
     prompts = lambda b, n: torch.randint(2, vocab, (b, n), generator=gen).to(device)  # noqa: E731
