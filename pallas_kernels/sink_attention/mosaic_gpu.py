@@ -6,9 +6,12 @@ together). The program keeps q [H, hd] in shared memory and streams the token's 
 a TMA pipeline in blocks of `block_r`: scores S = q @ rows^T over the full head dim, the mask
 as an additive bias (0 or -inf), an online softmax whose running max starts at the head's
 sink logit (and its running sum at exp(0) = 1, the sink's own term), and P @ V for its
-`block_d` output dims. Splitting the 512 output dims across programs keeps the f32
-accumulator in one warpgroup's registers; each program recomputes S (cheap: decode is bound
-by reading rows, and the repeated reads of a row hit L2).
+`block_d` output dims, V being that column slice of the row block already in shared memory
+(the slice is static: one branch per column block). P goes through shared memory: wgmma can
+take it from registers on the GPU, but interpret mode (CI) cannot. Splitting the 512 output
+dims across programs keeps the f32 accumulator in one warpgroup's registers; each program
+recomputes S (cheap: decode is bound by reading rows, and repeated reads of a row hit L2).
+Each token's rows are summed in one fixed order, whatever the batch: batch-invariant.
 """
 
 from __future__ import annotations
