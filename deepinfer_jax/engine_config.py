@@ -112,9 +112,6 @@ class EngineConfig:
                 raise EngineConfigError("token_buckets must be positive and reach "
                                         "max_num_batched_tokens")
             object.__setattr__(self, "token_buckets", buckets)
-        if self.enable_prefix_caching and self.speculative_config is not None:
-            raise EngineConfigError("prefix caching and MTP speculation cannot be combined yet "
-                                    "(a snapshot does not hold the MTP block's window)")
         if self.num_prefix_snapshots is not None and self.num_prefix_snapshots < 1:
             raise EngineConfigError("num_prefix_snapshots must be >= 1")
 

@@ -15,6 +15,11 @@ at layer l reads the layer l-1 outputs of the 127 tokens before it, which in tur
 so no bounded replay rebuilds the window rings of the upper layers exactly. A snapshot is
 exact and costs one window per layer (see docs/prefix_caching.md).
 
+With MTP speculation a snapshot also holds the MTP block's window, whose row for the block's
+last position pairs that position with the *next* token (MTP's input is the token after).
+Such a snapshot therefore also records the token that followed the block when it was taken,
+and serves only sequences that continue with the same token.
+
 Blocks are keyed by a hash chained from the start, so equal blocks after different prefixes
 never meet; each block also keeps its tokens, so a hash collision cannot alias two prefixes.
 Blocks no sequence uses are evicted least recently used first, the last block of a chain
@@ -63,6 +68,7 @@ class CachedBlock:
     snapshot: int | None          # slot state right after the block (None: none kept)
     last_used: int
     children: set[int] = dataclasses.field(default_factory=set)
+    snapshot_next: int | None = None   # the token after the block when snapshotted (MTP)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,14 +90,19 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    def __init__(self, pages: PageAllocator, snapshots: SnapshotAllocator, block_size: int):
+    def __init__(self, pages: PageAllocator, snapshots: SnapshotAllocator, block_size: int,
+                 snapshots_need_next_token: bool = False):
         self.pages, self.snapshots, self.block_size = pages, snapshots, block_size
+        self.snapshots_need_next_token = snapshots_need_next_token   # MTP speculation on
         self.blocks: dict[int, CachedBlock] = {}
         self._clock = itertools.count()
         self.stats = PrefixCacheStats()
 
-    def lookup(self, tokens: list[int], keys: list[int]) -> Match:
-        """The longest cached prefix of `tokens` (block keys `keys`) ending in a snapshot."""
+    def lookup(self, tokens: list[int], keys: list[int], following: list[int] | None = None
+               ) -> Match:
+        """The longest cached prefix of `tokens` (block keys `keys`) ending in a snapshot; when
+        snapshots need the next token, one whose recorded next token is the one in `following`
+        (the sequence's tokens, at least one past the prefix looked up)."""
         chain = []
         for i, key in enumerate(keys):
             block = self.blocks.get(key)
@@ -100,7 +111,7 @@ class PrefixCache:
                 break
             chain.append(block)
         cached = len(chain) * self.block_size
-        while chain and chain[-1].snapshot is None:
+        while chain and not self._snapshot_serves(chain[-1], len(chain), following):
             chain.pop()
         now = next(self._clock)
         for block in chain:
@@ -108,23 +119,36 @@ class PrefixCache:
         return Match(tuple(b.page for b in chain), chain[-1].snapshot if chain else None,
                      len(chain) * self.block_size, cached)
 
+    def _snapshot_serves(self, block: CachedBlock, num_blocks: int, following) -> bool:
+        if block.snapshot is None:
+            return False
+        if not self.snapshots_need_next_token:
+            return True
+        end = num_blocks * self.block_size
+        return following is not None and len(following) > end and (
+            block.snapshot_next == following[end])
+
     def get(self, key: int) -> CachedBlock | None:
         return self.blocks.get(key)
 
     def insert(self, key: int, parent: int | None, tokens: tuple[int, ...], page: int,
-               snapshot: int | None) -> None:
+               snapshot: int | None, snapshot_next: int | None = None) -> None:
         """Cache a block. Takes over one reference to `page` and the snapshot, and gives back
-        what it does not keep (block already cached, or its parent gone)."""
+        what it does not keep (block already cached, or its parent gone; a snapshot that needs
+        its next token without one)."""
+        if snapshot is not None and self.snapshots_need_next_token and snapshot_next is None:
+            self.snapshots.free(snapshot)
+            snapshot = None
         block = self.blocks.get(key)
         if block is None and (parent is None or parent in self.blocks):
             block = self.blocks[key] = CachedBlock(key, parent, tokens, page, snapshot,
-                                                   next(self._clock))
+                                                   next(self._clock), snapshot_next=snapshot_next)
             if parent is not None:
                 self.blocks[parent].children.add(key)
             return
         self.pages.free([page])
         if block is not None and block.snapshot is None and snapshot is not None:
-            block.snapshot = snapshot
+            block.snapshot, block.snapshot_next = snapshot, snapshot_next
         elif snapshot is not None:
             self.snapshots.free(snapshot)
 

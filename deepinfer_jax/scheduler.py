@@ -89,7 +89,8 @@ class Scheduler:
         self.prefix_cache = None
         if ecfg.enable_prefix_caching:
             self.prefix_cache = PrefixCache(self.pages, SnapshotAllocator(ecfg.num_snapshots),
-                                            ecfg.page_size)
+                                            ecfg.page_size, snapshots_need_next_token=(
+                                                ecfg.speculative is not None))
         self._pending_blocks: list[PendingBlock] = []
 
     # ---- queue management -----------------------------------------------------------------
@@ -238,7 +239,8 @@ class Scheduler:
             for index in range(seq.start // bs, end // bs):
                 cached = (self.prefix_cache.get(req.block_keys[index])
                           if index < len(req.block_keys) else None)
-                wants_snapshot = (index + 1) * bs == end
+                # A row with drafts ends the step past `end` (by its accepted drafts).
+                wants_snapshot = (index + 1) * bs == end and seq.num_drafts == 0
                 if cached is not None and (cached.snapshot is not None or not wants_snapshot):
                     continue
                 snapshot = self.prefix_cache.allocate_snapshot() if wants_snapshot else None
@@ -263,7 +265,7 @@ class Scheduler:
                 keys = req.block_keys
                 self.prefix_cache.insert(keys[block.index], keys[block.index - 1] if block.index
                                          else None, tuple(known[end - bs: end]), block.page,
-                                         block.snapshot)
+                                         block.snapshot, known[end] if len(known) > end else None)
             elif req.num_tokens >= end:               # a token still in flight
                 waiting.append(block)
             else:
@@ -279,7 +281,8 @@ class Scheduler:
             return None
         extend_block_keys(req.block_keys, req.known_tokens, self.ecfg.page_size)
         usable = req.tokens[: req.num_tokens - 1]
-        match = self.prefix_cache.lookup(usable, req.block_keys[: len(usable) // self.ecfg.page_size])
+        match = self.prefix_cache.lookup(usable, req.block_keys[: len(usable) // self.ecfg.page_size],
+                                         following=req.known_tokens)
         for page in match.pages:
             self.pages.share(page)
         req.pages, req.num_computed = list(match.pages), match.num_tokens

@@ -1,10 +1,11 @@
 """Snapshots of a slot's rings for the prefix cache: copy a slot out, copy it back in.
 
 A snapshot holds what a sequence keeps per slot besides its pages: every layer's window ring
-and compressor tails (`SlotRings`). Restoring one also rebuilds the slot's penalty counters
-from the sequence's tokens, since a cached block may have been a prompt for one request and
-generated text for another. Both copies are pure functions of fixed shapes (`width` copies per
-call, padded with out-of-range ids that are dropped), compiled once at start-up.
+and compressor tails, and with speculative decoding the MTP block's window ring
+(`SlotRings`). Restoring one also rebuilds the slot's penalty counters from the sequence's
+tokens, since a cached block may have been a prompt for one request and generated text for
+another. Both copies are pure functions of fixed shapes (`width` copies per call, padded with
+out-of-range ids that are dropped), compiled once at start-up.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import jax.numpy as jnp
 
 from deepinfer_jax.state import StateCache
 
-# Per layer: (window [S, W, hd], tail CompressorTail | None, index_tail CompressorTail | None),
-# S = slots in the state, snapshots in the pool.
+# (per layer: (window [S, W, hd], tail CompressorTail | None, index_tail CompressorTail | None),
+#  the MTP block's window [S, W', hd] or None), S = slots in the state, snapshots in the pool.
 SlotRings = tuple
 
 
 def slot_rings(state: StateCache) -> SlotRings:
-    return tuple((ls.window, ls.tail, ls.index_tail) for ls in state.layers)
+    return (tuple((ls.window, ls.tail, ls.index_tail) for ls in state.layers),
+            None if state.mtp is None else state.mtp.window)
 
 
 def init_pool(state: StateCache, count: int) -> SlotRings:
@@ -39,11 +41,12 @@ def restore(state: StateCache, pool: SlotRings, snapshots: jax.Array, slots: jax
             tokens: jax.Array, prompt_len: jax.Array) -> StateCache:
     """state[slots[i]] = pool[snapshots[i]], and the penalty counters of slots[i] recounted
     from tokens[i] (i32[L], -1 padded; positions >= prompt_len[i] are generated tokens)."""
-    rings = jax.tree.map(
+    rings, mtp_window = jax.tree.map(
         lambda r, p: r.at[slots].set(p[jnp.minimum(snapshots, p.shape[0] - 1)], mode="drop"),
         slot_rings(state), pool)
     layers = tuple(dataclasses.replace(ls, window=w, tail=t, index_tail=it)
                    for ls, (w, t, it) in zip(state.layers, rings, strict=True))
+    mtp = None if state.mtp is None else dataclasses.replace(state.mtp, window=mtp_window)
     n_slots = state.last_tokens.shape[0]
     prompt_mask = state.prompt_mask.at[slots].set(False, mode="drop")
     counts = state.output_counts.at[slots].set(0, mode="drop")
@@ -54,7 +57,7 @@ def restore(state: StateCache, pool: SlotRings, snapshots: jax.Array, slots: jax
     prompt_mask = prompt_mask.at[jnp.where(real & ~generated, row_slot, n_slots), ids].set(
         True, mode="drop")
     counts = counts.at[jnp.where(real & generated, row_slot, n_slots), ids].add(1, mode="drop")
-    return dataclasses.replace(state, layers=layers, prompt_mask=prompt_mask,
+    return dataclasses.replace(state, layers=layers, mtp=mtp, prompt_mask=prompt_mask,
                                output_counts=counts)
 
 

@@ -4,6 +4,9 @@ tokens the model runs on a hit are only those after the reused prefix, counted."
 
 from __future__ import annotations
 
+import sysconfig
+from pathlib import Path
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,7 +14,6 @@ import pytest
 import deepinfer_jax
 from deepinfer_jax import SamplingParams
 from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.engine_config import EngineConfig, EngineConfigError
 from tests.conftest import REPO
 
 BUDGET, BLOCK = 128, 64
@@ -19,6 +21,7 @@ ENGINE = dict(max_num_seqs=8, max_model_len=1024, max_num_batched_tokens=BUDGET,
               token_buckets=(16, 32, 64, 128), page_size=BLOCK, show_progress=False,
               batch_invariant=True)
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
+TINY = REPO / "models" / "deepinfer-tiny-v4"      # the shipped trained model
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +118,50 @@ def test_preempted_sequences_resume_from_the_cache_exactly(model, cold):
     assert stats.replayed_tokens == extra        # every token fed twice is counted as replayed
 
 
-def test_prefix_caching_refuses_speculation():
-    with pytest.raises(EngineConfigError, match="prefix caching"):
-        EngineConfig(enable_prefix_caching=True, speculative_config={"method": "mtp"})
+def test_with_mtp_speculation_a_warm_cache_equals_a_cold_run():
+    """Prefix caching with MTP speculation on the shipped trained model (whose drafts get
+    accepted): the snapshots then hold the MTP block's window too. Warm speculative runs give
+    the same tokens and logprobs as cold speculative runs (and the tokens of plain decoding),
+    and accept exactly as many drafts: the MTP state came back bit for bit (the prompts end less than
+    a window (64) after the hit, so the first drafts read the restored MTP rows, and an
+    unrelated request runs in the slot before each). The third prompt shares the first 256
+    tokens but not the token after them, so its lookup falls back to the snapshot before."""
+    plain = deepinfer_jax.LLM(TINY, **ENGINE)
+    source = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()
+    ids = plain.tokenizer.encode(source)
+    base, other = ids[:300], ids[1000:1100]
+    prompts = [base[:256] + ids[256:266], base + ids[300:310], base[:256] + other[:10]]
+    params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=1)
+    reference = run_alone(plain, prompts, [params] * 3)
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "varlen": False}
+    cold_spec = deepinfer_jax.LLM(TINY, speculative_config=spec, **ENGINE)
+    warm_spec = deepinfer_jax.LLM(TINY, speculative_config=spec, enable_prefix_caching=True,
+                                  **ENGINE)
+    warm_spec.generate([base + ids[300:305]], params, use_tqdm=False)         # fills the cache
+    for prompt, ref, hit in zip(prompts, reference, (256, 256, 128), strict=True):
+        warm_spec.generate([other[:50]], params, use_tqdm=False)     # leaves its state in the slot
+        accepted = cold_spec.spec_metrics.accepted, warm_spec.spec_metrics.accepted
+        hits = warm_spec.prefix_cache_stats.hit_tokens
+        out_cold = cold_spec.generate([prompt], params, use_tqdm=False)[0]
+        out_warm = warm_spec.generate([prompt], params, use_tqdm=False)[0]
+        assert_same([out_warm], [out_cold])
+        assert out_cold.token_ids == ref.token_ids
+        assert warm_spec.prefix_cache_stats.hit_tokens - hits == hit
+        assert (warm_spec.spec_metrics.accepted - accepted[1]
+                == cold_spec.spec_metrics.accepted - accepted[0] > 0)
+        # and the MTP window right after the prefill is the cold run's, bit for bit
+        assert np.array_equal(*(mtp_window_after_prefill(llm, prompt, other[:50])
+                                for llm in (cold_spec, warm_spec)))
+
+
+def mtp_window_after_prefill(llm, prompt, unrelated) -> np.ndarray:
+    llm.generate([unrelated], SamplingParams(max_tokens=4), use_tqdm=False)   # dirties the slot
+    engine = llm.engine
+    req = engine.add_request("probe", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    while not req.generated:
+        engine.step()
+    window = np.asarray(engine.state.mtp.window[req.slot], np.float32)
+    engine.abort("probe")
+    while engine.has_unfinished():
+        engine.step()
+    return window

@@ -60,6 +60,28 @@ def test_lookup_matches_whole_blocks_up_to_the_last_snapshot():
     assert cache.lookup([5] * 12, keys_of([5] * 12)).num_tokens == 0
 
 
+def test_with_mtp_a_snapshot_serves_only_the_same_next_token():
+    """Under MTP speculation a snapshot's MTP window pairs the block's last position with the
+    token after it: a sequence continuing differently falls back to an earlier snapshot, and
+    a snapshot taken without its next token is not kept."""
+    pages = PageAllocator(16)
+    cache = PrefixCache(pages, SnapshotAllocator(8), BS, snapshots_need_next_token=True)
+    tokens = list(range(100, 112))                        # three blocks
+    keys = keys_of(tokens)
+    for i, key in enumerate(keys):
+        following = tokens[(i + 1) * BS] if (i + 1) * BS < len(tokens) else None
+        cache.insert(key, keys[i - 1] if i else None, tuple(tokens[i * BS:(i + 1) * BS]),
+                     pages.allocate(1)[0], cache.snapshots.allocate(), following)
+    assert cache.blocks[keys[2]].snapshot is None         # its next token was unknown
+    assert cache.snapshots.num_free == 8 - 2
+    same = tokens[:9] + [0]
+    assert cache.lookup(same[:9], keys_of(same[:9]), following=same).num_tokens == 8
+    other = tokens[:8] + [7, 0]                           # another token right after block 2
+    match = cache.lookup(other[:9], keys_of(other[:9]), following=other)
+    assert match.num_tokens == 4 and match.num_cached == 8
+    assert cache.lookup(same[:9], keys_of(same[:9])).num_tokens == 0   # no next token given
+
+
 def test_a_hash_collision_cannot_alias_two_prefixes():
     cache, pages = cache_with()
     tokens = [1, 2, 3, 4]
