@@ -37,7 +37,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench import kernels_moe as ceilings_bench  # noqa: E402  (the ceiling measurements)
+from bench.ceilings import measure as measure_ceilings  # noqa: E402
 from bench.common import environment, write_results  # noqa: E402
 from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
 from deepinfer_jax.config import AttentionKind, MlpKind, ModelConfig  # noqa: E402
@@ -173,7 +173,7 @@ def table(rows: list[dict], note: str) -> str:
         itl = (" / ".join(f"{1e3 * r[f'itl_{p}_s']:.2f}" for p in ("p50", "p90", "p99"))
                if "itl_p50_s" in r else "")
         hf = r.get("hf_tokens_per_s")
-        hf_cells = ("| |" if hf is None else f"| {hf:.1f} | {r['tokens_per_s'] / hf:.1f}x |")
+        hf_cells = ("| | |" if hf is None else f"| {hf:.1f} | {r['tokens_per_s'] / hf:.1f}x |")
         lines.append(f"| {r['case']} | {r['tokens_per_s']:.0f} | "
                      f"{r['roofline_tokens_per_s']:.0f} | "
                      f"{100 * r['tokens_per_s'] / r['roofline_tokens_per_s']:.0f}% | {ttft} | "
@@ -200,10 +200,7 @@ def main() -> None:
     cfg = slice_config(args.config, args.layers)
     peer = run_peer(args, cfg)                         # first: it frees the GPU when it exits
     print("peer:", peer, flush=True)
-    ceilings = {"matmul_tflops": ceilings_bench.xla_matmul_tflops(
-                    8192 if jax.default_backend() == "gpu" else 512),
-                "copy_tbps": ceilings_bench.torch_copy_tbps()
-                or ceilings_bench.xla_copy_tbps(2**32 if jax.default_backend() == "gpu" else 2**24)}
+    ceilings = measure_ceilings(small=jax.default_backend() != "gpu")
     print(ceilings, flush=True)
 
     params = random_params(cfg, 0, jnp.bfloat16)

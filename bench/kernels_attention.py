@@ -28,7 +28,8 @@ import jax.numpy as jnp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench import kernels_moe as moe_bench  # noqa: E402  (timing and ceilings)
+from bench.ceilings import measure as measure_ceilings  # noqa: E402
+from bench.ceilings import rel_err, timed_ms  # noqa: E402
 from bench.common import environment, write_results  # noqa: E402
 from pallas_kernels.sink_attention import api, reference  # noqa: E402
 from pallas_kernels.sink_attention.mosaic_gpu import AttentionConfig  # noqa: E402
@@ -74,7 +75,7 @@ def case(name: str, tokens: int, rows: int, shapes: Shapes, impl: str) -> list[d
         try:
             jitted = jax.jit(fn)
             out[label] = jitted(q, kv, visible, sinks)
-            row["ms"] = moe_bench.timed_ms(jitted, q, kv, visible, sinks)
+            row["ms"] = timed_ms(jitted, q, kv, visible, sinks)
         except Exception as error:  # noqa: BLE001 - report and go on
             row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
             results.append(row)
@@ -82,7 +83,7 @@ def case(name: str, tokens: int, rows: int, shapes: Shapes, impl: str) -> list[d
         row["rows_tbps"] = row_bytes / row["ms"] / 1e9
         row["tflops"] = flops / row["ms"] / 1e9
         if label.startswith("ours") and "xla (jnp)" in out:
-            row["rel_err_vs_xla"] = moe_bench.rel_err(out[label], out["xla (jnp)"])
+            row["rel_err_vs_xla"] = rel_err(out[label], out["xla (jnp)"])
         results.append(row)
     return results
 
@@ -113,11 +114,7 @@ def main() -> None:
     args = ap.parse_args()
     shapes = SMOKE if args.smoke else Shapes()
     impl = "interpret" if args.smoke else "mosaic_gpu"
-    ceilings = {"matmul_tflops": moe_bench.xla_matmul_tflops(256 if args.smoke else 8192),
-                "xla_copy_tbps": moe_bench.xla_copy_tbps(2**20 if args.smoke else 2**32)}
-    torch_tbps = None if args.smoke else moe_bench.torch_copy_tbps()
-    ceilings["copy_tbps"] = torch_tbps or ceilings["xla_copy_tbps"]
-    ceilings["copy_source"] = "torch copy_" if torch_tbps else "XLA elementwise"
+    ceilings = measure_ceilings(small=args.smoke)
     results = []
     for context in shapes.contexts:
         for layer in ("CSA", "HCA"):

@@ -17,11 +17,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -32,6 +29,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.ceilings import measure as measure_ceilings  # noqa: E402
+from bench.ceilings import rel_err, timed_ms  # noqa: E402
 from bench.common import environment, write_results  # noqa: E402
 from pallas_kernels.grouped_gemm import api, reference  # noqa: E402
 from pallas_kernels.grouped_gemm.mosaic_gpu import TileConfig  # noqa: E402
@@ -51,61 +50,6 @@ class Shapes:
 
 SMOKE = Shapes(experts=8, hidden=128, inter=128, top_k=2, prefill_tokens=64,
                decode_tokens=(4,), dense_rows=(64,))
-
-
-def timed_ms(fn, *args, calls: int = 10, repeats: int = 5) -> float:
-    """Median over `repeats` of the mean time of `calls` back-to-back launches."""
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / calls * 1e3)
-    return statistics.median(samples)
-
-
-def rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
-# --- ceilings -------------------------------------------------------------------------------
-
-def xla_matmul_tflops(n: int) -> float:
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-    ms = timed_ms(jax.jit(jnp.dot), a, b)
-    return 2 * n**3 / ms / 1e9
-
-
-def xla_copy_tbps(num_bytes: int) -> float:
-    x = jax.random.normal(jax.random.key(0), (num_bytes // 2,), jnp.bfloat16)
-    ms = timed_ms(jax.jit(lambda v: v * 1), x)   # one read and one write of each byte
-    return 2 * num_bytes / ms / 1e9
-
-
-TORCH_COPY = """
-import torch, statistics
-x = torch.randn(2**30, device="cuda", dtype=torch.bfloat16); y = torch.empty_like(x)
-for _ in range(3): y.copy_(x)
-t = []
-for _ in range(20):
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record(); y.copy_(x); b.record(); torch.cuda.synchronize(); t.append(a.elapsed_time(b))
-print(2 * x.numel() * 2 / statistics.median(t) / 1e9)
-"""
-
-
-def torch_copy_tbps() -> float | None:
-    """torch's device copy, in its own process (two allocators would fight over memory)."""
-    try:
-        out = subprocess.run([sys.executable, "-c", TORCH_COPY], capture_output=True, text=True,
-                             timeout=120, check=True)
-        return float(out.stdout.strip().splitlines()[-1])
-    except Exception:   # noqa: BLE001 - no torch or no CUDA: report XLA's copy only
-        return None
 
 
 # --- problem --------------------------------------------------------------------------------
@@ -327,12 +271,7 @@ def main() -> None:
     shapes = SMOKE if args.smoke else Shapes()
     impl = "interpret" if args.smoke else "mosaic_gpu"
 
-    ceilings = {"matmul_tflops": xla_matmul_tflops(256 if args.smoke else 8192),
-                "xla_copy_tbps": xla_copy_tbps(2**20 if args.smoke else 2**32)}
-    torch_tbps = None if args.smoke else torch_copy_tbps()
-    ceilings["torch_copy_tbps"] = torch_tbps
-    ceilings["copy_tbps"] = torch_tbps or ceilings["xla_copy_tbps"]
-    ceilings["copy_source"] = "torch copy_" if torch_tbps else "XLA elementwise"
+    ceilings = measure_ceilings(small=args.smoke)
     print(ceilings, flush=True)
 
     tokamax_dot, tokamax_version = (None, None) if args.smoke else tokamax_ragged_dot()

@@ -52,6 +52,20 @@ class TileConfig:
             raise ValueError("with FP8 weights a tile must lie inside one 128 x 128 scale block")
 
 
+def epilogue(accs: tuple[jax.Array, ...], swiglu_limit: float | None) -> jax.Array:
+    """The f32 accumulators -> the tile's result: the accumulator itself, or the clamped
+    SwiGLU of the gate and up accumulators, silu(min(gate, L)) * clip(up, -L, L) (L = 0: no
+    clamp), in the elementwise ops Mosaic GPU lowers."""
+    if swiglu_limit is None:
+        (result,) = accs
+        return result
+    gate, up = accs
+    if swiglu_limit > 0:
+        gate = jnp.minimum(gate, swiglu_limit)
+        up = jnp.minimum(jnp.maximum(up, -swiglu_limit), swiglu_limit)
+    return gate / (1.0 + jnp.exp(-gate)) * up
+
+
 def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
                        rhs_scale: jax.Array | None = None, *, swiglu_limit: float | None = None,
                        config: TileConfig = TileConfig()) -> jax.Array:
@@ -99,15 +113,8 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
 
         @pl.when(group >= 0)
         def _():
-            accs = pl.run_scoped(accumulate, *[plgpu.ACC((bm, bn)) for _ in range(halves)])
-            if swiglu_limit is not None:
-                gate, up = accs
-                if swiglu_limit > 0:
-                    gate = jnp.minimum(gate, swiglu_limit)
-                    up = jnp.minimum(jnp.maximum(up, -swiglu_limit), swiglu_limit)
-                result = gate / (1.0 + jnp.exp(-gate)) * up
-            else:
-                (result,) = accs
+            result = epilogue(pl.run_scoped(accumulate, *[plgpu.ACC((bm, bn))
+                                                          for _ in range(halves)]), swiglu_limit)
 
             @functools.partial(pl.run_scoped, out_smem=plgpu.SMEM((bm, bn), out_ref.dtype))
             def store(out_smem):

@@ -23,6 +23,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.grouped_gemm.mosaic_gpu import epilogue
+
 WG_ROWS = 64          # rows per consumer warpgroup (the wgmma M)
 CONSUMERS = 2
 
@@ -94,15 +96,7 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
             def compute_context(eval_pipeline):
                 def accumulate(*accs):
                     accs = eval_pipeline(accs)
-                    values = [acc[...] for acc in accs]
-                    if swiglu_limit is not None:
-                        gate, up = values
-                        if swiglu_limit > 0:
-                            gate = jnp.minimum(gate, swiglu_limit)
-                            up = jnp.minimum(jnp.maximum(up, -swiglu_limit), swiglu_limit)
-                        result = gate / (1.0 + jnp.exp(-gate)) * up
-                    else:
-                        (result,) = values
+                    result = epilogue(tuple(acc[...] for acc in accs), swiglu_limit)
                     mine = out_smem.at[wg]
                     mine[...] = result.astype(out_smem.dtype)
                     plgpu.commit_smem()

@@ -1,0 +1,78 @@
+"""Timing and the two ceilings every GPU benchmark compares against, measured in its own run:
+XLA's dense bf16 matmul rate and the device copy bandwidth (torch's copy where torch is
+there, as the measured-facts reference; XLA's elementwise copy otherwise)."""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def timed_ms(fn, *args, calls: int = 10, repeats: int = 5) -> float:
+    """Median over `repeats` of the mean time of `calls` back-to-back launches."""
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / calls * 1e3)
+    return statistics.median(samples)
+
+
+def rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def xla_matmul_tflops(n: int) -> float:
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    ms = timed_ms(jax.jit(jnp.dot), a, b)
+    return 2 * n**3 / ms / 1e9
+
+
+def xla_copy_tbps(num_bytes: int) -> float:
+    x = jax.random.normal(jax.random.key(0), (num_bytes // 2,), jnp.bfloat16)
+    ms = timed_ms(jax.jit(lambda v: v * 1), x)   # one read and one write of each byte
+    return 2 * num_bytes / ms / 1e9
+
+
+TORCH_COPY = """
+import torch, statistics
+x = torch.randn(2**30, device="cuda", dtype=torch.bfloat16); y = torch.empty_like(x)
+for _ in range(3): y.copy_(x)
+t = []
+for _ in range(20):
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record(); y.copy_(x); b.record(); torch.cuda.synchronize(); t.append(a.elapsed_time(b))
+print(2 * x.numel() * 2 / statistics.median(t) / 1e9)
+"""
+
+
+def torch_copy_tbps() -> float | None:
+    """torch's device copy, in its own process (two allocators would fight over memory)."""
+    try:
+        out = subprocess.run([sys.executable, "-c", TORCH_COPY], capture_output=True, text=True,
+                             timeout=120, check=True)
+        return float(out.stdout.strip().splitlines()[-1])
+    except Exception:   # noqa: BLE001 - no torch or no CUDA: report XLA's copy only
+        return None
+
+
+def measure(small: bool = False) -> dict:
+    """The ceilings (small: tiny sizes, for CPU smoke runs; no torch)."""
+    ceilings = {"matmul_tflops": xla_matmul_tflops(256 if small else 8192),
+                "xla_copy_tbps": xla_copy_tbps(2**20 if small else 2**32)}
+    torch_tbps = None if small else torch_copy_tbps()
+    ceilings["torch_copy_tbps"] = torch_tbps
+    ceilings["copy_tbps"] = torch_tbps or ceilings["xla_copy_tbps"]
+    ceilings["copy_source"] = "torch copy_" if torch_tbps else "XLA elementwise"
+    return ceilings
