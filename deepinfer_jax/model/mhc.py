@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from deepinfer_jax.model.invariant import linear, per_row_tiles
+from deepinfer_jax.model.invariant import linear, ordered_sum, per_row_tiles
 from deepinfer_jax.model.norms import unweighted_rms_norm
 from deepinfer_jax.model.params import HyperConnectionParams, HyperHeadParams
 
@@ -19,6 +19,14 @@ def _mixes(streams: jax.Array, fn: jax.Array, eps: float, invariant: bool) -> ja
     """streams [..., hc, D] -> f32[..., n_mix]: a linear map of the RMS-normalised flat streams."""
     flat = streams.reshape(*streams.shape[:-2], -1).astype(jnp.float32)
     return linear(unweighted_rms_norm(flat, eps), fn, invariant)
+
+
+def collapse(pre: jax.Array, streams: jax.Array, invariant: bool) -> jax.Array:
+    """sum_j pre_j X_j: f32[..., hc], [..., hc, D] -> f32[..., D]. In batch-invariant mode in
+    a fixed order: a reduction over the small stream axis may otherwise be grouped
+    differently for differently shaped inputs (e.g. the speculative step's [N, S, hc, D])."""
+    weighted = pre[..., None] * streams.astype(jnp.float32)
+    return ordered_sum(weighted, -2) if invariant else jnp.sum(weighted, axis=-2)
 
 
 def sinkhorn(comb_logits: jax.Array, iters: int, eps: float) -> jax.Array:
@@ -46,8 +54,7 @@ def hc_pre(streams: jax.Array, p: HyperConnectionParams, *, hc_eps: float, norm_
     post = 2.0 * jax.nn.sigmoid(post_w * p.scale[1] + p.base[hc:2 * hc])
     comb_logits = (comb_w * p.scale[2] + p.base[2 * hc:]).reshape(*comb_w.shape[:-1], hc, hc)
     comb = sinkhorn(comb_logits, sinkhorn_iters, hc_eps)
-    collapsed = jnp.sum(pre[..., None] * streams.astype(jnp.float32), axis=-2)
-    return collapsed.astype(streams.dtype), post, comb
+    return collapse(pre, streams, invariant).astype(streams.dtype), post, comb
 
 
 def hc_post(block_out: jax.Array, streams: jax.Array, post: jax.Array, comb: jax.Array,
@@ -67,4 +74,4 @@ def hc_head(streams: jax.Array, p: HyperHeadParams, *, hc_eps: float, norm_eps: 
     """Final collapse of the streams [..., hc, D] -> [..., D] (sigmoid weights, no Sinkhorn)."""
     mixes = _mixes(streams, p.fn, norm_eps, invariant)
     pre = jax.nn.sigmoid(mixes * p.scale[0] + p.base) + hc_eps
-    return jnp.sum(pre[..., None] * streams.astype(jnp.float32), axis=-2).astype(streams.dtype)
+    return collapse(pre, streams, invariant).astype(streams.dtype)

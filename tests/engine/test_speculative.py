@@ -3,6 +3,9 @@ rejection sampling keeps the target distribution, switches and errors."""
 
 from __future__ import annotations
 
+import sysconfig
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,6 +56,26 @@ def test_trained_model_greedy_equals_plain_decoding():
     # drafts were accepted across compressed-block boundaries (CSA rate 4): a row closed
     # inside an accepted draft is kept, and equal outputs show it was right
     assert any(o.spec.accepted > 0 and len(o.token_ids) >= 8 for o in outputs)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_trained_model_logprobs_equal_plain_decoding_bitwise(k):
+    """Batch-invariant mode: a verified token's logprob is bitwise the one plain decoding gives
+    (the stream collapse of the hc head once summed the verify step's [N, S, hc, D] in another
+    order than the plain step's [N, hc, D]; this prompt showed it at one token in 16)."""
+    plain = deepinfer_jax.LLM(TINY, **{**ENGINE, "max_model_len": 1024,
+                                        "max_num_batched_tokens": 128, "token_buckets": (16, 128)})
+    source = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()
+    prompt = plain.tokenizer.encode(source)[:310]
+    params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=1)
+    spec = deepinfer_jax.LLM(TINY, speculative_config={"num_speculative_tokens": k,
+                                                       "varlen": False},
+                             **{**ENGINE, "max_model_len": 1024, "max_num_batched_tokens": 128,
+                                "token_buckets": (16, 128)})
+    ref, out = (llm.generate([prompt], params, use_tqdm=False)[0] for llm in (plain, spec))
+    assert out.token_ids == ref.token_ids and spec.spec_metrics.accepted > 0
+    np.testing.assert_array_equal([lp.logprob for lp in out.logprobs],
+                                  [lp.logprob for lp in ref.logprobs])
 
 
 @pytest.mark.oracle
