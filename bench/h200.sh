@@ -9,6 +9,7 @@
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/logs"
+touch /tmp/h200-start   # results newer than this are this call's
 # No --xla_gpu_autotune_level=0: without autotuning XLA picked a 10 TFLOP/s GEMM (8192^3).
 # XLA_FLAGS passes through from the caller.
 export PYTHONUNBUFFERED=1
@@ -27,15 +28,16 @@ step() {   # name, limit in seconds, command...
   timeout "$limit" "$@" > "$OUT/logs/$name.log" 2>&1
   echo "step $name: exit $? in $((SECONDS - start)) s" | tee -a "$OUT/logs/steps.txt"
   tail -n 3 "$OUT/logs/$name.log"
-  cp bench/results/*gpu* "$OUT/" 2>/dev/null   # now, in case a later step outlasts the call
+  find bench/results -name "*gpu*" -newer /tmp/h200-start -exec cp {} "$OUT/" \;  # now, in case
+  # a later step outlasts the call
 }
 
 for name in "$@"; do
   case $name in
-    kernels)     step kernels 240 python3 -m pytest -q -p no:cacheprovider tests/kernels ;;
+    kernels)     step kernels 150 python3 -m pytest -q -p no:cacheprovider tests/kernels ;;
     kernels-defaults) step kernels-defaults 60 python3 -m pytest -q -p no:cacheprovider \
                    tests/kernels -k default_configs ;;
-    attention)   step attention 240 python3 bench/kernels_attention.py ;;
+    attention)   step attention 180 python3 bench/kernels_attention.py ;;
     moe-model)   step moe-model 90 python3 -m pytest -q -p no:cacheprovider \
                    tests/model/test_moe.py -k kernel ;;
     moe)         step moe 240 python3 bench/kernels_moe.py ;;
@@ -48,7 +50,7 @@ for name in "$@"; do
                    --v4-flash-layers 2 --prefill 8192 --decode-batch 64 --buckets 64 256 ;;
     bi-bench)    step bi-bench 240 python3 bench/batch_invariant.py --v4-flash-layers 2 \
                    --prefill 8192 --decode-batch 64 --buckets 64 256 ;;
-    speculative) step speculative 240 python3 bench/speculative.py --buckets 16 64 256 ;;
+    speculative) step speculative ${SPEC_LIMIT:-240} python3 bench/speculative.py --buckets 16 64 256 ;;
     prefix)      step prefix 200 python3 bench/prefix_cache.py --v4-flash-layers 2 \
                    --prefix 16384 --chunk 2048 --buckets 16 128 512 2048 --repeats 2 ;;
     e2e)         step e2e 560 python3 bench/e2e.py ;;      # carry the transformers 5.23 wheel
