@@ -37,7 +37,7 @@ for name in "$@"; do
     kernels)     step kernels 150 python3 -m pytest -q -p no:cacheprovider tests/kernels ;;
     kernels-defaults) step kernels-defaults 60 python3 -m pytest -q -p no:cacheprovider \
                    tests/kernels -k default_configs ;;
-    attention)   step attention 180 python3 bench/kernels_attention.py ;;
+    attention)   step attention 300 python3 bench/kernels_attention.py ;;
     moe-model)   step moe-model 90 python3 -m pytest -q -p no:cacheprovider \
                    tests/model/test_moe.py -k kernel ;;
     moe)         step moe 240 python3 bench/kernels_moe.py ;;
@@ -50,10 +50,13 @@ for name in "$@"; do
                    --v4-flash-layers 2 --prefill 8192 --decode-batch 64 --buckets 64 256 ;;
     bi-bench)    step bi-bench 240 python3 bench/batch_invariant.py --v4-flash-layers 2 \
                    --prefill 8192 --decode-batch 64 --buckets 64 256 ;;
-    speculative) step speculative ${SPEC_LIMIT:-240} python3 bench/speculative.py --buckets 16 64 256 ;;
+    speculative) step speculative 420 python3 bench/speculative.py --buckets 16 64 256 ;;  # cold: 5 min compiling
     prefix)      step prefix 200 python3 bench/prefix_cache.py --v4-flash-layers 2 \
                    --prefix 16384 --chunk 2048 --buckets 16 128 512 2048 --repeats 2 ;;
-    e2e)         step e2e 560 python3 bench/e2e.py ;;      # carry the transformers 5.23 wheel
+    e2e)         step e2e 560 python3 bench/e2e.py --peer-timeout 200 ;;   # carry transformers 5.23
+    profile)     step profile 240 sh -c 'python3 bench/step_profile.py --batch 1 --budget 16 \
+                   --context 128 --out /tmp/profile-tiny && python3 bench/step_profile.py \
+                   --v4-flash-layers 2 --context 4096 --batch 16 --out /tmp/profile-v4' ;;
     *) echo "unknown step $name" ;;
   esac
 done

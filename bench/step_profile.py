@@ -1,0 +1,137 @@
+"""Where a decode step's time goes: host loop vs device, and the device time by kernel.
+
+    python bench/step_profile.py [--model PATH | --v4-flash-layers N] [--batch B] [--out DIR]
+
+Runs steady decode at one batch size and reports (1) the engine loop's split between host
+work and waiting for the device, (2) the compiled step's device time alone (same inputs,
+called back to back), (3) with --out, a profiler trace and the device kernels ranked by total
+time (from the trace's Perfetto JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import gzip
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
+from deepinfer_jax.buckets import token_bucket  # noqa: E402
+from deepinfer_jax.plan import build_plan  # noqa: E402
+
+
+def build(args) -> LLM:
+    common = dict(max_num_seqs=max(args.batch, 16), max_model_len=args.context + 256,
+                  max_num_batched_tokens=args.budget, token_buckets=tuple(sorted({16, args.budget})),
+                  enable_prefix_caching=False,
+                  compilation_cache_dir=str(REPO / ".cache" / "xla-bench"))
+    if args.v4_flash_layers:
+        from bench.e2e import slice_config
+        from deepinfer_jax.weights import random_params
+        cfg = slice_config(REPO / "configs/deepseek-v4-flash.json", args.v4_flash_layers)
+        return LLM(Model(cfg, random_params(cfg, 0, jnp.bfloat16)), **common)
+    return LLM(args.model, **common)
+
+
+def kernel_table(trace_dir: Path, steps: int, top: int = 25) -> list[tuple[str, float, int]]:
+    files = sorted(trace_dir.rglob("*.trace.json.gz")) or sorted(trace_dir.rglob("*.json.gz"))
+    if not files:
+        return []
+    events = json.loads(gzip.open(files[-1]).read())["traceEvents"]
+    threads = {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name"):
+            threads[(e["pid"], e.get("tid") if e["name"] == "thread_name" else None)] = \
+                e["args"]["name"]
+    device_pids = {pid for (pid, tid), name in threads.items()
+                   if tid is None and "GPU" in name}
+    device_pids = device_pids or {pid for pid, _ in threads}      # CPU: the host's thunks
+    total = collections.defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if e.get("ph") == "X" and e["pid"] in device_pids:
+            t = total[e["name"][:90]]
+            t[0] += e.get("dur", 0) / 1e3 / steps
+            t[1] += 1
+    print(f"device: {sum(ms for ms, _ in total.values()):.2f} ms busy, "
+          f"{sum(c for _, c in total.values()) / steps:.0f} events per step")
+    return sorted(((n, ms, c // steps) for n, (ms, c) in total.items()),
+                  key=lambda r: -r[1])[:top]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(REPO / "models" / "deepinfer-tiny-v4"))
+    ap.add_argument("--v4-flash-layers", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--budget", type=int, default=256, help="max tokens per step")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    llm = build(args)
+    engine, vocab = llm.engine, llm.model.config.vocab_size
+    rng = np.random.default_rng(0)
+    for i in range(args.batch):
+        engine.add_request(f"r{i}", rng.integers(2, vocab, args.context).tolist(),
+                           SamplingParams(max_tokens=100_000, ignore_eos=True))
+    while not all(len(r.generated) >= 2 for r in engine.scheduler.running) or \
+            len(engine.scheduler.running) < args.batch:
+        engine.step()
+    for _ in range(5):
+        engine.step()
+
+    stats = engine.stats
+    before = (stats.steps, stats.host_seconds, stats.wait_seconds)
+    profile = cProfile.Profile()
+    start = time.perf_counter()
+    profile.enable()
+    for _ in range(args.steps):
+        engine.step()
+    profile.disable()
+    wall = (time.perf_counter() - start) / args.steps
+    n = stats.steps - before[0]
+    host = (stats.host_seconds - before[1]) / n
+    wait = (stats.wait_seconds - before[2]) / n
+    print(f"loop: {1e3 * wall:.2f} ms/step = host {1e3 * host:.2f} + waiting {1e3 * wait:.2f}")
+    pstats.Stats(profile).sort_stats("tottime").print_stats(15)
+
+    # The compiled step alone: the same plan, called back to back (the state is donated).
+    decision = engine.scheduler.schedule()
+    bucket = token_bucket(engine.ecfg.token_buckets, decision.num_tokens)
+    plan = jax.device_put(build_plan(decision, bucket, engine.ecfg))
+    compiled = engine.steps[bucket]
+    state = engine.state
+    for _ in range(3):
+        state, out = compiled(engine.params, state, plan)
+    jax.block_until_ready(out)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        state, out = compiled(engine.params, state, plan)
+    jax.block_until_ready(out)
+    device = (time.perf_counter() - start) / args.steps
+    print(f"compiled step alone (bucket {bucket}): {1e3 * device:.2f} ms")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        with jax.profiler.trace(str(args.out / "trace"), create_perfetto_trace=True):
+            for _ in range(10):
+                state, out = compiled(engine.params, state, plan)
+            jax.block_until_ready(out)
+        for name, ms, count in kernel_table(args.out / "trace", 10):
+            print(f"{ms:8.3f} ms  x{count:<4} {name}")
+    engine.state = state
+
+
+if __name__ == "__main__":
+    main()
