@@ -72,7 +72,7 @@ def device_time(engine, steps: int) -> float:
     """The compiled decode step alone, launched back to back on one plan."""
     decision = engine.scheduler.schedule()
     bucket = token_bucket(engine.ecfg.token_buckets, decision.num_tokens)
-    plan = jax.device_put(build_plan(decision, bucket, engine.ecfg))
+    plan = build_plan(decision, bucket, engine.ecfg)
     compiled, state = engine.steps[bucket], engine.state
     state, out = compiled(engine.params, state, plan)
     jax.block_until_ready(out)

@@ -110,7 +110,7 @@ def main() -> None:
     # The compiled step alone: the same plan, called back to back (the state is donated).
     decision = engine.scheduler.schedule()
     bucket = token_bucket(engine.ecfg.token_buckets, decision.num_tokens)
-    plan = jax.device_put(build_plan(decision, bucket, engine.ecfg))
+    plan = build_plan(decision, bucket, engine.ecfg)
     compiled = engine.steps[bucket]
     state = engine.state
     for _ in range(3):

@@ -7,6 +7,7 @@ instead of recompiling. The persistent compilation cache makes a second start fa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.engine_config import ResolvedEngineConfig
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.plan import BatchPlan, build_plan
+from deepinfer_jax.plan_wire import PlanWire
 from deepinfer_jax.scheduler import ScheduleDecision
 from deepinfer_jax.speculative import spec_step
 from deepinfer_jax.state import StateCache
@@ -38,10 +40,21 @@ def enable_persistent_cache(directory: str | None) -> None:
     _cache_dir = directory
 
 
-def plan_spec(token_bucket: int, ecfg: ResolvedEngineConfig) -> BatchPlan:
-    """Shapes and dtypes of a bucket's plan (the plan builder's arrays, abstractly)."""
-    empty = build_plan(ScheduleDecision(()), token_bucket, ecfg)
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), empty)
+def plan_wire(token_bucket: int, ecfg: ResolvedEngineConfig) -> PlanWire:
+    """The wire layout of a bucket's plans (from an empty plan: the shapes are fixed)."""
+    return PlanWire.for_plan(build_plan(ScheduleDecision(()), token_bucket, ecfg))
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+    """A bucket's compiled step, called with the host's numpy plan: one buffer goes to the
+    device (see plan_wire.py), the step unpacks it."""
+
+    executable: jax.stages.Compiled
+    wire: PlanWire
+
+    def __call__(self, params: ModelParams, state: StateCache, plan: BatchPlan):
+        return self.executable(params, state, jax.device_put(self.wire.pack(plan)))
 
 
 # Batch-invariant mode: XLA may otherwise keep bf16 intermediates in higher precision inside
@@ -53,12 +66,11 @@ BATCH_INVARIANT_COMPILER_OPTIONS = {"xla_allow_excess_precision": False,
 
 def compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
                   ecfg: ResolvedEngineConfig, speculative: bool = False
-                  ) -> dict[int, jax.stages.Compiled]:
+                  ) -> dict[int, CompiledStep]:
     """One compiled step per token bucket (state donated): the plain step, or the speculative
     one (verify drafts, then MTP drafting)."""
     enable_persistent_cache(ecfg.compilation_cache_dir)
-    step_fn = spec_step if speculative else step
-    jitted = jax.jit(functools.partial(step_fn, cfg=cfg, ecfg=ecfg), donate_argnums=(1,))
+    step_fn = functools.partial(spec_step if speculative else step, cfg=cfg, ecfg=ecfg)
     options = BATCH_INVARIANT_COMPILER_OPTIONS if cfg.batch_invariant else None
     compiled = {}
     buckets = tqdm(ecfg.token_buckets, unit="bucket",
@@ -66,6 +78,12 @@ def compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
                    disable=not ecfg.show_progress)
     for t in buckets:
         buckets.set_postfix(tokens=t)
-        compiled[t] = jitted.lower(params, state, plan_spec(t, ecfg)).compile(
-            compiler_options=options)
+        wire = plan_wire(t, ecfg)
+
+        def wired_step(params, state, buffer, wire=wire):
+            return step_fn(params, state, wire.unpack(buffer))
+
+        jitted = jax.jit(wired_step, donate_argnums=(1,))
+        compiled[t] = CompiledStep(
+            jitted.lower(params, state, wire.spec()).compile(compiler_options=options), wire)
     return compiled

@@ -81,9 +81,10 @@ def build_plan(decision: ScheduleDecision, token_bucket: int,
     for row, seq in enumerate(decision.seqs):
         req, n = seq.request, seq.num_tokens
         span = slice(offset, offset + n)
-        known = req.tokens + req.drafts[: seq.num_drafts]     # drafts follow the last token
-        token_ids[span] = known[seq.start: seq.start + n]
-        following = known[seq.start + 1: seq.start + n + 1]
+        # the span's tokens and the one after each (drafts follow the last token)
+        window = req.token_slice(seq.start, seq.start + n + 1, seq.num_drafts)
+        token_ids[span] = window[:n]
+        following = window[1:]
         next_token_ids[offset: offset + len(following)] = following
         num_drafts[row], draft_cap[row] = seq.num_drafts, seq.draft_cap
         positions[span] = np.arange(seq.start, seq.start + n)

@@ -240,6 +240,14 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.generated)
 
+    def token_slice(self, start: int, stop: int, num_drafts: int = 0) -> list[int]:
+        """(prompt + generated + the first `num_drafts` drafts)[start:stop], in O(stop - start):
+        the plan builder's per-step read, which must not copy a long context every step."""
+        p, g = len(self.prompt), len(self.generated)
+        return (self.prompt[start:stop]
+                + self.generated[max(start - p, 0): max(stop - p, 0)]
+                + self.drafts[:num_drafts][max(start - p - g, 0): max(stop - p - g, 0)])
+
     @property
     def num_pending(self) -> int:
         """Tokens not yet run through the model (1 when decoding)."""

@@ -162,7 +162,7 @@ class EngineCore:
         steps = self.spec_steps if speculative else self.steps
         if decision.restores:
             self._restore_snapshots(decision.restores)
-        self.state, output = steps[bucket](self.params, self.state, jax.device_put(plan))
+        self.state, output = steps[bucket](self.params, self.state, plan)
         for leaf in jax.tree.leaves(output):
             leaf.copy_to_host_async()
         self.stats.steps += 1

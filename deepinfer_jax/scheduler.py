@@ -235,7 +235,8 @@ class Scheduler:
         for seq in decision.seqs:
             req = seq.request
             end = seq.start + seq.num_tokens - seq.num_drafts
-            extend_block_keys(req.block_keys, req.known_tokens, bs)
+            if (len(req.block_keys) + 1) * bs <= req.num_tokens:   # else no new full block
+                extend_block_keys(req.block_keys, req.known_tokens, bs)
             for index in range(seq.start // bs, end // bs):
                 cached = (self.prefix_cache.get(req.block_keys[index])
                           if index < len(req.block_keys) else None)

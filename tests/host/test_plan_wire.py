@@ -1,0 +1,43 @@
+"""The plan's wire format: packing on the host and unpacking inside jit give back every array
+bit for bit (int32, float32 incl. NaN payloads and -0.0, uint32 seeds past 2**31, bools)."""
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from deepinfer_jax.plan import BatchPlan
+from deepinfer_jax.plan_wire import PlanWire
+
+
+def random_plan(rng: np.random.Generator) -> BatchPlan:
+    t, n, words = 16, 4, 5
+    arrays = {}
+    for f in dataclasses.fields(BatchPlan):
+        shape = {"block_table": (n, 3), "allowed": (n, words)}.get(f.name)
+        per_token = f.name in ("token_ids", "positions", "token_seq", "next_token_ids")
+        shape = shape or ((t,) if per_token else (n,))
+        if f.name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                      "presence_penalty", "frequency_penalty"):
+            arrays[f.name] = rng.normal(size=shape).astype(np.float32)
+        elif f.name == "seed":
+            arrays[f.name] = rng.integers(0, 2**32, shape, dtype=np.uint64).astype(np.uint32)
+        elif f.name == "seq_samples":
+            arrays[f.name] = rng.random(shape) < 0.5
+        else:
+            arrays[f.name] = rng.integers(-2**31, 2**31, shape, dtype=np.int64).astype(np.int32)
+    arrays["temperature"][:2] = [-0.0, np.nan]
+    arrays["seed"][0] = 2**32 - 1
+    return BatchPlan(**arrays)
+
+
+def test_pack_then_unpack_in_jit_is_exact():
+    plan = random_plan(np.random.default_rng(0))
+    wire = PlanWire.for_plan(plan)
+    buffer = wire.pack(plan)
+    assert buffer.shape == (wire.size,) and buffer.dtype == np.int32
+    back = jax.jit(wire.unpack)(buffer)
+    for f in dataclasses.fields(BatchPlan):
+        want, got = getattr(plan, f.name), np.asarray(getattr(back, f.name))
+        assert got.dtype == want.dtype and got.shape == want.shape, f.name
+        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8), err_msg=f.name)
