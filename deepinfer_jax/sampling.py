@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from deepinfer_jax.device_branch import skip_unless
 from deepinfer_jax.pytree import pytree_dataclass
 
 Array = jax.Array
@@ -101,9 +102,10 @@ def token_logprobs(logits: Array, tokens: Array, num_logprobs: int) -> SampleOut
 
 
 def filter_if_sampling(processed: Array, rows: SamplingRows) -> Array:
-    """filter_logits, skipped (a sort over the vocabulary per row) when every row is greedy."""
-    return jax.lax.cond(jnp.any(rows.temperature > 0), filter_logits, lambda x, _: x,
-                        processed, rows)
+    """filter_logits, skipped (a sort over the vocabulary per row) when every row is greedy,
+    where skipping does not stall the host (device_branch.py): greedy rows ignore it."""
+    return skip_unless(jnp.any(rows.temperature > 0), filter_logits, lambda x, _: x,
+                       processed, rows)
 
 
 def sample(logits: Array, rows: SamplingRows, prompt_mask: Array, output_counts: Array,

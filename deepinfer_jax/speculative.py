@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config import AttentionKind, MlpKind, ModelConfig
+from deepinfer_jax.device_branch import skip_unless
 from deepinfer_jax.engine_config import ResolvedEngineConfig
 from deepinfer_jax.model.forward import project_logits
 from deepinfer_jax.model.mtp import mtp_input
@@ -121,9 +122,11 @@ def draft(params: ModelParams, state: StateCache, plan, streams: Array, next_tok
                 return layer_step(mp.layer, z1, token, ctx1, AttentionKind.SLIDING, MlpKind.MOE,
                                   mtp_state, cfg, ecfg)
 
-            # skipped once no row wants this many drafts (large batches draft little)
-            z_row, mtp_state = jax.lax.cond(jnp.any(ctx1.valid), again,
-                                            lambda z, t, st: (z, st), z_row, token, mtp_state)
+            # skipped once no row wants this many drafts (large batches draft little), where
+            # skipping does not stall the host; rows past their cap write nothing and their
+            # drafts are ignored
+            z_row, mtp_state = skip_unless(jnp.any(ctx1.valid), again,
+                                           lambda z, t, st: (z, st), z_row, token, mtp_state)
         logits = project_logits(z_row, mp.hc_head, mp.norm, params.head, cfg)  # [N, V]
         token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         drafts.append(token)

@@ -129,3 +129,31 @@ def test_switches_and_errors(monkeypatch):
         deepinfer_jax.LLM(no_mtp, speculative_config={"num_speculative_tokens": 2}, **ENGINE)
     with pytest.raises(EngineConfigError, match="MTP"):
         EngineConfig(speculative_config={}).resolve(cfg.replace(num_mtp_layers=0))
+
+
+def test_the_gpu_formulation_without_runtime_branches_gives_the_same_outputs(monkeypatch):
+    """On GPUs the step never branches at run time (a lax.cond stalls the host there,
+    device_branch.py): the MTP passes no row wants and the top-p sort of an all-greedy batch
+    run anyway. Same tokens, logprobs and drafts as the CPU's skipping formulation, over a
+    batch of greedy and seeded sampled rows where the sampled ones finish first."""
+    tok = deepinfer_jax.LLM(TINY, max_num_seqs=1, max_model_len=64, max_num_batched_tokens=16,
+                            show_progress=False).tokenizer
+    texts = ["import os\n\n\ndef walk(top):", "def add(a, b):\n    return",
+             "for line in open(path):", "class Point:\n    def __init__(self, x, y):"]
+    prompts = [tok.encode(t) for t in texts]
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, logprobs=1),
+              SamplingParams(max_tokens=5, temperature=0.8, top_p=0.9, seed=7, logprobs=1),
+              SamplingParams(max_tokens=20, ignore_eos=True, logprobs=1),
+              SamplingParams(max_tokens=3, temperature=1.2, top_k=20, seed=3, logprobs=1)]
+    engine = {**ENGINE, "batch_invariant": False, "token_buckets": (16, 64)}
+    runs = []
+    for branches in ("1", "0"):
+        monkeypatch.setenv("DEEPINFER_RUNTIME_BRANCHES", branches)
+        llm = deepinfer_jax.LLM(TINY, speculative_config={"num_speculative_tokens": 3}, **engine)
+        runs.append((llm.generate(prompts, params, use_tqdm=False), llm.spec_metrics))
+    (skipping, m1), (always, m0) = runs
+    assert [o.token_ids for o in always] == [o.token_ids for o in skipping]
+    assert [[lp.logprob for lp in o.logprobs] for o in always] == \
+        [[lp.logprob for lp in o.logprobs] for o in skipping]
+    assert (m0.drafted, m0.accepted, m0.steps) == (m1.drafted, m1.accepted, m1.steps)
+    assert m1.accepted > 0
