@@ -31,12 +31,35 @@ def swiglu(gate_up: jax.Array, limit: float) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
+# Up to this many products (rows x groups x columns) the jnp path off the CPU computes every
+# group's product for every row and keeps each row's own: XLA's GPU ragged_dot runs a loop
+# over the groups (a few launches each), which dominated a small model's decode step there.
+DENSE_PRODUCTS = 1 << 24
+
+
+def dense_grouped_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """ragged_dot's result from one dense einsum: [M, K] x [G, K, N] -> f32[M, N]; rows past
+    the groups' total are 0, as ragged_dot leaves them."""
+    rows, groups = lhs.shape[0], rhs.shape[0]
+    group = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows), side="right")
+    every = jnp.einsum("mk,gkn->mgn", lhs, rhs, preferred_element_type=jnp.float32)
+    own = jnp.take_along_axis(every, jnp.minimum(group, groups - 1)[:, None, None], axis=1)
+    return jnp.where((group < groups)[:, None], own[:, 0], 0.0)
+
+
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                    rhs_scale: jax.Array | None = None,
-                   swiglu_limit: float | None = None) -> jax.Array:
+                   swiglu_limit: float | None = None, dense: bool | None = None) -> jax.Array:
+    """dense: None picks dense_grouped_dot off the CPU for small products, ragged_dot else."""
     if rhs_scale is not None:
         rhs = dequantize(rhs, rhs_scale, lhs.dtype)
-    out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+    if dense is None:
+        dense = (jax.default_backend() != "cpu"
+                 and lhs.shape[0] * rhs.shape[0] * rhs.shape[2] <= DENSE_PRODUCTS)
+    if dense:
+        out = dense_grouped_dot(lhs, rhs, group_sizes)
+    else:
+        out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
     if swiglu_limit is not None:
         out = swiglu(out, swiglu_limit)
     return out.astype(lhs.dtype)

@@ -191,3 +191,19 @@ def test_kernel_lowers_for_cuda(fp8):
         exported = jax.export.export(fn, platforms=["cuda"])(
             layout.to_tiles(lhs, tiles, 64), rhs, tiles.tile_group, scale)
     assert "mosaic_gpu" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("case", SIZES)
+def test_dense_fallback_equals_ragged_dot(case):
+    """The jnp path's dense formulation (used off the CPU for small products) against a
+    float64 numpy loop over the groups, with padding rows past the groups' total."""
+    lhs, rhs, sizes, _ = problem(SIZES[case], fp8=False)
+    lhs = jnp.concatenate([lhs, jnp.ones((5, K), lhs.dtype)])            # 5 rows in no group
+    got = jax.jit(functools.partial(reference.grouped_matmul, dense=True))(lhs, rhs, sizes)
+    x, w = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
+    want, start = np.zeros((lhs.shape[0], N)), 0
+    for g, size in enumerate(np.asarray(sizes)):
+        want[start: start + size] = x[start: start + size] @ w[g]
+        start += size
+    close(got, want)
+    assert not np.asarray(got[-5:], np.float32).any()
