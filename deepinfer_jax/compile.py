@@ -12,6 +12,7 @@ import functools
 from pathlib import Path
 
 import jax
+import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 from tqdm.auto import tqdm
 
@@ -19,11 +20,11 @@ from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.engine_config import ResolvedEngineConfig
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.plan import BatchPlan, build_plan
-from deepinfer_jax.plan_wire import PlanWire
 from deepinfer_jax.scheduler import ScheduleDecision
 from deepinfer_jax.speculative import spec_step
 from deepinfer_jax.state import StateCache
 from deepinfer_jax.step import step
+from deepinfer_jax.wire import Wire
 
 _cache_dir: str | None = None
 
@@ -40,21 +41,22 @@ def enable_persistent_cache(directory: str | None) -> None:
     _cache_dir = directory
 
 
-def plan_wire(token_bucket: int, ecfg: ResolvedEngineConfig) -> PlanWire:
-    """The wire layout of a bucket's plans (from an empty plan: the shapes are fixed)."""
-    return PlanWire.for_plan(build_plan(ScheduleDecision(()), token_bucket, ecfg))
-
-
 @dataclasses.dataclass(frozen=True)
 class CompiledStep:
-    """A bucket's compiled step, called with the host's numpy plan: one buffer goes to the
-    device (see plan_wire.py), the step unpacks it."""
+    """A bucket's compiled step on the wire (wire.py): called with the host's numpy plan, it
+    returns the new state and the step's output as one device buffer, which `read` turns
+    into the output dataclass once fetched."""
 
     executable: jax.stages.Compiled
-    wire: PlanWire
+    plan_wire: Wire
+    output_wire: Wire
 
     def __call__(self, params: ModelParams, state: StateCache, plan: BatchPlan):
-        return self.executable(params, state, jax.device_put(self.wire.pack(plan)))
+        return self.executable(params, state, jax.device_put(self.plan_wire.pack_host(plan)))
+
+    def read(self, output: jax.Array):
+        """The output buffer -> StepOutput / SpecStepOutput of numpy arrays (waits for it)."""
+        return self.output_wire.unpack_host(np.asarray(output))
 
 
 # Batch-invariant mode: XLA may otherwise keep bf16 intermediates in higher precision inside
@@ -78,12 +80,15 @@ def compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
                    disable=not ecfg.show_progress)
     for t in buckets:
         buckets.set_postfix(tokens=t)
-        wire = plan_wire(t, ecfg)
+        plan_wire = Wire.of(build_plan(ScheduleDecision(()), t, ecfg))   # shapes are fixed
+        output_wire = []            # the output's layout, read while the step is traced
 
-        def wired_step(params, state, buffer, wire=wire):
-            return step_fn(params, state, wire.unpack(buffer))
+        def wired_step(params, state, buffer, plan_wire=plan_wire, output_wire=output_wire):
+            state, output = step_fn(params, state, plan_wire.unpack_device(buffer))
+            output_wire.append(Wire.of(output))
+            return state, output_wire[-1].pack_device(output)
 
-        jitted = jax.jit(wired_step, donate_argnums=(1,))
-        compiled[t] = CompiledStep(
-            jitted.lower(params, state, wire.spec()).compile(compiler_options=options), wire)
+        executable = jax.jit(wired_step, donate_argnums=(1,)).lower(
+            params, state, plan_wire.spec()).compile(compiler_options=options)
+        compiled[t] = CompiledStep(executable, plan_wire, output_wire[-1])
     return compiled

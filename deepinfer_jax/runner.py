@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import itertools
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -60,7 +61,8 @@ class InFlight:
 
     decision: ScheduleDecision
     token_index: tuple[int | None, ...]     # per row: where its token goes in `generated`
-    output: StepOutput | SpecStepOutput
+    output: jax.Array                       # the step's output on the wire (compile.py)
+    read: Callable[[jax.Array], StepOutput | SpecStepOutput]
     speculative: bool = False
 
 
@@ -162,16 +164,16 @@ class EngineCore:
         steps = self.spec_steps if speculative else self.steps
         if decision.restores:
             self._restore_snapshots(decision.restores)
-        self.state, output = steps[bucket](self.params, self.state, plan)
-        for leaf in jax.tree.leaves(output):
-            leaf.copy_to_host_async()
+        compiled = steps[bucket]
+        self.state, output = compiled(self.params, self.state, plan)
+        output.copy_to_host_async()
         self.stats.steps += 1
         self.stats.tokens += decision.num_tokens
         saves = self.scheduler.snapshot_saves(decision)
         if saves:
             self._save_snapshots(saves)
         token_index = () if speculative else self.scheduler.commit(decision)
-        return InFlight(decision, token_index, output, speculative)
+        return InFlight(decision, token_index, output, compiled.read, speculative)
 
     def _restore_snapshots(self, restores: tuple[Restore, ...]) -> None:
         width, ecfg = self.ecfg.max_num_seqs, self.ecfg
@@ -206,7 +208,7 @@ class EngineCore:
 
     def _read(self, flight: InFlight) -> list[Request]:
         waited = time.perf_counter()
-        out = jax.device_get(flight.output)
+        out = flight.read(flight.output)
         waited = time.perf_counter() - waited
         self.stats.wait_seconds += waited
         self.stats.host_seconds -= waited      # step() adds the whole call

@@ -1,5 +1,6 @@
-"""The plan's wire format: packing on the host and unpacking inside jit give back every array
-bit for bit (int32, float32 incl. NaN payloads and -0.0, uint32 seeds past 2**31, bools)."""
+"""The step's wire format, both ways: a plan packed on the host and unpacked inside jit, an
+output packed inside jit and unpacked on the host, give back every array bit for bit (int32,
+float32 incl. NaN and -0.0, uint32 seeds past 2**31, bools)."""
 
 import dataclasses
 
@@ -7,7 +8,8 @@ import jax
 import numpy as np
 
 from deepinfer_jax.plan import BatchPlan
-from deepinfer_jax.plan_wire import PlanWire
+from deepinfer_jax.step import StepOutput
+from deepinfer_jax.wire import Wire
 
 
 def random_plan(rng: np.random.Generator) -> BatchPlan:
@@ -33,11 +35,27 @@ def random_plan(rng: np.random.Generator) -> BatchPlan:
 
 def test_pack_then_unpack_in_jit_is_exact():
     plan = random_plan(np.random.default_rng(0))
-    wire = PlanWire.for_plan(plan)
-    buffer = wire.pack(plan)
+    wire = Wire.of(plan)
+    buffer = wire.pack_host(plan)
     assert buffer.shape == (wire.size,) and buffer.dtype == np.int32
-    back = jax.jit(wire.unpack)(buffer)
+    back = jax.jit(wire.unpack_device)(buffer)
     for f in dataclasses.fields(BatchPlan):
         want, got = getattr(plan, f.name), np.asarray(getattr(back, f.name))
+        assert got.dtype == want.dtype and got.shape == want.shape, f.name
+        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8), err_msg=f.name)
+
+
+def test_output_packed_in_jit_unpacks_on_the_host():
+    rng = np.random.default_rng(1)
+    logprob = rng.normal(size=8).astype(np.float32)
+    logprob[:2] = [-np.inf, -0.0]
+    out = StepOutput(next_tokens=rng.integers(0, 50_000, 8).astype(np.int32), logprob=logprob,
+                     top_ids=rng.integers(0, 50_000, (8, 3)).astype(np.int32),
+                     top_logprobs=rng.normal(size=(8, 3)).astype(np.float32))
+    wire = Wire.of(out)
+    back = wire.unpack_host(np.asarray(jax.jit(wire.pack_device)(out)))
+    assert isinstance(back, StepOutput)
+    for f in dataclasses.fields(StepOutput):
+        want, got = getattr(out, f.name), getattr(back, f.name)
         assert got.dtype == want.dtype and got.shape == want.shape, f.name
         np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8), err_msg=f.name)
