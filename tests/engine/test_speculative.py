@@ -17,6 +17,7 @@ from deepinfer_jax import SamplingParams
 from deepinfer_jax.engine_config import EngineConfig, EngineConfigError, SpeculativeConfig
 from deepinfer_jax.sampling import SamplingRows
 from deepinfer_jax.speculative import verify
+from deepinfer_jax.tokenizer import TextTokenizer
 from tests.conftest import REPO, oracle_case
 
 ENGINE = dict(max_num_seqs=8, max_model_len=640, max_num_batched_tokens=64,
@@ -136,8 +137,7 @@ def test_the_gpu_formulation_without_runtime_branches_gives_the_same_outputs(mon
     device_branch.py): the MTP passes no row wants and the top-p sort of an all-greedy batch
     run anyway. Same tokens, logprobs and drafts as the CPU's skipping formulation, over a
     batch of greedy and seeded sampled rows where the sampled ones finish first."""
-    tok = deepinfer_jax.LLM(TINY, max_num_seqs=1, max_model_len=64, max_num_batched_tokens=16,
-                            show_progress=False).tokenizer
+    tok = TextTokenizer.from_model_dir(TINY)
     texts = ["import os\n\n\ndef walk(top):", "def add(a, b):\n    return",
              "for line in open(path):", "class Point:\n    def __init__(self, x, y):"]
     prompts = [tok.encode(t) for t in texts]
