@@ -5,6 +5,9 @@
 Until a kernel has been validated on the H200 its folder keeps the reference as the default
 on GPU too (see each api.py): an unmeasured kernel must be asked for.
 
+`launch_bound()` says which formulation of jnp code to trace: for a device whose kernels the
+host launches one by one (GPUs: fewer, fused kernels; no loops of small ops) or for the CPU.
+
 `gpu_interpret()` runs Mosaic GPU kernels on the CPU (jax's GPU interpret mode: SMEM, TMA,
 barriers and wgmma simulated), which is how CI tests them; `abstract_gpu()` lets a CPU
 machine lower a kernel for CUDA (`jax.export`), which checks Mosaic's layout rules.
@@ -18,6 +21,24 @@ import os
 import jax
 
 IMPLEMENTATIONS = ("reference", "mosaic_gpu", "interpret")
+
+
+FORMULATIONS = ("cpu", "gpu")
+
+
+def launch_bound() -> bool:
+    """Whether the code being traced runs where every kernel is launched from the host (GPUs):
+    there XLA runs a loop as launches per iteration and a `lax.cond` as a host synchronisation,
+    so jnp paths prefer unrolled, fused or dense formulations. On the CPU launches are cheap
+    and loops compile faster. DEEPINFER_STEP_FORMULATION=cpu|gpu overrides the backend's
+    choice (tests trace the GPU formulation on the CPU)."""
+    forced = os.environ.get("DEEPINFER_STEP_FORMULATION")
+    if forced:
+        if forced not in FORMULATIONS:
+            raise ValueError(f"DEEPINFER_STEP_FORMULATION must be one of {FORMULATIONS}, "
+                             f"got {forced!r}")
+        return forced == "gpu"
+    return jax.default_backend() != "cpu"
 
 
 def on_hopper_or_newer() -> bool:

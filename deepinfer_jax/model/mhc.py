@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from deepinfer_jax.model.invariant import linear, ordered_sum, per_row_tiles
 from deepinfer_jax.model.norms import unweighted_rms_norm
 from deepinfer_jax.model.params import HyperConnectionParams, HyperHeadParams
+from pallas_kernels.common import launch_bound
 
 
 def _mixes(streams: jax.Array, fn: jax.Array, eps: float, invariant: bool) -> jax.Array:
@@ -79,7 +80,7 @@ def hc_pre(streams: jax.Array, p: HyperConnectionParams, *, hc_eps: float, norm_
     pre = jax.nn.sigmoid(pre_w * p.scale[0] + p.base[:hc]) + hc_eps
     post = 2.0 * jax.nn.sigmoid(post_w * p.scale[1] + p.base[hc:2 * hc])
     comb_logits = (comb_w * p.scale[2] + p.base[2 * hc:]).reshape(*comb_w.shape[:-1], hc, hc)
-    unrolled = not invariant and jax.default_backend() != "cpu"
+    unrolled = not invariant and launch_bound()
     comb = sinkhorn(comb_logits, sinkhorn_iters, hc_eps, unrolled)
     return collapse(pre, streams, invariant).astype(streams.dtype), post, comb
 

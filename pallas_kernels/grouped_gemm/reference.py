@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import launch_bound
+
 SCALE_BLOCK = 128
 
 
@@ -41,7 +43,8 @@ def dense_grouped_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) ->
     """ragged_dot's result from one dense einsum: [M, K] x [G, K, N] -> f32[M, N]; rows past
     the groups' total are 0, as ragged_dot leaves them."""
     rows, groups = lhs.shape[0], rhs.shape[0]
-    group = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows), side="right")
+    ends = jnp.cumsum(group_sizes)
+    group = jnp.sum(ends[None, :] <= jnp.arange(rows)[:, None], axis=1)   # no search loop
     every = jnp.einsum("mk,gkn->mgn", lhs, rhs, preferred_element_type=jnp.float32)
     own = jnp.take_along_axis(every, jnp.minimum(group, groups - 1)[:, None, None], axis=1)
     return jnp.where((group < groups)[:, None], own[:, 0], 0.0)
@@ -54,8 +57,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     if rhs_scale is not None:
         rhs = dequantize(rhs, rhs_scale, lhs.dtype)
     if dense is None:
-        dense = (jax.default_backend() != "cpu"
-                 and lhs.shape[0] * rhs.shape[0] * rhs.shape[2] <= DENSE_PRODUCTS)
+        dense = launch_bound() and lhs.shape[0] * rhs.shape[0] * rhs.shape[2] <= DENSE_PRODUCTS
     if dense:
         out = dense_grouped_dot(lhs, rhs, group_sizes)
     else:

@@ -132,11 +132,14 @@ def test_switches_and_errors(monkeypatch):
         EngineConfig(speculative_config={}).resolve(cfg.replace(num_mtp_layers=0))
 
 
-def test_the_gpu_formulation_without_runtime_branches_gives_the_same_outputs(monkeypatch):
-    """On GPUs the step never branches at run time (a lax.cond stalls the host there,
-    device_branch.py): the MTP passes no row wants and the top-p sort of an all-greedy batch
-    run anyway. Same tokens, logprobs and drafts as the CPU's skipping formulation, over a
-    batch of greedy and seeded sampled rows where the sampled ones finish first."""
+def test_the_gpu_formulation_gives_the_same_outputs(monkeypatch):
+    """The step traced for GPUs (pallas_kernels.common.launch_bound) runs the MTP passes no row
+    wants and the top-p sort of an all-greedy batch instead of branching (a lax.cond stalls the
+    host there). In batch-invariant mode that is its only difference from the CPU formulation
+    (the unrolled Sinkhorn and the dense expert products, which round differently, are
+    default-mode choices tested on their own), so everything must be equal: tokens, logprobs,
+    drafted and accepted counts, over greedy and seeded sampled rows where the sampled ones
+    finish first."""
     tok = TextTokenizer.from_model_dir(TINY)
     texts = ["import os\n\n\ndef walk(top):", "def add(a, b):\n    return",
              "for line in open(path):", "class Point:\n    def __init__(self, x, y):"]
@@ -145,15 +148,16 @@ def test_the_gpu_formulation_without_runtime_branches_gives_the_same_outputs(mon
               SamplingParams(max_tokens=5, temperature=0.8, top_p=0.9, seed=7, logprobs=1),
               SamplingParams(max_tokens=20, ignore_eos=True, logprobs=1),
               SamplingParams(max_tokens=3, temperature=1.2, top_k=20, seed=3, logprobs=1)]
-    engine = {**ENGINE, "batch_invariant": False, "token_buckets": (16, 64)}
+    engine = {**ENGINE, "token_buckets": (16, 64)}
     runs = []
-    for branches in ("1", "0"):
-        monkeypatch.setenv("DEEPINFER_RUNTIME_BRANCHES", branches)
+    for formulation in ("cpu", "gpu"):
+        monkeypatch.setenv("DEEPINFER_STEP_FORMULATION", formulation)
         llm = deepinfer_jax.LLM(TINY, speculative_config={"num_speculative_tokens": 3}, **engine)
         runs.append((llm.generate(prompts, params, use_tqdm=False), llm.spec_metrics))
-    (skipping, m1), (always, m0) = runs
-    assert [o.token_ids for o in always] == [o.token_ids for o in skipping]
-    assert [[lp.logprob for lp in o.logprobs] for o in always] == \
-        [[lp.logprob for lp in o.logprobs] for o in skipping]
-    assert (m0.drafted, m0.accepted, m0.steps) == (m1.drafted, m1.accepted, m1.steps)
-    assert m1.accepted > 0
+    (cpu, m_cpu), (gpu, m_gpu) = runs
+    assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
+    assert [[lp.logprob for lp in o.logprobs] for o in gpu] == \
+        [[lp.logprob for lp in o.logprobs] for o in cpu]
+    assert (m_gpu.drafted, m_gpu.accepted, m_gpu.steps) == (m_cpu.drafted, m_cpu.accepted,
+                                                            m_cpu.steps)
+    assert m_cpu.accepted > 0
