@@ -148,7 +148,7 @@ def test_the_gpu_formulation_gives_the_same_outputs(monkeypatch):
               SamplingParams(max_tokens=5, temperature=0.8, top_p=0.9, seed=7, logprobs=1),
               SamplingParams(max_tokens=20, ignore_eos=True, logprobs=1),
               SamplingParams(max_tokens=3, temperature=1.2, top_k=20, seed=3, logprobs=1)]
-    engine = {**ENGINE, "token_buckets": (16, 64)}
+    engine = {**ENGINE, "max_num_batched_tokens": 16, "token_buckets": (16,)}  # 4 rows x (1 + 3)
     runs = []
     for formulation in ("cpu", "gpu"):
         monkeypatch.setenv("DEEPINFER_STEP_FORMULATION", formulation)
