@@ -9,7 +9,7 @@ A running request that needs a page when none is free preempts the newest runnin
 (possibly itself): its slot and pages are freed and it goes back to the front of the queue,
 keeping its generated tokens, to be recomputed later. Nothing is lost.
 
-With prefix caching (prefix_cache.py), admission first looks the request's tokens up: the
+With prefix caching (prefix_blocks.py, prefix_cache.py), admission first looks the request's tokens up: the
 matched blocks' pages are shared and their snapshot restored (`ScheduleDecision.restores`),
 so computing starts after them; cached blocks no sequence uses are evicted before anything is
 preempted, and a preempted request resumes from its own cached blocks. Prefill chunks are cut
@@ -31,7 +31,8 @@ import dataclasses
 
 from deepinfer_jax.engine_config import ResolvedEngineConfig
 from deepinfer_jax.pages import PageAllocator, pages_needed
-from deepinfer_jax.prefix_cache import PrefixCache, SnapshotAllocator, extend_block_keys
+from deepinfer_jax.prefix_blocks import PrefixBlocks
+from deepinfer_jax.prefix_cache import PrefixCache, SnapshotAllocator
 from deepinfer_jax.request import PLACEHOLDER, FinishReason, Request, RequestStatus, TokenLogprobs
 
 
@@ -56,17 +57,6 @@ class Restore:
 
 
 @dataclasses.dataclass(frozen=True)
-class PendingBlock:
-    """A block a launched step completed, waiting for its tokens to reach the host before it
-    enters the prefix cache. Holds a reference to the page (and the snapshot, if any)."""
-
-    request: Request
-    index: int
-    page: int
-    snapshot: int | None
-
-
-@dataclasses.dataclass(frozen=True)
 class ScheduleDecision:
     seqs: tuple[ScheduledSeq, ...]
     speculative: bool = False     # run the speculative step (verify drafts, draft with MTP)
@@ -86,12 +76,12 @@ class Scheduler:
         self.pages = PageAllocator(ecfg.num_pages)
         self._free_slots = list(range(ecfg.max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
-        self.prefix_cache = None
+        self.prefix_cache = self.prefix_blocks = None
         if ecfg.enable_prefix_caching:
             self.prefix_cache = PrefixCache(self.pages, SnapshotAllocator(ecfg.num_snapshots),
                                             ecfg.page_size, snapshots_need_next_token=(
                                                 ecfg.speculative is not None))
-        self._pending_blocks: list[PendingBlock] = []
+            self.prefix_blocks = PrefixBlocks(self.prefix_cache, self.pages, ecfg.page_size)
 
     # ---- queue management -----------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -127,7 +117,8 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> ScheduleDecision:
-        self._cache_completed_blocks()
+        if self.prefix_blocks is not None:
+            self.prefix_blocks.cache_completed()
         budget = self.ecfg.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         # A constrained request needs its last token on the host (its grammar mask depends on
@@ -157,7 +148,7 @@ class Scheduler:
             req = self.waiting[0]
             if req.has_placeholders:   # preempted with a token in flight: recompute needs it
                 break
-            match = self._reuse_cached_prefix(req)
+            match = None if self.prefix_blocks is None else self.prefix_blocks.reuse(req)
             n = self._chunk(req, req.num_pending, budget)
             need = pages_needed(req.num_computed + n, self.ecfg.page_size) - len(req.pages)
             if not self._can_allocate(need):
@@ -169,7 +160,7 @@ class Scheduler:
             req.pages += self.pages.allocate(need)
             self.running.append(req)
             if match is not None:
-                self._count_lookup(req, match)
+                self.prefix_blocks.count_lookup(req, match)
                 if match.snapshot is not None:
                     restores.append(Restore(req.slot, match.snapshot,
                                             tuple(req.tokens[: match.num_tokens]), len(req.prompt)))
@@ -221,80 +212,14 @@ class Scheduler:
             touched.append(req)
             if self._is_stop(req, token):
                 self.stop_at(req, index)    # drops tokens computed after the stop
-        self._cache_completed_blocks()
+        if self.prefix_blocks is not None:
+            self.prefix_blocks.cache_completed()
         return touched
 
-    # ---- prefix caching -------------------------------------------------------------------
+    # ---- prefix caching (prefix_blocks.py) ------------------------------------------------
     def snapshot_saves(self, decision: ScheduleDecision) -> list[tuple[int, int]]:
-        """Call when the step is launched (before `commit`): the blocks it completes wait to
-        be cached, and where a row ends on a block boundary its slot is to be snapshotted
-        after the step. Returns (slot, snapshot) pairs to copy."""
-        if self.prefix_cache is None:
-            return []
-        bs, saves = self.ecfg.page_size, []
-        for seq in decision.seqs:
-            req = seq.request
-            end = seq.start + seq.num_tokens - seq.num_drafts
-            if (len(req.block_keys) + 1) * bs <= req.num_tokens:   # else no new full block
-                extend_block_keys(req.block_keys, req.known_tokens, bs)
-            for index in range(seq.start // bs, end // bs):
-                cached = (self.prefix_cache.get(req.block_keys[index])
-                          if index < len(req.block_keys) else None)
-                # A row with drafts ends the step past `end` (by its accepted drafts).
-                wants_snapshot = (index + 1) * bs == end and seq.num_drafts == 0
-                if cached is not None and (cached.snapshot is not None or not wants_snapshot):
-                    continue
-                snapshot = self.prefix_cache.allocate_snapshot() if wants_snapshot else None
-                self.pages.share(req.pages[index])
-                self._pending_blocks.append(PendingBlock(req, index, req.pages[index], snapshot))
-                if snapshot is not None:
-                    saves.append((req.slot, snapshot))
-        return saves
-
-    def _cache_completed_blocks(self) -> None:
-        """Move pending blocks whose tokens the host now knows into the cache; drop those
-        whose tokens were cut (stop, abort)."""
-        if not self._pending_blocks:
-            return
-        bs, waiting = self.ecfg.page_size, []
-        for block in self._pending_blocks:
-            req, end = block.request, (block.index + 1) * bs
-            known = req.known_tokens
-            del req.block_keys[len(known) // bs:]     # a stop may have cut generated tokens
-            extend_block_keys(req.block_keys, known, bs)
-            if block.index < len(req.block_keys):
-                keys = req.block_keys
-                self.prefix_cache.insert(keys[block.index], keys[block.index - 1] if block.index
-                                         else None, tuple(known[end - bs: end]), block.page,
-                                         block.snapshot, known[end] if len(known) > end else None)
-            elif req.num_tokens >= end:               # a token still in flight
-                waiting.append(block)
-            else:
-                self.pages.free([block.page])
-                if block.snapshot is not None:
-                    self.prefix_cache.snapshots.free(block.snapshot)
-        self._pending_blocks = waiting
-
-    def _reuse_cached_prefix(self, req: Request):
-        """Give an admitted request the pages of its longest cached prefix (at least its last
-        token stays to compute, it samples the next). Returns the match (None: no cache)."""
-        if self.prefix_cache is None:
-            return None
-        extend_block_keys(req.block_keys, req.known_tokens, self.ecfg.page_size)
-        usable = req.tokens[: req.num_tokens - 1]
-        match = self.prefix_cache.lookup(usable, req.block_keys[: len(usable) // self.ecfg.page_size],
-                                         following=req.known_tokens)
-        for page in match.pages:
-            self.pages.share(page)
-        req.pages, req.num_computed = list(match.pages), match.num_tokens
-        return match
-
-    def _count_lookup(self, req: Request, match) -> None:
-        stats = self.prefix_cache.stats
-        stats.queries += 1
-        stats.hits += match.num_tokens > 0
-        stats.hit_tokens += match.num_tokens
-        req.replay_until = max(req.replay_until, match.num_cached)
+        """Call when the step is launched (before `commit`); see PrefixBlocks.snapshot_saves."""
+        return [] if self.prefix_blocks is None else self.prefix_blocks.snapshot_saves(decision)
 
     def _chunk(self, req: Request, wanted: int, budget: int) -> int:
         """Tokens to feed `req` this step. With prefix caching a prefill chunk that stops
