@@ -9,12 +9,13 @@ A running request that needs a page when none is free preempts the newest runnin
 (possibly itself): its slot and pages are freed and it goes back to the front of the queue,
 keeping its generated tokens, to be recomputed later. Nothing is lost.
 
-With prefix caching (prefix_blocks.py, prefix_cache.py), admission first looks the request's tokens up: the
-matched blocks' pages are shared and their snapshot restored (`ScheduleDecision.restores`),
-so computing starts after them; cached blocks no sequence uses are evicted before anything is
-preempted, and a preempted request resumes from its own cached blocks. Prefill chunks are cut
-at block boundaries so that each chunk's end can be snapshotted (`snapshot_saves`); the
-blocks a step completes enter the cache once their tokens are known on the host.
+With prefix caching (prefix_blocks.py, prefix_cache.py), admission first looks the request's
+tokens up: the matched blocks' pages are shared and their snapshot restored
+(`ScheduleDecision.restores`), so computing starts after them; cached blocks no sequence uses
+are evicted before anything is preempted, and a preempted request resumes from its own cached
+blocks. Prefill chunks are cut at block boundaries so that each chunk's end can be snapshotted
+(`snapshot_saves`); the blocks a step completes enter the cache once their tokens are known on
+the host.
 
 A step's effects arrive in two parts, so that the runner can plan step N+1 while step N runs:
 `commit` when the step is launched (counts advance; each sampled token is a PLACEHOLDER that
