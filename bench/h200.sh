@@ -54,9 +54,11 @@ for name in "$@"; do
     prefix)      step prefix 200 python3 bench/prefix_cache.py --v4-flash-layers 2 \
                    --prefix 16384 --chunk 2048 --buckets 16 128 512 2048 --repeats 2 ;;
     e2e)         step e2e 560 python3 bench/e2e.py --peer-timeout 200 ;;   # carry transformers 5.23
-    profile)     step profile 240 sh -c 'python3 bench/step_profile.py --batch 1 --budget 16 \
+    profile)     step profile 360 sh -c 'python3 bench/step_profile.py --batch 1 --budget 16 \
                    --context 128 --out /tmp/profile-tiny && python3 bench/step_profile.py \
-                   --v4-flash-layers 2 --context 4096 --batch 16 --out /tmp/profile-v4' ;;
+                   --v4-flash-layers 2 --context 4096 --batch 16 --out /tmp/profile-v4 && \
+                   python3 bench/step_profile.py --v4-flash-layers 2 --context 128 --batch 256 \
+                   --steps 20 --out /tmp/profile-v4-b256' ;;   # b256: the sampler's sort
     *) echo "unknown step $name" ;;
   esac
 done
