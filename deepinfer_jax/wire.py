@@ -60,7 +60,7 @@ class Wire:
         parts = []
         for name, _, dtype in self.fields:
             array = getattr(value, name)
-            parts.append((array.astype(jnp.int32) if dtype == "bool" or dtype == "int32"
+            parts.append((array.astype(jnp.int32) if dtype in ("bool", "int32")
                           else jax.lax.bitcast_convert_type(array, jnp.int32)).reshape(-1))
         return jnp.concatenate(parts)
 

@@ -33,11 +33,11 @@ def collapse(pre: jax.Array, streams: jax.Array, invariant: bool) -> jax.Array:
     return ordered_sum(weighted, -2) if invariant else jnp.sum(weighted, axis=-2)
 
 
-def _sum_over(x: jax.Array, axis: int) -> jax.Array:
-    """Sum over a small static axis as adds in index order (keepdims): elementwise ops only,
+def _fold_over(x: jax.Array, axis: int, op=operator.add) -> jax.Array:
+    """Reduce a small static axis with `op` in index order (keepdims): elementwise ops only,
     so XLA fuses them with their neighbours, and the order is fixed whatever the batch."""
     parts = [jax.lax.slice_in_dim(x, i, i + 1, axis=axis) for i in range(x.shape[axis])]
-    return functools.reduce(operator.add, parts)
+    return functools.reduce(op, parts)
 
 
 def sinkhorn(comb_logits: jax.Array, iters: int, eps: float, unrolled: bool) -> jax.Array:
@@ -60,14 +60,12 @@ def sinkhorn(comb_logits: jax.Array, iters: int, eps: float, unrolled: bool) -> 
             return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
 
         return jax.lax.fori_loop(0, iters - 1, row_then_column, comb)
-    columns = [jax.lax.slice_in_dim(comb_logits, i, i + 1, axis=-1)
-               for i in range(comb_logits.shape[-1])]
-    exp = jnp.exp(comb_logits - functools.reduce(jnp.maximum, columns))
-    comb = exp / _sum_over(exp, -1) + eps
-    comb = comb / (_sum_over(comb, -2) + eps)
+    exp = jnp.exp(comb_logits - _fold_over(comb_logits, -1, jnp.maximum))
+    comb = exp / _fold_over(exp, -1) + eps
+    comb = comb / (_fold_over(comb, -2) + eps)
     for _ in range(iters - 1):
-        comb = comb / (_sum_over(comb, -1) + eps)
-        comb = comb / (_sum_over(comb, -2) + eps)
+        comb = comb / (_fold_over(comb, -1) + eps)
+        comb = comb / (_fold_over(comb, -2) + eps)
     return comb
 
 
