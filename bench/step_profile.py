@@ -111,7 +111,7 @@ def main() -> None:
     decision = engine.scheduler.schedule()
     bucket = token_bucket(engine.ecfg.token_buckets, decision.num_tokens)
     plan = build_plan(decision, bucket, engine.ecfg)
-    compiled = engine.steps[bucket]
+    compiled = engine.steps.for_plan(bucket, plan)
     state = engine.state
     for _ in range(3):
         state, out = compiled(engine.params, state, plan)

@@ -20,11 +20,13 @@ from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.engine_config import ResolvedEngineConfig
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.plan import BatchPlan, build_plan
+from deepinfer_jax.sampling import host_truncates
 from deepinfer_jax.scheduler import ScheduleDecision
 from deepinfer_jax.speculative import spec_step
 from deepinfer_jax.state import StateCache
 from deepinfer_jax.step import step
 from deepinfer_jax.wire import Wire
+from pallas_kernels.common import launch_bound
 
 _cache_dir: str | None = None
 
@@ -59,6 +61,22 @@ class CompiledStep:
         return self.output_wire.unpack_host(np.asarray(output))
 
 
+@dataclasses.dataclass(frozen=True)
+class CompiledSteps:
+    """Every bucket's compiled step. Where a branch on the device would stall the host
+    (`launch_bound`), each bucket has two, the sampler with and without truncation (top-k/p,
+    min-p: a sort over the vocabulary), and the host picks one from the plan; elsewhere one,
+    which branches on the device (key None)."""
+
+    by_key: dict[tuple[int, bool | None], CompiledStep]
+
+    def for_plan(self, bucket: int, plan: BatchPlan) -> CompiledStep:
+        if (bucket, None) in self.by_key:
+            return self.by_key[bucket, None]
+        return self.by_key[bucket, host_truncates(plan.temperature, plan.top_k, plan.top_p,
+                                                  plan.min_p)]
+
+
 # Batch-invariant mode: XLA may otherwise keep bf16 intermediates in higher precision inside
 # fusions ("excess precision"), and fusion decisions follow the shapes, so a row's rounding
 # would depend on the batch; and GPU scatter-adds / autotuning must be deterministic.
@@ -67,28 +85,30 @@ BATCH_INVARIANT_COMPILER_OPTIONS = {"xla_allow_excess_precision": False,
 
 
 def compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
-                  ecfg: ResolvedEngineConfig, speculative: bool = False
-                  ) -> dict[int, CompiledStep]:
-    """One compiled step per token bucket (state donated): the plain step, or the speculative
-    one (verify drafts, then MTP drafting)."""
+                  ecfg: ResolvedEngineConfig, speculative: bool = False) -> CompiledSteps:
+    """The step compiled for every token bucket (and sampler variant; state donated): the
+    plain step, or the speculative one (verify drafts, then MTP drafting)."""
     enable_persistent_cache(ecfg.compilation_cache_dir)
-    step_fn = functools.partial(spec_step if speculative else step, cfg=cfg, ecfg=ecfg)
     options = BATCH_INVARIANT_COMPILER_OPTIONS if cfg.batch_invariant else None
+    truncations = (False, True) if launch_bound() else (None,)
+    keys = [(t, truncation) for t in ecfg.token_buckets for truncation in truncations]
     compiled = {}
-    buckets = tqdm(ecfg.token_buckets, unit="bucket",
-                   desc=f"compiling {'speculative ' if speculative else ''}step buckets",
-                   disable=not ecfg.show_progress)
-    for t in buckets:
-        buckets.set_postfix(tokens=t)
+    progress = tqdm(keys, unit="step", disable=not ecfg.show_progress,
+                    desc=f"compiling {'speculative ' if speculative else ''}steps")
+    for t, truncation in progress:
+        progress.set_postfix(tokens=t)
+        step_fn = functools.partial(spec_step if speculative else step, cfg=cfg, ecfg=ecfg,
+                                    truncation=truncation)
         plan_wire = Wire.of(build_plan(ScheduleDecision(()), t, ecfg))   # shapes are fixed
         output_wire = []            # the output's layout, read while the step is traced
 
-        def wired_step(params, state, buffer, plan_wire=plan_wire, output_wire=output_wire):
+        def wired_step(params, state, buffer, step_fn=step_fn, plan_wire=plan_wire,
+                       output_wire=output_wire):
             state, output = step_fn(params, state, plan_wire.unpack_device(buffer))
             output_wire.append(Wire.of(output))
             return state, output_wire[-1].pack_device(output)
 
         executable = jax.jit(wired_step, donate_argnums=(1,)).lower(
             params, state, plan_wire.spec()).compile(compiler_options=options)
-        compiled[t] = CompiledStep(executable, plan_wire, output_wire[-1])
-    return compiled
+        compiled[t, truncation] = CompiledStep(executable, plan_wire, output_wire[-1])
+    return CompiledSteps(compiled)

@@ -164,7 +164,7 @@ class EngineCore:
         steps = self.spec_steps if speculative else self.steps
         if decision.restores:
             self._restore_snapshots(decision.restores)
-        compiled = steps[bucket]
+        compiled = steps.for_plan(bucket, plan)
         self.state, output = compiled(self.params, self.state, plan)
         output.copy_to_host_async()
         self.stats.steps += 1

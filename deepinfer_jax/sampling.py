@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from deepinfer_jax.chunked_top_k import chunked_top_k
 from deepinfer_jax.device_branch import skip_unless
 from deepinfer_jax.pytree import pytree_dataclass
 
@@ -60,11 +62,15 @@ def apply_penalties(logits: Array, rows: SamplingRows, prompt_mask: Array,
     return logits - rows.presence_penalty[:, None] * (output_counts > 0)
 
 
+def scale_by_temperature(logits: Array, rows: SamplingRows) -> Array:
+    """The sampled rows' logits / temperature: filter_logits with every filter off."""
+    return logits / jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
+
+
 def filter_logits(logits: Array, rows: SamplingRows) -> Array:
     """Temperature, then top-k, then top-p (on the distribution top-k left, renormalised),
     then min-p (tokens below min_p x the top probability), as -inf masks; each optional."""
-    temperature = jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
-    scaled = logits / temperature
+    scaled = scale_by_temperature(logits, rows)
     order = jnp.argsort(-scaled, axis=-1, stable=True)                     # [N, V] best first
     probs = jax.nn.softmax(jnp.take_along_axis(scaled, order, axis=-1), axis=-1)
     rank = jnp.arange(logits.shape[-1])
@@ -75,6 +81,10 @@ def filter_logits(logits: Array, rows: SamplingRows) -> Array:
     keep &= before < rows.top_p[:, None]
     keep &= probs >= rows.min_p[:, None] * probs[:, :1]
     keep = keep.at[:, 0].set(True)                       # the best token always survives
+    # a row with every filter off keeps all (top-p 1 could otherwise drop the tail's last
+    # tokens where the float cumsum reaches 1): the same as scale_by_temperature, so a row's
+    # draw does not depend on whether a neighbour made the batch truncate
+    keep |= ~row_truncates(rows.temperature, rows.top_k, rows.top_p, rows.min_p)[:, None]
     kept = jnp.zeros_like(keep).at[jnp.arange(keep.shape[0])[:, None], order].set(keep)
     return jnp.where(kept, scaled, -jnp.inf)
 
@@ -96,23 +106,41 @@ def row_keys(rows: SamplingRows, purpose: int = 0) -> Array:
 def token_logprobs(logits: Array, tokens: Array, num_logprobs: int) -> SampleOutput:
     """Raw logprobs of the chosen tokens and the top alternatives."""
     raw = jax.nn.log_softmax(logits, axis=-1)
-    top_logprobs, top_ids = jax.lax.top_k(raw, num_logprobs)
+    top_logprobs, top_ids = chunked_top_k(raw, num_logprobs)
     chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
     return SampleOutput(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)
 
 
-def filter_if_sampling(processed: Array, rows: SamplingRows) -> Array:
-    """filter_logits, skipped (a sort over the vocabulary per row) when every row is greedy,
-    where skipping does not stall the host (device_branch.py): greedy rows ignore it."""
-    return skip_unless(jnp.any(rows.temperature > 0), filter_logits, lambda x, _: x,
-                       processed, rows)
+def row_truncates(temperature, top_k, top_p, min_p):
+    """Which rows sample with top-k, top-p or min-p on (jnp or numpy rows): the ones the sort
+    over the vocabulary is for."""
+    return (temperature > 0) & ((top_k > 0) | (top_p < 1) | (min_p > 0))
+
+
+def truncates(rows: SamplingRows) -> Array:
+    return jnp.any(row_truncates(rows.temperature, rows.top_k, rows.top_p, rows.min_p))
+
+
+def host_truncates(temperature, top_k, top_p, min_p) -> bool:
+    """`truncates` asked of the host's plan: the host picks the compiled sampler with it."""
+    return bool(np.any(row_truncates(temperature, top_k, top_p, min_p)))
+
+
+def sampling_logits(processed: Array, rows: SamplingRows, truncation: bool | None) -> Array:
+    """The logits sampled rows draw from (greedy rows ignore them). `truncation` True or False
+    is the host's choice compiled in (a variant per choice, so nothing branches on the device);
+    None decides on the device (device_branch.py: a real branch where it does not stall)."""
+    if truncation is None:
+        return skip_unless(truncates(rows), filter_logits, scale_by_temperature, processed, rows)
+    return (filter_logits if truncation else scale_by_temperature)(processed, rows)
 
 
 def sample(logits: Array, rows: SamplingRows, prompt_mask: Array, output_counts: Array,
-           num_logprobs: int) -> SampleOutput:
+           num_logprobs: int, truncation: bool | None = None) -> SampleOutput:
     """logits f32[N, V] -> one token per row (plus logprobs)."""
     processed = process_logits(logits, rows, prompt_mask, output_counts)
     greedy = jnp.argmax(processed, axis=-1)
-    drawn = jax.vmap(jax.random.categorical)(row_keys(rows), filter_if_sampling(processed, rows))
+    drawn = jax.vmap(jax.random.categorical)(row_keys(rows),
+                                              sampling_logits(processed, rows, truncation))
     tokens = jnp.where(rows.temperature > 0, drawn, greedy).astype(jnp.int32)
     return token_logprobs(logits, tokens, num_logprobs)

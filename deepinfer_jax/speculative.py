@@ -33,7 +33,7 @@ from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.model.ragged import TokenContext, token_context
 from deepinfer_jax.model.step_forward import forward_step, layer_step
 from deepinfer_jax.pytree import pytree_dataclass
-from deepinfer_jax.sampling import SamplingRows, filter_if_sampling, process_logits, row_keys, token_logprobs
+from deepinfer_jax.sampling import SamplingRows, process_logits, row_keys, sampling_logits, token_logprobs
 from deepinfer_jax.state import StateCache
 from deepinfer_jax.step import record_fed_tokens
 
@@ -64,13 +64,14 @@ def _repeat_rows(plan, positions: Array) -> SamplingRows:
 
 
 def verify(logits: Array, drafted: Array, num_drafts: Array, rows: SamplingRows,
-           prompt_mask: Array, output_counts: Array, num_logprobs: int):
+           prompt_mask: Array, output_counts: Array, num_logprobs: int,
+           truncation: bool | None = None):
     """logits f32[N, S, V] at positions t..t+k, drafted i32[N, S] (d_{j+1} at column j) ->
     (new tokens i32[N, S], accepted i32[N], SampleOutput of the new tokens, flattened)."""
     n, s, vocab = logits.shape
     flat = logits.reshape(n * s, vocab)
     processed = process_logits(flat, rows, prompt_mask, output_counts)
-    filtered = filter_if_sampling(processed, rows)
+    filtered = sampling_logits(processed, rows, truncation)
     drawn = jax.vmap(jax.random.categorical)(row_keys(rows), filtered)
     sampled = rows.temperature > 0
     target = jnp.where(sampled, drawn, jnp.argmax(processed, axis=-1)).reshape(n, s)
@@ -136,7 +137,8 @@ def draft(params: ModelParams, state: StateCache, plan, streams: Array, next_tok
 
 
 def spec_step(params: ModelParams, state: StateCache, plan, *, cfg: ModelConfig,
-              ecfg: ResolvedEngineConfig) -> tuple[StateCache, SpecStepOutput]:
+              ecfg: ResolvedEngineConfig, truncation: bool | None = None
+              ) -> tuple[StateCache, SpecStepOutput]:
     k, s = ecfg.spec_tokens, ecfg.spec_tokens + 1
     n, num_tokens = plan.seq_slot.shape[0], plan.token_ids.shape[0]
     state = record_fed_tokens(state, plan, plan.token_ids)
@@ -152,7 +154,8 @@ def spec_step(params: ModelParams, state: StateCache, plan, *, cfg: ModelConfig,
     drafted = plan.token_ids[jnp.clip(columns + 1, 0, num_tokens - 1)]
     new, accepted, lp = verify(logits, drafted, plan.num_drafts, rows,
                                jnp.repeat(state.prompt_mask[slot], s, axis=0),
-                               jnp.repeat(state.output_counts[slot], s, axis=0), ecfg.max_logprobs)
+                               jnp.repeat(state.output_counts[slot], s, axis=0), ecfg.max_logprobs,
+                               truncation)
     bonus = jnp.take_along_axis(new, accepted[:, None], axis=1)[:, 0]
     sink = state.last_tokens.shape[0]
     state = dataclasses.replace(state, last_tokens=state.last_tokens.at[

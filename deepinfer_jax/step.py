@@ -60,7 +60,9 @@ def record_fed_tokens(state: StateCache, plan: BatchPlan, token_ids: jax.Array) 
 
 
 def step(params: ModelParams, state: StateCache, plan: BatchPlan, *, cfg: ModelConfig,
-         ecfg: ResolvedEngineConfig) -> tuple[StateCache, StepOutput]:
+         ecfg: ResolvedEngineConfig, truncation: bool | None = None
+         ) -> tuple[StateCache, StepOutput]:
+    """One engine step; `truncation` picks the sampler (sampling.sampling_logits)."""
     token_ids = resolve_placeholders(plan.token_ids, plan, state.last_tokens)
     state = record_fed_tokens(state, plan, token_ids)
     state, streams = forward_step(params, state, plan, token_ids, cfg, ecfg)
@@ -73,7 +75,7 @@ def step(params: ModelParams, state: StateCache, plan: BatchPlan, *, cfg: ModelC
                         position=plan.positions[plan.sample_index], allowed=plan.allowed)
     slot = jnp.minimum(plan.seq_slot, state.last_tokens.shape[0] - 1)
     out = sample(logits, rows, state.prompt_mask[slot], state.output_counts[slot],
-                 ecfg.max_logprobs)
+                 ecfg.max_logprobs, truncation)
     slots = jnp.where(plan.seq_samples, plan.seq_slot, state.last_tokens.shape[0])
     state = dataclasses.replace(state, last_tokens=state.last_tokens.at[slots].set(
         out.tokens, mode="drop"))

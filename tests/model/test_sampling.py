@@ -9,7 +9,16 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from deepinfer_jax.sampling import SamplingRows, apply_penalties, sample, unpack_bitmask
+from deepinfer_jax.sampling import (
+    SamplingRows,
+    apply_penalties,
+    filter_logits,
+    host_truncates,
+    sample,
+    scale_by_temperature,
+    truncates,
+    unpack_bitmask,
+)
 
 V = 12
 LOGITS = np.array([2.0, 1.5, 1.2, 1.0, 0.7, 0.5, 0.2, 0.0, -0.3, -0.8, -1.5, -3.0], np.float32)
@@ -23,12 +32,14 @@ def rows(n, **overrides) -> SamplingRows:
                 presence_penalty=np.zeros(n, np.float32), frequency_penalty=np.zeros(n, np.float32),
                 seed=np.arange(n, dtype=np.uint32), position=np.full(n, 7, np.int32),
                 allowed=np.full((n, 1), -1, np.int32))
+    if "allowed" in overrides:                      # its own width (the vocabulary / 32)
+        base["allowed"] = np.asarray(overrides.pop("allowed"), np.int32)
     for k, v in overrides.items():
         base[k] = np.broadcast_to(np.asarray(v, base[k].dtype), base[k].shape).copy()
     return SamplingRows(**{k: jnp.asarray(v) for k, v in base.items()})
 
 
-_sample = jax.jit(sample, static_argnames="num_logprobs")
+_sample = jax.jit(sample, static_argnames=("num_logprobs", "truncation"))
 
 
 def draw(**overrides) -> np.ndarray:
@@ -95,6 +106,33 @@ def test_streams_depend_on_seed_and_position_only():
                            num_logprobs=1).tokens)
     np.testing.assert_array_equal(a[perm], b)                   # batch order does not matter
     assert len({tuple(a[s * 8:(s + 1) * 8]) for s in range(8)}) > 1   # seeds differ
+
+
+def test_a_row_draws_the_same_whichever_sampler_variant_the_batch_needs():
+    """The host compiles the sampler with and without truncation and picks per batch: rows
+    that truncate nothing (greedy, temperature only, top-p 1) must draw the same tokens in
+    both, seeded, over a long flat tail (where a float cumsum reaches 1 before the end)."""
+    n, vocab = 256, 4096
+    logits = jax.random.normal(jax.random.key(0), (n, vocab)) * 0.1      # a flat distribution
+    zeros = jnp.zeros((n, vocab), bool), jnp.zeros((n, vocab), jnp.int32)
+    temperature = np.where(np.arange(n) % 4 == 0, 0.0, 1.3).astype(np.float32)
+    everything = np.full((n, vocab // 32), -1)
+    plain = rows(n, temperature=temperature, allowed=everything)
+    mixed = rows(n, temperature=temperature, top_p=np.where(np.arange(n) == 1, 0.5, 1.0),
+                 allowed=everything)
+    assert not host_truncates(temperature, 0, 1.0, 0.0) and host_truncates(temperature, 0, 0.5, 0.0)
+    assert not host_truncates(np.zeros(n), 5, 0.5, 0.1)           # greedy rows never truncate
+    assert not bool(truncates(plain)) and bool(truncates(mixed))
+    without = np.asarray(_sample(logits, plain, *zeros, num_logprobs=1, truncation=False).tokens)
+    with_ = np.asarray(_sample(logits, mixed, *zeros, num_logprobs=1, truncation=True).tokens)
+    decided = np.asarray(_sample(logits, mixed, *zeros, num_logprobs=1, truncation=None).tokens)
+    untouched = np.arange(n) != 1
+    np.testing.assert_array_equal(with_[untouched], without[untouched])
+    np.testing.assert_array_equal(decided, with_)
+    # at the logits: a peaked row's float cumsum reaches 1 at once, yet top-p 1 keeps its tail
+    peaked = logits.at[:, 0].set(30.0)
+    np.testing.assert_array_equal(np.asarray(filter_logits(peaked, mixed))[untouched],
+                                  np.asarray(scale_by_temperature(peaked, mixed))[untouched])
 
 
 def test_penalties_match_numpy():
