@@ -11,10 +11,7 @@ time (from the trace's Perfetto JSON).
 from __future__ import annotations
 
 import argparse
-import collections
 import cProfile
-import gzip
-import json
 import pstats
 import sys
 import time
@@ -27,6 +24,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.device_time import kernel_totals, trace_events  # noqa: E402
 from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
 from deepinfer_jax.buckets import token_bucket  # noqa: E402
 from deepinfer_jax.plan import build_plan  # noqa: E402
@@ -46,28 +44,10 @@ def build(args) -> LLM:
 
 
 def kernel_table(trace_dir: Path, steps: int, top: int = 25) -> list[tuple[str, float, int]]:
-    files = sorted(trace_dir.rglob("*.trace.json.gz")) or sorted(trace_dir.rglob("*.json.gz"))
-    if not files:
-        return []
-    events = json.loads(gzip.open(files[-1]).read())["traceEvents"]
-    threads = {}
-    for e in events:
-        if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name"):
-            threads[(e["pid"], e.get("tid") if e["name"] == "thread_name" else None)] = \
-                e["args"]["name"]
-    device_pids = {pid for (pid, tid), name in threads.items()
-                   if tid is None and "GPU" in name}
-    device_pids = device_pids or {pid for pid, _ in threads}      # CPU: the host's thunks
-    total = collections.defaultdict(lambda: [0.0, 0])
-    for e in events:
-        if e.get("ph") == "X" and e["pid"] in device_pids:
-            t = total[e["name"][:90]]
-            t[0] += e.get("dur", 0) / 1e3 / steps
-            t[1] += 1
-    print(f"device: {sum(ms for ms, _ in total.values()):.2f} ms busy, "
-          f"{sum(c for _, c in total.values()) / steps:.0f} events per step")
-    return sorted(((n, ms, c // steps) for n, (ms, c) in total.items()),
-                  key=lambda r: -r[1])[:top]
+    totals = kernel_totals(trace_events(trace_dir), steps)
+    print(f"device: {sum(ms for ms, _ in totals.values()):.2f} ms busy, "
+          f"{sum(c for _, c in totals.values()):.0f} events per step")
+    return sorted(((n, ms, c) for n, (ms, c) in totals.items()), key=lambda r: -r[1])[:top]
 
 
 def main() -> None:
