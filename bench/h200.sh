@@ -59,6 +59,9 @@ for name in "$@"; do
                    --v4-flash-layers 2 --context 4096 --batch 16 --out /tmp/profile-v4 && \
                    python3 bench/step_profile.py --v4-flash-layers 2 --context 128 --batch 256 \
                    --steps 20 --out /tmp/profile-v4-b256' ;;   # b256: the sampler's sort
+    profile-prefill) step profile-prefill 300 python3 bench/step_profile.py --v4-flash-layers 2 \
+                   --prefill 8192 --steps 5 --out /tmp/profile-prefill ;;   # issue 11's 8k prefill
+    dense)       step dense 200 python3 bench/kernels_moe.py --dense-only ;;  # invariant GEMM sweep
     *) echo "unknown step $name" ;;
   esac
 done

@@ -217,29 +217,45 @@ def tile_sweep(name, op, tokens, rows, hit, flops, weight_bytes, fn, args, sweep
     return out
 
 
+DENSE_SWEEP = (WarpSpecializedConfig(256, 64, 3), WarpSpecializedConfig(192, 64, 4),
+               WarpSpecializedConfig(256, 128, 2), WarpSpecializedConfig(128, 64, 5))
+
+
 def dense_case(m: int, shapes: Shapes, impl: str) -> list[dict]:
+    """The batch-invariant dense GEMM (default tiles, then warp-specialised ones) against XLA's
+    dot; for each of ours, which row prefixes (M = 1, 3, 64, 1000) give bitwise the same rows."""
     k = n = shapes.hidden
     x = jax.random.normal(jax.random.key(3), (m, k), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(4), (k, n), jnp.bfloat16) * k**-0.5
-    rows = []
-    ours = jax.jit(functools.partial(api.matmul, impl=impl))   # x, w are arguments
-    xla = jax.jit(jnp.dot)
-    ws = jax.jit(functools.partial(api.matmul, impl=impl, config=WarpSpecializedConfig(256)))
-    for name, fn in (("ours invariant", ours), ("xla dot", xla), ("ours invariant ws 128x256", ws)):
+    variants = [("xla dot", jax.jit(jnp.dot)),
+                ("ours invariant", jax.jit(functools.partial(api.matmul, impl=impl)))]
+    variants += [(f"ours invariant ws {c.block_m}x{c.block_n}x{c.block_k}/{c.max_concurrent_steps}",
+                  jax.jit(functools.partial(api.matmul, impl=impl, config=c))) for c in DENSE_SWEEP]
+    rows, reference = [], None
+    for name, fn in variants:
+        row = {"case": f"dense M={m}", "op": "matmul", "impl": name, "rows": m}
         try:
-            ms = timed_ms(fn, x, w)
+            row["ms"] = timed_ms(fn, x, w)
+            full = np.asarray(fn(x, w), np.float32)
         except Exception as error:  # noqa: BLE001 - report and go on
-            rows.append({"case": f"dense M={m}", "op": "matmul", "impl": name, "rows": m,
-                         "error": f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"})
+            rows.append(row | {"error": f"{type(error).__name__}: "
+                                        f"{str(error).splitlines()[0][:120]}"})
             continue
-        rows.append({"case": f"dense M={m}", "op": "matmul", "impl": name, "rows": m, "ms": ms,
-                     "tflops": 2 * m * k * n / ms / 1e9})
-    rows[0]["rel_err_vs_peer"] = rel_err(ours(x, w), xla(x, w))
-    full = np.asarray(ours(x, w), np.float32)
-    rows[0]["rows_bitwise_equal_for_m"] = [
-        sub for sub in (1, 3, 64, min(1000, m)) if sub <= m
-        and np.array_equal(np.asarray(ours(x[:sub], w), np.float32), full[:sub])]
+        row["tflops"] = 2 * m * k * n / row["ms"] / 1e9
+        if reference is None:
+            reference = full
+        else:
+            row["rel_err_vs_peer"] = rel_err(full, reference)
+            row["rows_bitwise_equal_for_m"] = [
+                sub for sub in (1, 3, 64, min(1000, m)) if sub <= m
+                and np.array_equal(np.asarray(fn(x[:sub], w), np.float32), full[:sub])]
+        rows.append(row)
     return rows
+
+
+def equal_rows(r: dict) -> str:
+    m = r.get("rows_bitwise_equal_for_m")
+    return "" if m is None else f" (rows bitwise equal for M = {', '.join(map(str, m))})"
 
 
 def table(results: list[dict], ceilings: dict) -> str:
@@ -255,7 +271,8 @@ def table(results: list[dict], ceilings: dict) -> str:
             continue
         tbps = r.get("weight_tbps")
         lines.append(
-            f"| {r['case']} | {r['op']} | {r['impl']} | {r['rows']} | {r.get('hit_experts', '')} | "
+            f"| {r['case']} | {r['op']} | {r['impl']}{equal_rows(r)} | {r['rows']} | "
+            f"{r.get('hit_experts', '')} | "
             f"{r['ms']:.3f} | {r['tflops']:.1f} | {'' if tbps is None else f'{tbps:.2f}'} | "
             f"{100 * r['tflops'] / ceilings['matmul_tflops']:.0f}% | "
             f"{'' if tbps is None else f'{100 * tbps / ceilings["copy_tbps"]:.0f}%'} | "
@@ -267,6 +284,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; kernel interpreted on CPU")
     ap.add_argument("--name", default=None)
+    ap.add_argument("--dense-only", action="store_true", help="only the batch-invariant GEMM")
     args = ap.parse_args()
     shapes = SMOKE if args.smoke else Shapes()
     impl = "interpret" if args.smoke else "mosaic_gpu"
@@ -286,6 +304,15 @@ def main() -> None:
                     "down": [TileConfig(64, 128, 64, 4), TileConfig(64, 256, 64, 3),
                              ws(256, 64, 3)]}
     results = []
+    if args.dense_only:
+        for m in shapes.dense_rows:
+            results += dense_case(m, shapes, impl)
+        text = table(results, ceilings)
+        print(text)
+        write_results(args.name or "kernels-dense-gpu", {"environment": environment(),
+                      "ceilings": ceilings, "results": results},
+                      text + "\n\nCommand: `python bench/kernels_moe.py --dense-only`.")
+        return
     results += moe_case("prefill", shapes.prefill_tokens, shapes, experts, impl, tokamax_dot,
                         prefill_sweep)
     print(table(results, ceilings), flush=True)

@@ -1,11 +1,13 @@
-"""Where a decode step's time goes: host loop vs device, and the device time by kernel.
+"""Where a step's time goes: host loop vs device, and the device time by kernel.
 
     python bench/step_profile.py [--model PATH | --v4-flash-layers N] [--batch B] [--out DIR]
+    python bench/step_profile.py --v4-flash-layers 2 --prefill 8192 --out DIR
 
 Runs steady decode at one batch size and reports (1) the engine loop's split between host
 work and waiting for the device, (2) the compiled step's device time alone (same inputs,
 called back to back), (3) with --out, a profiler trace and the device kernels ranked by total
-time (from the trace's Perfetto JSON).
+time (from the trace's Perfetto JSON). With --prefill N: (2) and (3) for one N-token prompt
+in one step instead.
 """
 
 from __future__ import annotations
@@ -50,17 +52,8 @@ def kernel_table(trace_dir: Path, steps: int, top: int = 25) -> list[tuple[str, 
     return sorted(((n, ms, c) for n, (ms, c) in totals.items()), key=lambda r: -r[1])[:top]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(REPO / "models" / "deepinfer-tiny-v4"))
-    ap.add_argument("--v4-flash-layers", type=int, default=0)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--budget", type=int, default=256, help="max tokens per step")
-    ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
-    llm = build(args)
+def steady_decode(llm: LLM, args) -> None:
+    """Reach steady decode at args.batch requests, then split the loop's time."""
     engine, vocab = llm.engine, llm.model.config.vocab_size
     rng = np.random.default_rng(0)
     for i in range(args.batch):
@@ -87,6 +80,27 @@ def main() -> None:
     print(f"loop: {1e3 * wall:.2f} ms/step = host {1e3 * host:.2f} + waiting {1e3 * wait:.2f}")
     pstats.Stats(profile).sort_stats("tottime").print_stats(15)
 
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(REPO / "models" / "deepinfer-tiny-v4"))
+    ap.add_argument("--v4-flash-layers", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--budget", type=int, default=256, help="max tokens per step")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--prefill", type=int, default=0, help="profile one prompt of N tokens")
+    args = ap.parse_args()
+    if args.prefill:
+        args.budget, args.batch, args.context = args.prefill, 1, args.prefill
+    llm = build(args)
+    engine = llm.engine
+    if args.prefill:
+        engine.add_request("prompt", np.random.default_rng(0).integers(
+            2, llm.model.config.vocab_size, args.prefill).tolist(), SamplingParams(max_tokens=1))
+    else:
+        steady_decode(llm, args)
     # The compiled step alone: the same plan, called back to back (the state is donated).
     decision = engine.scheduler.schedule()
     bucket = token_bucket(engine.ecfg.token_buckets, decision.num_tokens)
@@ -108,7 +122,7 @@ def main() -> None:
             for _ in range(10):
                 state, out = compiled(engine.params, state, plan)
             jax.block_until_ready(out)
-        for name, ms, count in kernel_table(args.out / "trace", 10):
+        for name, ms, count in kernel_table(args.out / "trace", 10, top=40 if args.prefill else 25):
             print(f"{ms:8.3f} ms  x{count:<4} {name}")
     engine.state = state
 

@@ -54,7 +54,9 @@ class CompiledStep:
     output_wire: Wire
 
     def __call__(self, params: ModelParams, state: StateCache, plan: BatchPlan):
-        return self.executable(params, state, jax.device_put(self.plan_wire.pack_host(plan)))
+        # the numpy buffer goes in as is: the executable's own transfer is ~6x cheaper on the
+        # host than a jax.device_put first (measured on the CPU: 10 vs 70 us per call)
+        return self.executable(params, state, self.plan_wire.pack_host(plan))
 
     def read(self, output: jax.Array):
         """The output buffer -> StepOutput / SpecStepOutput of numpy arrays (waits for it)."""
