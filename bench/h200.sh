@@ -62,6 +62,14 @@ for name in "$@"; do
     profile-prefill) step profile-prefill 300 python3 bench/step_profile.py --v4-flash-layers 2 \
                    --prefill 8192 --steps 5 --out /tmp/profile-prefill ;;   # issue 11's 8k prefill
     dense)       step dense 200 python3 bench/kernels_moe.py --dense-only ;;  # invariant GEMM sweep
+    cmdbuf)      step cmdbuf 300 sh -c 'for flags in "" "--xla_gpu_graph_min_graph_size=1" \
+                   "--xla_gpu_enable_command_buffer="; do echo "XLA_FLAGS=$flags"; \
+                   XLA_FLAGS="$flags" python3 bench/step_profile.py --v4-flash-layers 4 \
+                   --context 4096 --batch 1 --steps 30; done' ;;   # batch 1 is launch-bound
+    hlo)         step hlo 200 sh -c 'XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text \
+                   --xla_dump_hlo_module_re=.*wired_step.*" python3 bench/step_profile.py \
+                   --batch 1 --budget 16 --context 128 --steps 5; \
+                   cp /tmp/hlo/*wired_step*after_optimizations.txt "$OUT/"' ;;  # launches by op
     *) echo "unknown step $name" ;;
   esac
 done
