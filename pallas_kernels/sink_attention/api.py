@@ -15,13 +15,12 @@ import jax.numpy as jnp
 
 from pallas_kernels.common import gpu_interpret, implementation
 from pallas_kernels.sink_attention import reference
-from pallas_kernels.sink_attention.mosaic_gpu import HEADS, AttentionConfig
+from pallas_kernels.sink_attention.mosaic_gpu import HEADS, AttentionConfig, combine_splits
 from pallas_kernels.sink_attention.mosaic_gpu import sink_attention as kernel
 
-# Its tests pass on the H200 (bench/results/gpu-tests.md), but the one partial benchmark run
-# timed it latency-bound (4% of the copy bandwidth at 64 decode tokens, HCA 4k context) and
-# the comparison with the XLA path did not finish: the reference stays the default on GPU
-# until bench/kernels_attention.py shows the kernel ahead.
+# Its tests pass on the H200 (bench/results/gpu-tests.md), but in device time it beats the
+# XLA path only at 64 decode tokens and is slower at 1-16 (kernels-attention-gpu.md): the
+# reference stays the default on GPU until a config (e.g. num_splits) is ahead everywhere.
 VALIDATED_ON_GPU = False
 
 
@@ -51,7 +50,7 @@ def sink_attention(q: jax.Array, rows: jax.Array, visible: jax.Array, sinks: jax
     if impl == "reference" or not kernel_fits(q, rows, config):
         return reference.sink_attention(q, rows, visible, sinks)
     heads, num_rows = q.shape[1], rows.shape[1]
-    pad_rows, pad_heads = -num_rows % config.block_r, -heads % HEADS
+    pad_rows, pad_heads = -num_rows % config.row_multiple, -heads % HEADS
     rows = jnp.pad(rows, ((0, 0), (0, pad_rows), (0, 0)))
     bias = jnp.where(jnp.pad(visible, ((0, 0), (0, pad_rows))), 0.0, -jnp.inf)
     q = jnp.pad(q, ((0, 0), (0, pad_heads), (0, 0)))
@@ -60,4 +59,6 @@ def sink_attention(q: jax.Array, rows: jax.Array, visible: jax.Array, sinks: jax
         out = [kernel(q[:, g: g + HEADS], rows, bias.astype(jnp.float32), sinks[g: g + HEADS],
                       config=config)
                for g in range(0, heads + pad_heads, HEADS)]     # one launch per 64 heads
+    if config.num_splits > 1:
+        out = [combine_splits(*partial).astype(q.dtype) for partial in out]
     return jnp.concatenate(out, axis=1)[:, :heads]

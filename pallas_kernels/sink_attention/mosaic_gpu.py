@@ -12,6 +12,12 @@ take it from registers on the GPU, but interpret mode (CI) cannot. Splitting the
 dims across programs keeps the f32 accumulator in one warpgroup's registers; each program
 recomputes S (cheap: decode is bound by reading rows, and repeated reads of a row hit L2).
 Each token's rows are summed in one fixed order, whatever the batch: batch-invariant.
+
+With `num_splits` > 1 (flash-decoding), a token's rows are cut into that many contiguous
+ranges, each its own program, so that a small batch still fills the SMs: each program returns
+its unnormalised sum with its running max and sum, and `combine_splits` merges them (the sink
+joins the first range). The split is a fixed config, not chosen from the batch, so it keeps
+a token's sums independent of the batch too.
 """
 
 from __future__ import annotations
@@ -33,30 +39,58 @@ class AttentionConfig:
     block_r: int = 64             # rows per pipeline step (P @ V's K: a multiple of 64)
     block_d: int = 128            # output dims per program
     max_concurrent_steps: int = 2
+    num_splits: int = 1           # row ranges per token, each its own program
+
+    @property
+    def row_multiple(self) -> int:
+        return self.block_r * self.num_splits
 
     def check(self, heads: int, rows: int, head_dim: int) -> None:
         if heads != HEADS:
             raise ValueError(f"the kernel computes {HEADS} heads per token, got {heads}")
-        if self.block_r % 64 or rows % self.block_r or head_dim % self.block_d or head_dim % 64:
+        if (self.block_r % 64 or rows % self.row_multiple or head_dim % self.block_d
+                or head_dim % 64):
             raise ValueError(f"rows={rows} and head_dim={head_dim} must be multiples of "
-                             f"{self.block_r} and {self.block_d}")
+                             f"{self.row_multiple} and {self.block_d}")
+
+
+# A running max no score reaches, for the ranges without the sink: finite, so that a range
+# whose rows are all invisible (scores -inf) rescales by exp(0) instead of exp(-inf + inf).
+NO_PEAK = -1e30
+
+
+def combine_splits(acc: jax.Array, stats: jax.Array) -> jax.Array:
+    """Per-range results -> attention: acc f32[S, T, H, hd] (unnormalised), stats
+    f32[S, T, 2, H] (running max, running sum) -> f32[T, H, hd]. Ranges are merged in index
+    order, the same for every batch."""
+    peak, total = stats[:, :, 0], stats[:, :, 1]
+    weight = jnp.exp(peak - jnp.max(peak, axis=0))                          # [S, T, H]
+    out = jnp.sum(weight[..., None] * acc, axis=0)
+    return out / jnp.sum(weight * total, axis=0)[..., None]
 
 
 def sink_attention(q: jax.Array, rows: jax.Array, bias: jax.Array, sinks: jax.Array, *,
                    config: AttentionConfig = AttentionConfig()) -> jax.Array:
     """q [T, 64, hd], rows [T, R, hd] (bf16), bias f32[T, R] (0 visible, -inf not),
-    sinks f32[64] -> [T, 64, hd] in q's dtype."""
+    sinks f32[64] -> [T, 64, hd] in q's dtype; with config.num_splits = S > 1 the ranges'
+    partial results instead: (acc f32[S, T, 64, hd], stats f32[S, T, 2, 64]) for
+    combine_splits."""
     tokens, heads, head_dim = q.shape
     num_rows = rows.shape[1]
     config.check(heads, num_rows, head_dim)
-    br, bd = config.block_r, config.block_d
+    br, bd, splits = config.block_r, config.block_d, config.num_splits
+    range_blocks = num_rows // br // splits
     scale = head_dim ** -0.5
+    # Each range's starting (running max, running sum): the first holds the sink's term.
+    start = jnp.stack([jnp.full((splits, heads), NO_PEAK, jnp.float32).at[0].set(sinks),
+                       jnp.zeros((splits, heads), jnp.float32).at[0].set(1.0)], axis=1)
 
-    def body(q_ref, rows_ref, bias_ref, sinks_ref, out_ref, q_smem, sinks_smem, p_smem, out_smem,
-             barriers):
+    def body(q_ref, rows_ref, bias_ref, start_ref, *refs):
+        *out_refs, q_smem, start_smem, p_smem, out_smem, stats_smem, barriers = refs
         token, dcol = lax.axis_index("token"), lax.axis_index("dcol")
+        split = lax.axis_index("split")
         plgpu.copy_gmem_to_smem(q_ref.at[token], q_smem, barriers.at[0])
-        plgpu.copy_gmem_to_smem(sinks_ref, sinks_smem, barriers.at[1])
+        plgpu.copy_gmem_to_smem(start_ref.at[split], start_smem, barriers.at[1])
         plgpu.barrier_wait(barriers.at[0])
         plgpu.barrier_wait(barriers.at[1])
 
@@ -90,33 +124,51 @@ def sink_attention(q: jax.Array, rows: jax.Array, bias: jax.Array, sinks: jax.Ar
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
                 return acc, new_peak, total
 
-            # The running max starts at the sink logit and the running sum at its term, 1.
-            init = (jnp.zeros((heads, bd), jnp.float32), sinks_smem[...],
-                    jnp.ones((heads,), jnp.float32))
-            specs = [plgpu.BlockSpec((br, head_dim), lambda r: (r, 0)),
-                     plgpu.BlockSpec((br,), lambda r: (r,))]
-            acc, _, total = plgpu.emit_pipeline(
-                step, grid=(num_rows // br,), in_specs=specs, init_carry=init,
+            # The running max starts at the sink logit and the running sum at its term, 1
+            # (in the first range; the others start empty).
+            init = (jnp.zeros((heads, bd), jnp.float32), start_smem.at[0][...],
+                    start_smem.at[1][...])
+            first = split * range_blocks
+            specs = [plgpu.BlockSpec((br, head_dim), lambda r: (first + r, 0)),
+                     plgpu.BlockSpec((br,), lambda r: (first + r,))]
+            acc, peak, total = plgpu.emit_pipeline(
+                step, grid=(range_blocks,), in_specs=specs, init_carry=init,
                 max_concurrent_steps=config.max_concurrent_steps)(
                 rows_ref.at[token], bias_ref.at[token])
-            out_smem[...] = (acc / lax.broadcast_in_dim(total, acc.shape, [0])).astype(
-                out_smem.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, out_ref.at[token, :, dims])
+            if splits == 1:
+                out_smem[...] = (acc / lax.broadcast_in_dim(total, acc.shape, [0])).astype(
+                    out_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem, out_refs[0].at[token, :, dims])
+            else:
+                out_smem[...] = acc
+                if dims.start == 0:           # every column block has the same statistics
+                    stats_smem.at[0][...] = peak
+                    stats_smem.at[1][...] = total
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem, out_refs[0].at[split, token, :, dims])
+                if dims.start == 0:
+                    plgpu.copy_smem_to_gmem(stats_smem, out_refs[1].at[split, token])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         for c in range(head_dim // bd):      # one static column slice per program
             pl.when(dcol == c)(functools.partial(attend, slice(c * bd, (c + 1) * bd)))
 
+    if splits == 1:
+        out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    else:
+        out_type = (jax.ShapeDtypeStruct((splits, *q.shape), jnp.float32),
+                    jax.ShapeDtypeStruct((splits, tokens, 2, heads), jnp.float32))
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        grid=(tokens, head_dim // bd), grid_names=("token", "dcol"),
-        scratch_types=dict(q_smem=plgpu.SMEM((heads, head_dim), q.dtype),
-                           sinks_smem=plgpu.SMEM((heads,), jnp.float32),
-                           p_smem=plgpu.SMEM((heads, br), q.dtype),
-                           out_smem=plgpu.SMEM((heads, bd), q.dtype),
-                           barriers=plgpu.Barrier(num_barriers=2)),
+        body, out_type=out_type,
+        grid=(tokens, head_dim // bd, splits), grid_names=("token", "dcol", "split"),
+        scratch_types=[plgpu.SMEM((heads, head_dim), q.dtype),
+                       plgpu.SMEM((2, heads), jnp.float32),
+                       plgpu.SMEM((heads, br), q.dtype),
+                       plgpu.SMEM((heads, bd), q.dtype if splits == 1 else jnp.float32),
+                       plgpu.SMEM((2, heads), jnp.float32),
+                       plgpu.Barrier(num_barriers=2)],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-    return kernel(q, rows, bias, sinks)
+    return kernel(q, rows, bias, start)
 
 

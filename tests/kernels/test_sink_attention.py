@@ -4,6 +4,8 @@ the kernel's lowering for CUDA."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,6 +67,17 @@ def test_column_blocks_of_64_and_many_tokens():
                              config=AttentionConfig(block_d=64)), ref[:3])
 
 
+@pytest.mark.parametrize("splits", [2, 4])
+@pytest.mark.parametrize("pattern", ["random", "first few", "none"])
+def test_rows_split_over_programs(splits, pattern):
+    """Flash-decoding: a token's rows in `splits` ranges, merged after. "first few" leaves
+    the later ranges with no visible row, "none" every range (only the sink's term)."""
+    q, kv, visible, sinks = problem(2, 64, 200, pattern, seed=splits)
+    close(api.sink_attention(q, kv, visible, sinks, impl=KERNEL,
+                             config=AttentionConfig(block_d=128, num_splits=splits)),
+          reference.sink_attention(q, kv, visible, sinks))
+
+
 @pytest.mark.parametrize("heads", [16, 128])
 def test_head_counts_other_than_64(heads):
     q, kv, visible, sinks = problem(2, heads, 64, "random", seed=heads)
@@ -87,12 +100,15 @@ def test_reference_against_float64_and_the_model():
     np.testing.assert_array_equal(np.asarray(model, np.float32), np.asarray(out, np.float32))
 
 
-def test_kernel_lowers_for_cuda():
+@pytest.mark.parametrize("splits", [1, 2])
+def test_kernel_lowers_for_cuda(splits):
     """Mosaic GPU's own checks (layouts, wgmma shapes, shared memory) run at lowering."""
     q, kv, visible, sinks = problem(2, 64, 128, "random")
     bias = jnp.where(visible, 0.0, -jnp.inf).astype(jnp.float32)
+    config = AttentionConfig(num_splits=splits)
     with abstract_gpu():
-        exported = jax.export.export(jax.jit(kernel), platforms=["cuda"])(q, kv, bias, sinks)
+        exported = jax.export.export(jax.jit(functools.partial(kernel, config=config)),
+                                     platforms=["cuda"])(q, kv, bias, sinks)
     assert "mosaic_gpu" in exported.mlir_module()
 
 
