@@ -37,7 +37,7 @@ for name in "$@"; do
     kernels)     step kernels 150 python3 -m pytest -q -p no:cacheprovider tests/kernels ;;
     kernels-defaults) step kernels-defaults 60 python3 -m pytest -q -p no:cacheprovider \
                    tests/kernels -k default_configs ;;
-    attention)   step attention 300 python3 bench/kernels_attention.py ;;
+    attention)   step attention 420 python3 bench/kernels_attention.py ;;
     moe-model)   step moe-model 90 python3 -m pytest -q -p no:cacheprovider \
                    tests/model/test_moe.py -k kernel ;;
     moe)         step moe 240 python3 bench/kernels_moe.py ;;
