@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 from bench.common import environment, write_results  # noqa: E402
 from bench.overlap import model_config, steady_decode  # noqa: E402
 from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
-from deepinfer_jax.model.invariant import TILE as INVARIANT_TILE  # noqa: E402
+from deepinfer_jax.model.invariant import invariant_tile  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
 
 
@@ -78,8 +78,8 @@ def main() -> None:
     table += (f"\nSlowdown of the batch-invariant mode: decode {cost['decode_tokens_per_s']:.0%}, "
               f"prefill {cost['prefill_tokens_per_s']:.0%}. Model: {label}, random bf16 weights. "
               f"Command: `{payload['command']}`.")
-    payload["invariant_tile"] = INVARIANT_TILE
-    suffix = "" if INVARIANT_TILE == 8 else f"-tile{INVARIANT_TILE}"
+    payload["invariant_tile"] = tile = invariant_tile()
+    suffix = "" if tile == 8 else f"-tile{tile}"
     write_results(f"batch-invariant-{device}{suffix}", payload, table)
     print(table)
 

@@ -43,10 +43,10 @@ for name in "$@"; do
     moe)         step moe 240 python3 bench/kernels_moe.py ;;
     invariance)  step invariance 300 python3 -m pytest -q -p no:cacheprovider \
                    tests/engine/test_batch_invariance.py -k "not computes_the_same_model" ;;
-    invariance64) DEEPINFER_INVARIANT_TILE=64 step invariance64 300 python3 -m pytest -q \
+    invariance8) DEEPINFER_INVARIANT_TILE=8 step invariance8 300 python3 -m pytest -q \
                    -p no:cacheprovider tests/engine/test_batch_invariance.py \
                    -k "not computes_the_same_model" ;;
-    bi-bench64)  DEEPINFER_INVARIANT_TILE=64 step bi-bench64 240 python3 bench/batch_invariant.py \
+    bi-bench8)   DEEPINFER_INVARIANT_TILE=8 step bi-bench8 240 python3 bench/batch_invariant.py \
                    --v4-flash-layers 2 --prefill 8192 --decode-batch 64 --buckets 64 256 ;;
     bi-bench)    step bi-bench 240 python3 bench/batch_invariant.py --v4-flash-layers 2 \
                    --prefill 8192 --decode-batch 64 --buckets 64 256 ;;
