@@ -7,9 +7,6 @@ matrix by Sinkhorn iterations. All mixing math is float32.
 
 from __future__ import annotations
 
-import functools
-import operator
-
 import jax
 import jax.numpy as jnp
 
@@ -17,6 +14,7 @@ from deepinfer_jax.model.invariant import linear, ordered_sum, per_row_tiles
 from deepinfer_jax.model.norms import unweighted_rms_norm
 from deepinfer_jax.model.params import HyperConnectionParams, HyperHeadParams
 from pallas_kernels.common import launch_bound
+from pallas_kernels.sinkhorn import api as sinkhorn_kernel
 
 
 def _mixes(streams: jax.Array, fn: jax.Array, eps: float, invariant: bool) -> jax.Array:
@@ -33,40 +31,28 @@ def collapse(pre: jax.Array, streams: jax.Array, invariant: bool) -> jax.Array:
     return ordered_sum(weighted, -2) if invariant else jnp.sum(weighted, axis=-2)
 
 
-def _fold_over(x: jax.Array, axis: int, op=operator.add) -> jax.Array:
-    """Reduce a small static axis with `op` in index order (keepdims): elementwise ops only,
-    so XLA fuses them with their neighbours, and the order is fixed whatever the batch."""
-    parts = [jax.lax.slice_in_dim(x, i, i + 1, axis=axis) for i in range(x.shape[axis])]
-    return functools.reduce(op, parts)
-
-
 def sinkhorn(comb_logits: jax.Array, iters: int, eps: float, unrolled: bool) -> jax.Array:
     """f32[..., hc, hc] -> near doubly-stochastic: row softmax, then alternate column/row scaling
     (1 softmax + `iters` column and `iters - 1` row normalisations).
 
-    Two formulations of the same arithmetic. `unrolled`: Python iterations of elementwise adds
-    over the hc (4) entries, which XLA fuses into a few kernels per sublayer; as a loop of
-    reductions the GPU ran ~5 launches per iteration (19 x 2 per layer), most of a small-batch
-    decode step's time (H200, tiny model: 16.7 -> 6.6 ms per step). On the CPU launches are
-    cheap and the loop compiles twice as fast; and there XLA's vectorised elementwise code
-    gives a row different last bits in batches of different sizes, so batch-invariant mode
-    keeps the loop (proven invariant on the CPU and the H200) everywhere."""
-    if not unrolled:
-        comb = jax.nn.softmax(comb_logits, axis=-1) + eps
-        comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
+    Two formulations of the same arithmetic. `unrolled`: elementwise adds over the hc (4)
+    entries (pallas_kernels/sinkhorn: the jnp reference, or one kernel launch), which XLA fuses
+    into about a kernel per iteration; as a loop of reductions the GPU ran ~5 launches per
+    iteration (19 x 2 per layer), most of a small-batch decode step's time (H200, tiny model:
+    16.7 -> 6.6 ms per step). On the CPU launches are cheap and the loop compiles twice as
+    fast; and there XLA's vectorised elementwise code gives a row different last bits in
+    batches of different sizes, so batch-invariant mode keeps the loop (proven invariant on
+    the CPU and the H200) everywhere."""
+    if unrolled:
+        return sinkhorn_kernel.sinkhorn(comb_logits, iters, eps)
+    comb = jax.nn.softmax(comb_logits, axis=-1) + eps
+    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
 
-        def row_then_column(_, c):
-            c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
-            return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+    def row_then_column(_, c):
+        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
+        return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
 
-        return jax.lax.fori_loop(0, iters - 1, row_then_column, comb)
-    exp = jnp.exp(comb_logits - _fold_over(comb_logits, -1, jnp.maximum))
-    comb = exp / _fold_over(exp, -1) + eps
-    comb = comb / (_fold_over(comb, -2) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (_fold_over(comb, -1) + eps)
-        comb = comb / (_fold_over(comb, -2) + eps)
-    return comb
+    return jax.lax.fori_loop(0, iters - 1, row_then_column, comb)
 
 
 def hc_pre(streams: jax.Array, p: HyperConnectionParams, *, hc_eps: float, norm_eps: float,
