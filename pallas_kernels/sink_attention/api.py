@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.common import gpu_interpret, implementation
 from pallas_kernels.sink_attention import reference
-from pallas_kernels.sink_attention.mosaic_gpu import HEADS, AttentionConfig, combine_splits
+from pallas_kernels.sink_attention.mosaic_gpu import HEADS, SMEM_BYTES, AttentionConfig, combine_splits
 from pallas_kernels.sink_attention.mosaic_gpu import sink_attention as kernel
 
 # Its tests pass on the H200 (bench/results/gpu-tests.md), but in device time it beats the
@@ -33,7 +33,8 @@ def default_config(tokens: int) -> AttentionConfig:
 
 def kernel_fits(q: jax.Array, rows: jax.Array, config: AttentionConfig) -> bool:
     return (q.dtype == rows.dtype and q.dtype in (jnp.bfloat16, jnp.float16)
-            and q.shape[-1] % config.block_d == 0 and q.shape[-1] % 64 == 0)
+            and q.shape[-1] % config.block_d == 0 and q.shape[-1] % 64 == 0
+            and config.smem_bytes(q.shape[-1]) <= SMEM_BYTES)
 
 
 def kernel_runs(q: jax.Array, rows: jax.Array, impl: str | None = None) -> bool:

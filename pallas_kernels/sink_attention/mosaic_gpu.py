@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 HEADS = 64     # the wgmma M: the heads of one token
+SMEM_BYTES = 232448   # per program (block) on SM90, as Mosaic GPU reports it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +46,18 @@ class AttentionConfig:
     def row_multiple(self) -> int:
         return self.block_r * self.num_splits
 
+    def smem_bytes(self, head_dim: int, dtype_bytes: int = 2) -> int:
+        """Shared memory a program uses: q, P, the output tile (f32 when split: partial
+        sums), and the row and bias blocks in flight."""
+        out_bytes = dtype_bytes if self.num_splits == 1 else 4
+        return (HEADS * head_dim * dtype_bytes + HEADS * self.block_r * dtype_bytes
+                + HEADS * self.block_d * out_bytes
+                + self.max_concurrent_steps * self.block_r * (head_dim * dtype_bytes + 4))
+
     def check(self, heads: int, rows: int, head_dim: int) -> None:
+        if self.smem_bytes(head_dim) > SMEM_BYTES:
+            raise ValueError(f"{self} needs {self.smem_bytes(head_dim)} bytes of shared "
+                             f"memory, more than the {SMEM_BYTES} an SM90 program has")
         if heads != HEADS:
             raise ValueError(f"the kernel computes {HEADS} heads per token, got {heads}")
         if (self.block_r % 64 or rows % self.row_multiple or head_dim % self.block_d

@@ -74,7 +74,7 @@ def test_rows_split_over_programs(splits, pattern):
     the later ranges with no visible row, "none" every range (only the sink's term)."""
     q, kv, visible, sinks = problem(2, 64, 200, pattern, seed=splits)
     close(api.sink_attention(q, kv, visible, sinks, impl=KERNEL,
-                             config=AttentionConfig(block_d=128, num_splits=splits)),
+                             config=AttentionConfig(block_d=64, num_splits=splits)),
           reference.sink_attention(q, kv, visible, sinks))
 
 
@@ -105,7 +105,7 @@ def test_kernel_lowers_for_cuda(splits):
     """Mosaic GPU's own checks (layouts, wgmma shapes, shared memory) run at lowering."""
     q, kv, visible, sinks = problem(2, 64, 128, "random")
     bias = jnp.where(visible, 0.0, -jnp.inf).astype(jnp.float32)
-    config = AttentionConfig(num_splits=splits)
+    config = AttentionConfig(block_d=64 if splits > 1 else 128, num_splits=splits)
     with abstract_gpu():
         exported = jax.export.export(jax.jit(functools.partial(kernel, config=config)),
                                      platforms=["cuda"])(q, kv, bias, sinks)
@@ -120,3 +120,16 @@ def test_the_models_decode_attention_dispatches_to_the_kernel(monkeypatch):
     monkeypatch.setenv("DEEPINFER_KERNELS", KERNEL)
     assert api.kernel_runs(q, kv)
     close(model_sink_attention(q[:, None], kv, visible[:, None], sinks), expected)
+
+
+def test_configs_that_overflow_shared_memory_are_refused():
+    """A split program's f32 output tile of 128 dims, with q and two row blocks in flight,
+    exceeds an SM90 program's shared memory: refused up front (the dispatch then falls back
+    to the reference) instead of failing to compile on the GPU."""
+    too_big = AttentionConfig(block_d=128, num_splits=2)
+    assert too_big.smem_bytes(HD) > 232448 >= AttentionConfig().smem_bytes(HD)
+    q, kv, visible, sinks = problem(2, 64, 128, "random")
+    with pytest.raises(ValueError, match="shared memory"):
+        too_big.check(64, 128, HD)
+    close(api.sink_attention(q, kv, visible, sinks, impl=KERNEL, config=too_big),
+          reference.sink_attention(q, kv, visible, sinks))
