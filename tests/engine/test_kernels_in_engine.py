@@ -1,5 +1,6 @@
 """The engine with its Pallas kernels in the step (interpreted on the CPU, compiled on a GPU):
-the routed experts' grouped GEMM and the decode/verify sink attention, against the same
+the routed experts' grouped GEMM and the decode/verify sink attention (and on a GPU, whose step
+formulation unrolls mHC's Sinkhorn, the Sinkhorn kernel), against the same
 engine on the jnp reference path. bf16, so the two agree to rounding: same greedy tokens,
 per-step logprobs within a few thousandths."""
 
