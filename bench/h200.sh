@@ -34,16 +34,19 @@ step() {   # name, limit in seconds, command...
 
 for name in "$@"; do
   case $name in
-    kernels)     step kernels 150 python3 -m pytest -q -p no:cacheprovider tests/kernels ;;
+    kernels)     step kernels 300 python3 -m pytest -q -p no:cacheprovider tests/kernels ;;
+    kernels-new) step kernels-new 300 python3 -m pytest -q -p no:cacheprovider \
+                   tests/kernels/test_sinkhorn.py tests/engine/test_kernels_in_engine.py \
+                   tests/kernels/test_sink_attention.py -k "sinkhorn or split or engine" ;;
     kernels-defaults) step kernels-defaults 60 python3 -m pytest -q -p no:cacheprovider \
                    tests/kernels -k default_configs ;;
     attention)   step attention 420 python3 bench/kernels_attention.py ;;
     moe-model)   step moe-model 90 python3 -m pytest -q -p no:cacheprovider \
                    tests/model/test_moe.py -k kernel ;;
     moe)         step moe 240 python3 bench/kernels_moe.py ;;
-    invariance)  step invariance 300 python3 -m pytest -q -p no:cacheprovider \
+    invariance)  step invariance 500 python3 -m pytest -q -p no:cacheprovider \
                    tests/engine/test_batch_invariance.py -k "not computes_the_same_model" ;;
-    invariance8) DEEPINFER_INVARIANT_TILE=8 step invariance8 300 python3 -m pytest -q \
+    invariance8) DEEPINFER_INVARIANT_TILE=8 step invariance8 500 python3 -m pytest -q \
                    -p no:cacheprovider tests/engine/test_batch_invariance.py \
                    -k "not computes_the_same_model" ;;
     bi-bench8)   DEEPINFER_INVARIANT_TILE=8 step bi-bench8 240 python3 bench/batch_invariant.py \
@@ -61,6 +64,10 @@ for name in "$@"; do
                    --steps 20 --out /tmp/profile-v4-b256' ;;   # b256: the sampler's sort
     profile-prefill) step profile-prefill 300 python3 bench/step_profile.py --v4-flash-layers 2 \
                    --prefill 8192 --steps 5 --out /tmp/profile-prefill ;;   # issue 11's 8k prefill
+    b1)          step b1 540 sh -c 'for args in "--batch 1 --budget 16 --context 128" \
+                   "--v4-flash-layers 4 --context 4096 --batch 1"; do for k in reference mosaic_gpu; \
+                   do echo "== $args, DEEPINFER_KERNEL_SINKHORN=$k"; DEEPINFER_KERNEL_SINKHORN=$k \
+                   python3 bench/step_profile.py $args --steps 30; done; done' ;;  # the Sinkhorn kernel
     dense)       step dense 200 python3 bench/kernels_moe.py --dense-only ;;  # invariant GEMM sweep
     cmdbuf)      step cmdbuf 300 sh -c 'for flags in "" "--xla_gpu_graph_min_graph_size=1" \
                    "--xla_gpu_enable_command_buffer="; do echo "XLA_FLAGS=$flags"; \
