@@ -1,7 +1,8 @@
 """What every kernel folder shares: which implementation runs where, and GPU interpret mode.
 
 `implementation()` picks "mosaic_gpu" on an NVIDIA GPU of compute capability 9.0 or newer and
-"reference" (plain jnp) elsewhere. `DEEPINFER_KERNELS=reference|mosaic_gpu` overrides it.
+"reference" (plain jnp) elsewhere. `DEEPINFER_KERNELS=reference|mosaic_gpu` overrides it for
+every op, `DEEPINFER_KERNEL_<OP>` (e.g. DEEPINFER_KERNEL_SINKHORN) for one, ahead of both.
 Until a kernel has been validated on the H200 its folder keeps the reference as the default
 on GPU too (see each api.py): an unmeasured kernel must be asked for.
 
@@ -49,13 +50,15 @@ def on_hopper_or_newer() -> bool:
     return major >= 9
 
 
-def implementation(validated: bool) -> str:
-    """The implementation to run: the env override, else the kernel where it is validated."""
-    choice = os.environ.get("DEEPINFER_KERNELS")
-    if choice:
-        if choice not in IMPLEMENTATIONS:
-            raise ValueError(f"DEEPINFER_KERNELS must be one of {IMPLEMENTATIONS}, got {choice!r}")
-        return choice
+def implementation(validated: bool, op: str) -> str:
+    """The implementation of `op` to run: an env override (this op's, then every op's), else
+    the kernel where it is validated."""
+    for var in (f"DEEPINFER_KERNEL_{op.upper()}", "DEEPINFER_KERNELS"):
+        choice = os.environ.get(var)
+        if choice:
+            if choice not in IMPLEMENTATIONS:
+                raise ValueError(f"{var} must be one of {IMPLEMENTATIONS}, got {choice!r}")
+            return choice
     return "mosaic_gpu" if validated and on_hopper_or_newer() else "reference"
 
 

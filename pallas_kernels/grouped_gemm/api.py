@@ -61,7 +61,7 @@ def kernel_fits(k: int, n_out: int, config: Config, fp8: bool, dtype=jnp.bfloat1
 def kernel_runs(num_rows: int, k: int, n_out: int, fp8: bool = False,
                 impl: str | None = None, dtype=jnp.bfloat16) -> bool:
     """Whether grouped_matmul takes the kernel path for this shape and dtype."""
-    impl = impl or implementation(VALIDATED_ON_GPU)
+    impl = impl or implementation(VALIDATED_ON_GPU, "grouped_gemm")
     return impl != "reference" and kernel_fits(k, n_out, default_config(num_rows, n_out, fp8),
                                                fp8, dtype)
 
@@ -72,7 +72,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     """lhs [M, K] rows sorted by group, rhs [G, K, N], group_sizes i32[G] -> [M, N]
     ([M, N/2] with swiglu_limit). impl: "reference", "mosaic_gpu" or "interpret"; config:
     the one-warpgroup kernel's TileConfig or the warp-specialised kernel's config."""
-    impl = impl or implementation(VALIDATED_ON_GPU)
+    impl = impl or implementation(VALIDATED_ON_GPU, "grouped_gemm")
     n_out = rhs.shape[2] // (2 if swiglu_limit is not None else 1)
     config = config or default_config(lhs.shape[0], n_out, rhs_scale is not None,
                                       swiglu_limit is not None)
@@ -94,7 +94,7 @@ def expert_mlp(x: jax.Array, w13: jax.Array, w2: jax.Array, group_sizes: jax.Arr
     """Each row through its group's clamped-SwiGLU expert: x [M, D] sorted by group,
     w13 [G, D, 2I] (gate | up), w2 [G, I, D] -> [M, D] in x's dtype. configs: the gate/up
     and down kernels' (their tiles must have the same rows)."""
-    impl = impl or implementation(VALIDATED_ON_GPU)
+    impl = impl or implementation(VALIDATED_ON_GPU, "grouped_gemm")
     (rows, dim), inter = x.shape, w2.shape[1]
     fp8 = w13_scale is not None
     up_cfg, down_cfg = configs or (default_config(rows, inter, fp8, swiglu=True),

@@ -34,10 +34,12 @@ def tile_layout(group_sizes: jax.Array, num_rows: int, block_m: int) -> TileLayo
     tile_end = jnp.cumsum(tiles_per_group)
     tile_start = tile_end - tiles_per_group
     row = jnp.arange(num_rows)
-    group = jnp.searchsorted(group_end, row, side="right")
+    # compare_all: one fused comparison and count. The default binary search is a while loop,
+    # a few launches per step of it on a GPU, for at most a few hundred groups.
+    group = jnp.searchsorted(group_end, row, side="right", method="compare_all")
     padded_row = tile_start[group] * block_m + row - group_start[group]
     t = jnp.arange(tiles)
-    tile_group = jnp.searchsorted(tile_end, t, side="right")
+    tile_group = jnp.searchsorted(tile_end, t, side="right", method="compare_all")
     tile_group = jnp.where(t < tile_end[-1], tile_group, -1).astype(jnp.int32)
     return TileLayout(padded_row.astype(jnp.int32), tile_group)
 

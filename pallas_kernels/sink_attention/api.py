@@ -39,14 +39,14 @@ def kernel_fits(q: jax.Array, rows: jax.Array, config: AttentionConfig) -> bool:
 
 def kernel_runs(q: jax.Array, rows: jax.Array, impl: str | None = None) -> bool:
     """Whether sink_attention takes the kernel path for these operands."""
-    impl = impl or implementation(VALIDATED_ON_GPU)
+    impl = impl or implementation(VALIDATED_ON_GPU, "sink_attention")
     return impl != "reference" and kernel_fits(q, rows, default_config(q.shape[0]))
 
 
 def sink_attention(q: jax.Array, rows: jax.Array, visible: jax.Array, sinks: jax.Array, *,
                    impl: str | None = None, config: AttentionConfig | None = None) -> jax.Array:
     """q [T, H, hd], rows [T, R, hd], visible bool[T, R], sinks f32[H] -> [T, H, hd]."""
-    impl = impl or implementation(VALIDATED_ON_GPU)
+    impl = impl or implementation(VALIDATED_ON_GPU, "sink_attention")
     config = config or default_config(q.shape[0])
     if impl == "reference" or not kernel_fits(q, rows, config):
         return reference.sink_attention(q, rows, visible, sinks)

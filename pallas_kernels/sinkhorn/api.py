@@ -22,14 +22,14 @@ VALIDATED_ON_GPU = False
 
 
 def kernel_runs(comb_logits: jax.Array, impl: str | None = None) -> bool:
-    impl = impl or implementation(VALIDATED_ON_GPU)
+    impl = impl or implementation(VALIDATED_ON_GPU, "sinkhorn")
     return impl != "reference" and comb_logits.dtype == jnp.float32
 
 
 def sinkhorn(comb_logits: jax.Array, iters: int, eps: float, *,
              impl: str | None = None) -> jax.Array:
     """f32[..., hc, hc] -> near doubly-stochastic (reference.sinkhorn)."""
-    impl = impl or implementation(VALIDATED_ON_GPU)
+    impl = impl or implementation(VALIDATED_ON_GPU, "sinkhorn")
     if not kernel_runs(comb_logits, impl):
         return reference.sinkhorn(comb_logits, iters, eps)
     *batch, hc, _ = comb_logits.shape
