@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 from bench.common import environment, write_results  # noqa: E402
 from bench.overlap import model_config, steady_decode  # noqa: E402
 from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
-from deepinfer_jax.model.invariant import invariant_tile  # noqa: E402
+from deepinfer_jax.model.invariant import default_invariant_tile, invariant_tile  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
 
 
@@ -79,7 +79,7 @@ def main() -> None:
               f"prefill {cost['prefill_tokens_per_s']:.0%}. Model: {label}, random bf16 weights. "
               f"Command: `{payload['command']}`.")
     payload["invariant_tile"] = tile = invariant_tile()
-    suffix = "" if tile == 8 else f"-tile{tile}"
+    suffix = "" if tile == default_invariant_tile() else f"-tile{tile}"   # a variant's own file
     write_results(f"batch-invariant-{device}{suffix}", payload, table)
     print(table)
 

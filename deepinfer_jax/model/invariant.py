@@ -28,7 +28,11 @@ def invariant_tile() -> int:
     overrides. A property of the device, not of the step formulation (launch_bound), so that
     both formulations compute the same numbers on one machine."""
     forced = os.environ.get("DEEPINFER_INVARIANT_TILE")
-    return int(forced) if forced else (8 if jax.default_backend() == "cpu" else 64)
+    return int(forced) if forced else default_invariant_tile()
+
+
+def default_invariant_tile() -> int:
+    return 8 if jax.default_backend() == "cpu" else 64
 
 
 def per_row_tiles(fn: Callable, *args, tile: int | None = None):
