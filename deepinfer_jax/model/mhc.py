@@ -42,7 +42,7 @@ def sinkhorn(comb_logits: jax.Array, iters: int, eps: float, unrolled: bool) -> 
     16.7 -> 6.6 ms per step). On the CPU launches are cheap and the loop compiles twice as
     fast; and there XLA's vectorised elementwise code gives a row different last bits in
     batches of different sizes, so batch-invariant mode keeps the loop (proven invariant on
-    the CPU and the H200) everywhere."""
+    the CPU and the H200) unless the kernel runs."""
     if unrolled:
         return sinkhorn_kernel.sinkhorn(comb_logits, iters, eps)
     comb = jax.nn.softmax(comb_logits, axis=-1) + eps
@@ -64,7 +64,10 @@ def hc_pre(streams: jax.Array, p: HyperConnectionParams, *, hc_eps: float, norm_
     pre = jax.nn.sigmoid(pre_w * p.scale[0] + p.base[:hc]) + hc_eps
     post = 2.0 * jax.nn.sigmoid(post_w * p.scale[1] + p.base[hc:2 * hc])
     comb_logits = (comb_w * p.scale[2] + p.base[2 * hc:]).reshape(*comb_w.shape[:-1], hc, hc)
-    unrolled = not invariant and launch_bound()
+    # In batch-invariant mode the unrolled form only where it is the kernel: the kernel runs
+    # every token in its own lanes through the same instructions (row-invariant by
+    # construction), XLA's fused jnp chain is not proven so.
+    unrolled = launch_bound() and (not invariant or sinkhorn_kernel.kernel_runs(comb_logits))
     comb = sinkhorn(comb_logits, sinkhorn_iters, hc_eps, unrolled)
     return collapse(pre, streams, invariant).astype(streams.dtype), post, comb
 

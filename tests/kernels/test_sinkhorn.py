@@ -34,3 +34,31 @@ def test_kernel_lowers_for_cuda():
         exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(
             jax.ShapeDtypeStruct((16, 256), jnp.float32))
     assert "mosaic_gpu" in exported.mlir_module()
+
+
+def test_a_tokens_result_does_not_depend_on_its_batch():
+    """Batch-invariant mode runs the kernel (model/mhc.py): a token's result alone equals its
+    result at another place among 130 others, bitwise."""
+    logits = 3 * jax.random.normal(jax.random.key(1), (130, 4, 4), jnp.float32)
+    batch = np.asarray(api.sinkhorn(logits, ITERS, EPS, impl=KERNEL))
+    for i in (0, 77, 129):
+        alone = np.asarray(api.sinkhorn(logits[i:i + 1], ITERS, EPS, impl=KERNEL))
+        np.testing.assert_array_equal(alone[0], batch[i])
+
+
+def test_batch_invariant_mhc_runs_the_kernel_only_where_it_runs(monkeypatch):
+    """hc_pre in batch-invariant mode, GPU formulation: the kernel when it runs, else the loop."""
+    from deepinfer_jax.model import mhc
+    from deepinfer_jax.model.params import HyperConnectionParams
+
+    monkeypatch.setenv("DEEPINFER_STEP_FORMULATION", "gpu")
+    hc, dim = 4, 8
+    p = HyperConnectionParams(fn=jnp.zeros((hc * dim, (2 + hc) * hc)),
+                              base=jnp.zeros(((2 + hc) * hc,)), scale=jnp.ones((3,)))
+    streams = jnp.ones((3, hc, dim), jnp.bfloat16)
+    for impl, kernel in ((KERNEL, True), ("reference", False)):
+        monkeypatch.setenv("DEEPINFER_KERNEL_SINKHORN", impl)
+        jaxpr = str(jax.make_jaxpr(lambda s: mhc.hc_pre(
+            s, p, hc_eps=EPS, norm_eps=1e-6, sinkhorn_iters=ITERS, invariant=True))(streams))
+        # the kernel: its shared-memory buffers (interpreted) or its call (compiled)
+        assert any(mark in jaxpr for mark in ("Ref<smem>", "pallas_call", "mosaic")) == kernel
