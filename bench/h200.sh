@@ -36,8 +36,9 @@ for name in "$@"; do
   case $name in
     kernels)     step kernels 300 python3 -m pytest -q -p no:cacheprovider tests/kernels ;;
     kernels-new) step kernels-new 300 python3 -m pytest -q -p no:cacheprovider \
-                   tests/kernels/test_sinkhorn.py tests/engine/test_kernels_in_engine.py \
-                   tests/kernels/test_sink_attention.py -k "sinkhorn or split or engine" ;;
+                   tests/kernels/test_sinkhorn.py tests/kernels/test_grouped_gemm.py \
+                   tests/kernels/test_sink_attention.py tests/engine/test_kernels_in_engine.py \
+                   -k "sinkhorn or split or tile_shape or engine" ;;
     kernels-defaults) step kernels-defaults 60 python3 -m pytest -q -p no:cacheprovider \
                    tests/kernels -k default_configs ;;
     attention)   step attention 420 python3 bench/kernels_attention.py ;;

@@ -53,9 +53,10 @@ def linear(x: jax.Array, w: jax.Array, invariant: bool) -> jax.Array:
     if not invariant:
         return x @ w
     flat = x.reshape(-1, x.shape[-1])
-    if x.dtype == w.dtype and gemm.kernel_runs(gemm.INVARIANT_ROWS, w.shape[0], w.shape[1],
-                                               dtype=x.dtype):
-        return gemm.matmul(flat, w).reshape(*x.shape[:-1], w.shape[-1])
+    config = gemm.dense_invariant_config(flat.shape[0], w.shape[1])
+    if x.dtype == w.dtype and gemm.kernel_runs(flat.shape[0], w.shape[0], w.shape[1],
+                                               dtype=x.dtype, config=config):
+        return gemm.matmul(flat, w, config=config).reshape(*x.shape[:-1], w.shape[-1])
     return per_row_tiles(lambda t: t @ w, flat).reshape(*x.shape[:-1], w.shape[-1])
 
 

@@ -50,15 +50,16 @@ def route(x: jax.Array, token_ids: jax.Array, p: MoEParams, kind: MlpKind,
 
 
 def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, p: ExpertParams,
-                   limit: float) -> jax.Array:
-    """x [N, D], experts i32[N, K], weights f32[N, K] -> [N, D]."""
+                   limit: float, configs=None) -> jax.Array:
+    """x [N, D], experts i32[N, K], weights f32[N, K] -> [N, D]. configs: the grouped GEMM's
+    (gate/up, down) tile configs, its defaults for this batch if None."""
     n_tokens, top_k = experts.shape
     n_experts = p.w13.shape[0]
     flat_expert = experts.reshape(-1)                                    # [N*K]
     order = jnp.argsort(flat_expert, stable=True)                        # pairs sorted by expert
     group_sizes = jnp.bincount(flat_expert, length=n_experts).astype(jnp.int32)
     sorted_x = x[order // top_k]                                         # [N*K, D]
-    out = gemm.expert_mlp(sorted_x, p.w13, p.w2, group_sizes, limit)     # [N*K, D]
+    out = gemm.expert_mlp(sorted_x, p.w13, p.w2, group_sizes, limit, configs=configs)  # [N*K, D]
     out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
     # Back to (token, slot) order, then a fixed-order sum over the K slots.
     unsorted = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
@@ -93,10 +94,15 @@ def moe(x: jax.Array, token_ids: jax.Array, p: MoEParams, kind: MlpKind, cfg: Mo
     flat = x.reshape(-1, x.shape[-1])
     experts, weights = route(flat, token_ids.reshape(-1), p, kind, cfg)
     pairs, (inter, dim) = flat.shape[0] * cfg.num_experts_per_tok, p.experts.w2.shape[1:]
-    on_kernel = (gemm.kernel_runs(pairs, dim, inter, dtype=flat.dtype)
-                 and gemm.kernel_runs(pairs, inter, dim, dtype=flat.dtype))
-    grouped = routed_experts_invariant if cfg.batch_invariant and not on_kernel else routed_experts
-    out = grouped(flat, experts, weights, p.experts, cfg.swiglu_limit)
+    # Batch-invariant mode: tile configs that do not follow the batch (grouped GEMM api).
+    configs = gemm.expert_invariant_configs(pairs, dim, inter) if cfg.batch_invariant else None
+    up_cfg, down_cfg = configs or (None, None)
+    on_kernel = (gemm.kernel_runs(pairs, dim, inter, dtype=flat.dtype, config=up_cfg)
+                 and gemm.kernel_runs(pairs, inter, dim, dtype=flat.dtype, config=down_cfg))
+    if cfg.batch_invariant and not on_kernel:
+        out = routed_experts_invariant(flat, experts, weights, p.experts, cfg.swiglu_limit)
+    else:
+        out = routed_experts(flat, experts, weights, p.experts, cfg.swiglu_limit, configs)
     if p.shared is not None:
         out = out + shared_expert(flat, p.shared, cfg.swiglu_limit, cfg.batch_invariant)
     return out.reshape(x.shape)

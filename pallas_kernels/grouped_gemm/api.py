@@ -59,11 +59,12 @@ def kernel_fits(k: int, n_out: int, config: Config, fp8: bool, dtype=jnp.bfloat1
 
 
 def kernel_runs(num_rows: int, k: int, n_out: int, fp8: bool = False,
-                impl: str | None = None, dtype=jnp.bfloat16) -> bool:
-    """Whether grouped_matmul takes the kernel path for this shape and dtype."""
+                impl: str | None = None, dtype=jnp.bfloat16, config: Config | None = None) -> bool:
+    """Whether grouped_matmul takes the kernel path for this shape and dtype (and config,
+    default_config's if None)."""
     impl = impl or implementation(VALIDATED_ON_GPU, "grouped_gemm")
-    return impl != "reference" and kernel_fits(k, n_out, default_config(num_rows, n_out, fp8),
-                                               fp8, dtype)
+    config = config or default_config(num_rows, n_out, fp8)
+    return impl != "reference" and kernel_fits(k, n_out, config, fp8, dtype)
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
@@ -114,15 +115,41 @@ def expert_mlp(x: jax.Array, w13: jax.Array, w2: jax.Array, group_sizes: jax.Arr
         return layout.from_tiles(out, tiles)
 
 
-INVARIANT_ROWS = 1 << 20   # matmul's tile config is the large-batch one, whatever M is
+# Batch-invariant configs. Every config sums a row's K in the same order (block_k 64, no
+# split-K). Whether wgmma's per-element sums also ignore the tile's shape (block_m, block_n)
+# is what test_rows_do_not_depend_on_the_tile_shape checks on a GPU; until it has passed on
+# the H200 the invariant configs depend on N only, never on the number of rows. Then small
+# batches could take narrower tiles, enough programs to fill the SMs (dense_invariant_config):
+# with 128-column tiles a decode batch's 4096 -> 512 projection runs on 4 of 132 SMs.
+TILE_SHAPE_FREE_ON_GPU = False
+SMS = 132                       # H200; only sets how narrow small-batch tiles get
+LARGE_BATCH = 1 << 20           # the dense config: default_config's large-batch one
+SMALL_BATCH = 1                 # the experts' config: default_config's decode-sized one
+
+
+def dense_invariant_config(num_rows: int, n_out: int) -> TileConfig:
+    """matmul's config for M = num_rows in batch-invariant mode."""
+    if not TILE_SHAPE_FREE_ON_GPU or num_rows >= 4096:
+        return default_config(LARGE_BATCH, n_out)
+    row_tiles = -(-num_rows // 64)
+    widths = [b for b in (128, 64, 32, 16) if n_out % b == 0] or [0]
+    block_n = next((b for b in widths if row_tiles * (n_out // b) >= SMS), widths[-1])
+    return TileConfig(block_m=64, block_n=block_n, max_concurrent_steps=4)
+
+
+def expert_invariant_configs(num_rows: int, dim: int, inter: int) -> tuple[TileConfig, TileConfig]:
+    """expert_mlp's (gate/up, down) configs for num_rows (token, expert) pairs in
+    batch-invariant mode: by the batch only once the tile shape is known not to matter."""
+    rows = num_rows if TILE_SHAPE_FREE_ON_GPU else SMALL_BATCH
+    return default_config(rows, inter, swiglu=True), default_config(rows, dim)
 
 
 def matmul(x: jax.Array, w: jax.Array, *, impl: str | None = None,
            config: Config | None = None) -> jax.Array:
     """Batch-invariant x [M, K] @ w [K, N] -> [M, N] in x's dtype (f32 accumulation).
 
-    The tile config does not depend on M, so nothing about a row's computation does."""
-    config = config or default_config(INVARIANT_ROWS, w.shape[1])
+    A row's K sum runs in one order whatever M (dense_invariant_config)."""
+    config = config or dense_invariant_config(x.shape[0], w.shape[1])
     sizes = jnp.full((1,), x.shape[0], jnp.int32)
     return grouped_matmul(x, w[None], sizes, impl=impl, config=config)
 

@@ -207,3 +207,36 @@ def test_dense_fallback_equals_ragged_dot(case):
         start += size
     close(got, want)
     assert not np.asarray(got[-5:], np.float32).any()
+
+
+# What api.TILE_SHAPE_FREE_ON_GPU waits for: on the H200 (where it is the real question, wgmma's
+# per-element sums) and in interpret mode. The SwiGLU epilogue is elementwise, so the plain
+# product is the whole question; block_k stays 64 in every config.
+TILE_SHAPES = [TileConfig(block_m=64, block_n=128), TileConfig(block_m=128, block_n=128),
+               TileConfig(block_m=64, block_n=64), TileConfig(block_m=64, block_n=16),
+               TileConfig(block_m=128, block_n=64)]
+
+
+def test_rows_do_not_depend_on_the_tile_shape():
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(rng.standard_normal((130, 4 * K)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((4 * K, N)) / 8, jnp.bfloat16)
+    outs = [np.asarray(api.matmul(x, w, impl=KERNEL, config=c), np.float32) for c in TILE_SHAPES]
+    close(outs[0], api.matmul(x, w, impl="reference"))
+    for config, out in zip(TILE_SHAPES[1:], outs[1:]):
+        np.testing.assert_array_equal(out, outs[0], err_msg=str(config))
+
+
+def test_invariant_configs_follow_the_batch_only_once_the_tile_shape_is_free(monkeypatch):
+    dim, inter = 4096, 2048
+    for rows in (1, 64, 5000):
+        assert api.expert_invariant_configs(rows, dim, inter) == \
+            api.expert_invariant_configs(1, dim, inter)
+        assert api.dense_invariant_config(rows, 512) == api.dense_invariant_config(1, 512)
+    monkeypatch.setattr(api, "TILE_SHAPE_FREE_ON_GPU", True)
+    small = api.dense_invariant_config(64, 512)               # a decode batch's 4096 -> 512
+    assert small.block_n == 16 and api.kernel_fits(4096, 512, small, False)
+    wide = api.dense_invariant_config(64, 32768)              # already 256 programs at 128
+    assert wide.block_n == 128
+    assert api.dense_invariant_config(8192, 512) == api.default_config(api.LARGE_BATCH, 512)
+    assert api.expert_invariant_configs(5000, dim, inter)[0].block_m == 128
