@@ -5,8 +5,10 @@ Asynchronous loop (default): launch step N+1, then read step N's tokens. The tok
 sampled stay on the device and feed step N+1 (placeholders resolved inside the jitted step);
 step N's output comes back through an asynchronous device-to-host copy started at launch and
 is consumed one step late. Nothing in the loop waits for the device except that read, which
-happens while the next step already runs. The synchronous loop (launch, read, repeat) is kept
-for comparison and debugging; both drive the scheduler through the same commit/resolve calls.
+happens while the next step already runs. The launch itself (XLA issuing the step's kernels,
+milliseconds on a GPU) runs on the launcher's thread (launcher.py), so it overlaps the read
+and the next plan. The synchronous loop (launch, read, repeat) is kept for comparison and
+debugging; both drive the scheduler through the same commit/resolve calls.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import jax
 import numpy as np
@@ -24,6 +27,7 @@ from deepinfer_jax.buckets import token_bucket
 from deepinfer_jax.compile import compile_steps
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.engine_config import EngineConfigError, ResolvedEngineConfig
+from deepinfer_jax.launcher import Launcher
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.pages import pages_needed
 from deepinfer_jax.plan import build_plan, suppress_stops
@@ -61,7 +65,7 @@ class InFlight:
 
     decision: ScheduleDecision
     token_index: tuple[int | None, ...]     # per row: where its token goes in `generated`
-    output: jax.Array                       # the step's output on the wire (compile.py)
+    output: Future[jax.Array]               # the step's output on the wire (compile.py)
     read: Callable[[jax.Array], StepOutput | SpecStepOutput]
     speculative: bool = False
 
@@ -93,6 +97,9 @@ class EngineCore:
         self._seeds = np.random.default_rng(ecfg.seed)
         self._arrivals = itertools.count()
         self._in_flight: collections.deque[InFlight] = collections.deque()
+        # Device calls (state, snapshot pool) run on the launcher, in order; the loop only
+        # reads their outputs. Threaded where the loop overlaps steps.
+        self._launcher = Launcher(threaded=ecfg.async_scheduling)
         self.stats = LoopStats()
 
     @property
@@ -162,16 +169,21 @@ class EngineCore:
         self._fill_masks(plan, decision)
         speculative = decision.speculative
         steps = self.spec_steps if speculative else self.steps
-        if decision.restores:
-            self._restore_snapshots(decision.restores)
         compiled = steps.for_plan(bucket, plan)
-        self.state, output = compiled(self.params, self.state, plan)
-        output.copy_to_host_async()
+        restores, saves = decision.restores, self.scheduler.snapshot_saves(decision)
+
+        def device_calls() -> jax.Array:     # on the launcher's thread
+            if restores:
+                self._restore_snapshots(restores)
+            self.state, output = compiled(self.params, self.state, plan)
+            output.copy_to_host_async()
+            if saves:
+                self._save_snapshots(saves)
+            return output
+
+        output = self._launcher.submit(device_calls)
         self.stats.steps += 1
         self.stats.tokens += decision.num_tokens
-        saves = self.scheduler.snapshot_saves(decision)
-        if saves:
-            self._save_snapshots(saves)
         token_index = () if speculative else self.scheduler.commit(decision)
         return InFlight(decision, token_index, output, compiled.read, speculative)
 
@@ -208,7 +220,7 @@ class EngineCore:
 
     def _read(self, flight: InFlight) -> list[Request]:
         waited = time.perf_counter()
-        out = flight.read(flight.output)
+        out = flight.read(flight.output.result())
         waited = time.perf_counter() - waited
         self.stats.wait_seconds += waited
         self.stats.host_seconds -= waited      # step() adds the whole call
