@@ -66,9 +66,9 @@ for name in "$@"; do
     profile-prefill) step profile-prefill 300 python3 bench/step_profile.py --v4-flash-layers 2 \
                    --prefill 8192 --steps 5 --out /tmp/profile-prefill ;;   # issue 11's 8k prefill
     b1)          step b1 540 sh -c 'for args in "--batch 1 --budget 16 --context 128" \
-                   "--v4-flash-layers 4 --context 4096 --batch 1"; do for k in reference mosaic_gpu; \
-                   do echo "== $args, DEEPINFER_KERNEL_SINKHORN=$k"; DEEPINFER_KERNEL_SINKHORN=$k \
-                   python3 bench/step_profile.py $args --steps 30; done; done' ;;  # the Sinkhorn kernel
+                   "--v4-flash-layers 4 --context 4096 --batch 1" \
+                   "--v4-flash-layers 2 --context 4096 --batch 16"; do echo "== $args"; \
+                   python3 bench/step_profile.py $args --steps 30; done' ;;  # the host-bound batches
     dense)       step dense 200 python3 bench/kernels_moe.py --dense-only ;;  # invariant GEMM sweep
     cmdbuf)      step cmdbuf 300 sh -c 'for flags in "" "--xla_gpu_graph_min_graph_size=1" \
                    "--xla_gpu_enable_command_buffer="; do echo "XLA_FLAGS=$flags"; \
