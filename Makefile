@@ -35,7 +35,7 @@ oracle: $(ORACLE_VENV)/.installed
 	$(ORACLE_VENV)/bin/python tests/oracle/build.py --out $(ORACLE_DIR)
 
 test: $(VENV)/.installed oracle
-	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/python -m deepinfer_jax.demo
