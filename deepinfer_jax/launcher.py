@@ -1,11 +1,11 @@
 """Device calls on a thread of their own, so that launching step N overlaps planning step N+1.
 
 On a GPU, XLA launches a step's kernels from the calling thread, a few microseconds each:
-for a V4-Flash decode step 2.6-3.4 ms of host time on the H200 (bench/results/
-step-profile-gpu.md), as long as the device's work at batch 1-16. jax releases the GIL while
-it launches, so the engine loop hands each step's device calls (snapshot restores, the step,
-snapshot saves) to one worker thread, in submission order, and goes on reading the last
-step's tokens and planning the next; it waits only where it reads tokens. The device state is
+for a V4-Flash decode step 2.6-3.4 ms of host time on the H200, about as long as the
+device's own work at batch 1-16 (bench/results/step-profile-gpu.md). jax releases the GIL
+while it launches, so the engine loop hands each step's device calls (snapshot restores, the
+step, snapshot saves) to one worker thread, in submission order, and goes on reading the
+last step's tokens and planning the next; it waits only where it reads tokens. The device state is
 touched by the worker alone while the loop runs (the loop reads nothing of it).
 
 `Launcher(threaded=False)` runs each call in place (the synchronous loop, where nothing would
@@ -47,7 +47,7 @@ class Launcher:
     def __init__(self, threaded: bool = True):
         self._pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deepinfer-launch")
                       if threaded else None)
-        if self._pool is not None:    # an engine dropped without close() frees its thread
+        if self._pool is not None:    # a dropped launcher (its engine gone) frees its thread
             weakref.finalize(self, self._pool.shutdown, wait=False)
 
     def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
