@@ -11,6 +11,7 @@ output marks which rows ran in batch-invariant mode.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from bench.overlap import model_config, steady_decode  # noqa: E402
 from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
 from deepinfer_jax.model.invariant import default_invariant_tile, invariant_tile  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
+from pallas_kernels.grouped_gemm import api as gemm  # noqa: E402
 
 
 def prefill_rate(llm: LLM, length: int) -> float:
@@ -79,7 +81,10 @@ def main() -> None:
               f"prefill {cost['prefill_tokens_per_s']:.0%}. Model: {label}, random bf16 weights. "
               f"Command: `{payload['command']}`.")
     payload["invariant_tile"] = tile = invariant_tile()
+    payload["tile_shape_free"] = gemm.TILE_SHAPE_FREE_ON_GPU
     suffix = "" if tile == default_invariant_tile() else f"-tile{tile}"   # a variant's own file
+    if os.environ.get("DEEPINFER_INVARIANT_FREE_TILES") == "1":
+        suffix += "-free-tiles"
     write_results(f"batch-invariant-{device}{suffix}", payload, table)
     print(table)
 

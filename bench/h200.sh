@@ -39,6 +39,16 @@ for name in "$@"; do
                    tests/kernels/test_sinkhorn.py tests/kernels/test_grouped_gemm.py \
                    tests/kernels/test_sink_attention.py tests/engine/test_kernels_in_engine.py \
                    -k "sinkhorn or split or tile_shape or engine" ;;
+    tile-shape)  step tile-shape 90 python3 -m pytest -q -p no:cacheprovider \
+                   tests/kernels/test_grouped_gemm.py -k tile_shape ;;
+    bi-bench-free) if grep -q " 1 passed" "$OUT/logs/tile-shape.log" 2>/dev/null; then
+                   DEEPINFER_INVARIANT_FREE_TILES=1 step bi-bench-free 240 python3 \
+                   bench/batch_invariant.py --v4-flash-layers 2 --prefill 8192 --decode-batch 64 \
+                   --buckets 64 256
+                   else echo "bi-bench-free: skipped, tile-shape did not pass"; fi ;;
+    kernels-rest) step kernels-rest 200 python3 -m pytest -q -p no:cacheprovider \
+                   tests/kernels/test_sink_attention.py tests/engine/test_kernels_in_engine.py \
+                   -k "split or engine" ;;
     kernels-defaults) step kernels-defaults 60 python3 -m pytest -q -p no:cacheprovider \
                    tests/kernels -k default_configs ;;
     attention)   step attention 420 python3 bench/kernels_attention.py ;;

@@ -14,6 +14,7 @@ take the reference path; `kernel_runs(...)` says which path a shape gets.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import jax
 import jax.numpy as jnp
@@ -121,7 +122,8 @@ def expert_mlp(x: jax.Array, w13: jax.Array, w2: jax.Array, group_sizes: jax.Arr
 # the H200 the invariant configs depend on N only, never on the number of rows. Then small
 # batches could take narrower tiles, enough programs to fill the SMs (dense_invariant_config):
 # with 128-column tiles a decode batch's 4096 -> 512 projection runs on 4 of 132 SMs.
-TILE_SHAPE_FREE_ON_GPU = False
+# DEEPINFER_INVARIANT_FREE_TILES=1 turns it on to measure it before it is proven.
+TILE_SHAPE_FREE_ON_GPU = os.environ.get("DEEPINFER_INVARIANT_FREE_TILES", "0") == "1"
 SMS = 132                       # H200; only sets how narrow small-batch tiles get
 LARGE_BATCH = 1 << 20           # the dense config: default_config's large-batch one
 SMALL_BATCH = 1                 # the experts' config: default_config's decode-sized one
