@@ -11,7 +11,6 @@ output marks which rows ran in batch-invariant mode.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -83,8 +82,8 @@ def main() -> None:
     payload["invariant_tile"] = tile = invariant_tile()
     payload["tile_shape_free"] = gemm.TILE_SHAPE_FREE_ON_GPU
     suffix = "" if tile == default_invariant_tile() else f"-tile{tile}"   # a variant's own file
-    if os.environ.get("DEEPINFER_INVARIANT_FREE_TILES") == "1":
-        suffix += "-free-tiles"
+    if not gemm.TILE_SHAPE_FREE_ON_GPU:
+        suffix += "-fixed-tiles"
     write_results(f"batch-invariant-{device}{suffix}", payload, table)
     print(table)
 

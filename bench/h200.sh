@@ -41,14 +41,6 @@ for name in "$@"; do
                    -k "sinkhorn or split or tile_shape or engine" ;;
     tile-shape)  step tile-shape 90 python3 -m pytest -q -p no:cacheprovider \
                    tests/kernels/test_grouped_gemm.py -k tile_shape ;;
-    bi-bench-free) if grep -q " 1 passed" "$OUT/logs/tile-shape.log" 2>/dev/null; then
-                   DEEPINFER_INVARIANT_FREE_TILES=1 step bi-bench-free 240 python3 \
-                   bench/batch_invariant.py --v4-flash-layers 2 --prefill 8192 --decode-batch 64 \
-                   --buckets 64 256
-                   else echo "bi-bench-free: skipped, tile-shape did not pass"; fi ;;
-    kernels-rest) step kernels-rest 200 python3 -m pytest -q -p no:cacheprovider \
-                   tests/kernels/test_sink_attention.py tests/engine/test_kernels_in_engine.py \
-                   -k "split or engine" ;;
     kernels-defaults) step kernels-defaults 60 python3 -m pytest -q -p no:cacheprovider \
                    tests/kernels -k default_configs ;;
     attention)   step attention 420 python3 bench/kernels_attention.py ;;
@@ -79,6 +71,10 @@ for name in "$@"; do
                    "--v4-flash-layers 4 --context 4096 --batch 1" \
                    "--v4-flash-layers 2 --context 4096 --batch 16"; do echo "== $args"; \
                    python3 bench/step_profile.py $args --steps 30; done' ;;  # the host-bound batches
+    profile-invariant) step profile-invariant 300 sh -c 'python3 bench/step_profile.py \
+                   --v4-flash-layers 2 --context 1024 --batch 64 --steps 20 --out /tmp/pi \
+                   --batch-invariant; python3 bench/step_profile.py --v4-flash-layers 2 \
+                   --prefill 256 --steps 5 --out /tmp/pp --batch-invariant' ;;  # issue 7
     dense)       step dense 200 python3 bench/kernels_moe.py --dense-only ;;  # invariant GEMM sweep
     cmdbuf)      step cmdbuf 300 sh -c 'for flags in "" "--xla_gpu_graph_min_graph_size=1" \
                    "--xla_gpu_enable_command_buffer="; do echo "XLA_FLAGS=$flags"; \

@@ -2,6 +2,7 @@
 
     python bench/step_profile.py [--model PATH | --v4-flash-layers N] [--batch B] [--out DIR]
     python bench/step_profile.py --v4-flash-layers 2 --prefill 8192 --out DIR
+    python bench/step_profile.py --v4-flash-layers 2 --batch 64 --batch-invariant --out DIR
 
 Runs steady decode at one batch size and reports (1) the engine loop's split between host
 work and waiting for the device, (2) the compiled step's device time alone (same inputs,
@@ -35,7 +36,7 @@ from deepinfer_jax.plan import build_plan  # noqa: E402
 def build(args) -> LLM:
     common = dict(max_num_seqs=max(args.batch, 16), max_model_len=args.context + 256,
                   max_num_batched_tokens=args.budget, token_buckets=tuple(sorted({16, args.budget})),
-                  enable_prefix_caching=False,
+                  enable_prefix_caching=False, batch_invariant=args.batch_invariant,
                   compilation_cache_dir=str(REPO / ".cache" / "xla-bench"))
     if args.v4_flash_layers:
         from bench.e2e import slice_config
@@ -91,6 +92,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--prefill", type=int, default=0, help="profile one prompt of N tokens")
+    ap.add_argument("--batch-invariant", action="store_true")
     args = ap.parse_args()
     if args.prefill:
         args.budget, args.batch, args.context = args.prefill, 1, args.prefill

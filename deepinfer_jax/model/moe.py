@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config import MlpKind, ModelConfig, ScoringFunc
-from deepinfer_jax.model.invariant import linear
+from deepinfer_jax.model.invariant import linear, ordered_sum
 from deepinfer_jax.model.params import ExpertParams, MoEParams, SharedExpertParams
 from pallas_kernels.grouped_gemm import api as gemm
 from pallas_kernels.grouped_gemm.reference import swiglu  # the clamped SwiGLU, one definition
@@ -50,7 +50,7 @@ def route(x: jax.Array, token_ids: jax.Array, p: MoEParams, kind: MlpKind,
 
 
 def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, p: ExpertParams,
-                   limit: float, configs=None) -> jax.Array:
+                   limit: float, configs=None, invariant: bool = False) -> jax.Array:
     """x [N, D], experts i32[N, K], weights f32[N, K] -> [N, D]. configs: the grouped GEMM's
     (gate/up, down) tile configs, its defaults for this batch if None."""
     n_tokens, top_k = experts.shape
@@ -63,7 +63,8 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, p: Expe
     out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
     # Back to (token, slot) order, then a fixed-order sum over the K slots.
     unsorted = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
-    return jnp.sum(unsorted.reshape(n_tokens, top_k, -1), axis=1)
+    per_slot = unsorted.reshape(n_tokens, top_k, -1)
+    return ordered_sum(per_slot, 1) if invariant else jnp.sum(per_slot, axis=1)
 
 
 def routed_experts_invariant(x: jax.Array, experts: jax.Array, weights: jax.Array,
@@ -89,20 +90,34 @@ def shared_expert(x: jax.Array, p: SharedExpertParams, limit: float,
     return linear(hidden, p.w2, invariant)
 
 
+def _expert_configs(num_tokens: int, p: MoEParams, cfg: ModelConfig):
+    """The grouped GEMM's (gate/up, down) configs: in batch-invariant mode ones that do not
+    follow the batch (grouped GEMM api), else its defaults (None)."""
+    inter, dim = p.experts.w2.shape[1:]
+    pairs = num_tokens * cfg.num_experts_per_tok
+    return gemm.expert_invariant_configs(pairs, dim, inter) if cfg.batch_invariant else None
+
+
+def experts_on_kernel(num_tokens: int, dtype, p: MoEParams, cfg: ModelConfig) -> bool:
+    """Whether the routed experts of num_tokens tokens (activations of `dtype`) run on the
+    grouped-GEMM kernel."""
+    inter, dim = p.experts.w2.shape[1:]
+    pairs = num_tokens * cfg.num_experts_per_tok
+    up_cfg, down_cfg = _expert_configs(num_tokens, p, cfg) or (None, None)
+    return (gemm.kernel_runs(pairs, dim, inter, dtype=dtype, config=up_cfg)
+            and gemm.kernel_runs(pairs, inter, dim, dtype=dtype, config=down_cfg))
+
+
 def moe(x: jax.Array, token_ids: jax.Array, p: MoEParams, kind: MlpKind, cfg: ModelConfig) -> jax.Array:
     """x [..., D], token_ids i32[...] -> [..., D]."""
     flat = x.reshape(-1, x.shape[-1])
     experts, weights = route(flat, token_ids.reshape(-1), p, kind, cfg)
-    pairs, (inter, dim) = flat.shape[0] * cfg.num_experts_per_tok, p.experts.w2.shape[1:]
-    # Batch-invariant mode: tile configs that do not follow the batch (grouped GEMM api).
-    configs = gemm.expert_invariant_configs(pairs, dim, inter) if cfg.batch_invariant else None
-    up_cfg, down_cfg = configs or (None, None)
-    on_kernel = (gemm.kernel_runs(pairs, dim, inter, dtype=flat.dtype, config=up_cfg)
-                 and gemm.kernel_runs(pairs, inter, dim, dtype=flat.dtype, config=down_cfg))
+    on_kernel = experts_on_kernel(flat.shape[0], flat.dtype, p, cfg)
     if cfg.batch_invariant and not on_kernel:
         out = routed_experts_invariant(flat, experts, weights, p.experts, cfg.swiglu_limit)
     else:
-        out = routed_experts(flat, experts, weights, p.experts, cfg.swiglu_limit, configs)
+        out = routed_experts(flat, experts, weights, p.experts, cfg.swiglu_limit,
+                             _expert_configs(flat.shape[0], p, cfg), cfg.batch_invariant)
     if p.shared is not None:
         out = out + shared_expert(flat, p.shared, cfg.swiglu_limit, cfg.batch_invariant)
     return out.reshape(x.shape)

@@ -4,11 +4,12 @@ Same math as `forward.py`, but each token sees: its raw window (this step's rows
 sequence plus the slot's ring), and the compressed rows in its sequence's pages (all of them
 for HCA, the indexer's top-k for CSA). State in, state out.
 
-A layer is three segments: per-token work before attention (hc_pre, projections), the
-cross-token part (window gathers, closing compressed rows, indexer selection), and per-token
-work after it (attention, output projection, hc_post, MoE). In batch-invariant mode each
-per-token (and per-new-row) segment runs over fixed-size tiles of rows, so every row is
-computed by the same program whatever else is in the batch (model/invariant.py).
+A layer is four segments: per-token work before attention (hc_pre, projections), the
+cross-token part (window gathers, closing compressed rows, indexer selection), per-token
+attention (attention, output projection, hc_post), and the MoE sublayer. In batch-invariant
+mode each per-token (and per-new-row) segment runs over fixed-size tiles of rows, so every row
+is computed by the same program whatever else is in the batch (model/invariant.py); the MoE
+sublayer does so only where its experts are not on the row-invariant kernel (ffn_rowwise).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from deepinfer_jax.engine_config import ResolvedEngineConfig
 from deepinfer_jax.model import attention, compressor, indexer
 from deepinfer_jax.model.invariant import per_row_tiles
 from deepinfer_jax.model.mhc import hc_post, hc_pre
-from deepinfer_jax.model.moe import moe
+from deepinfer_jax.model.moe import experts_on_kernel, moe
 from deepinfer_jax.model.norms import rms_norm
 from deepinfer_jax.model.paged_compressor import close_rows, visible_rows
 from deepinfer_jax.model.params import LayerParams, ModelParams
@@ -86,19 +87,33 @@ def token_inputs(p: LayerParams, kind: AttentionKind, cfg: ModelConfig, streams:
     return TokenInputs(post, comb, q, kv, *comp, *index, index_q, index_w)
 
 
-def token_outputs(p: LayerParams, kind: AttentionKind, mlp_kind: MlpKind, cfg: ModelConfig,
-                  t: TokenInputs, keys: Array, visible: Array, streams: Array, token_ids: Array,
-                  positions: Array) -> Array:
-    """Rows of tokens: attention over their keys [t, K, hd], the output projection, hc_post,
-    then the MoE sublayer -> new streams [t, hc, D]."""
+def attention_outputs(p: LayerParams, kind: AttentionKind, cfg: ModelConfig, t: TokenInputs,
+                      keys: Array, visible: Array, streams: Array, positions: Array) -> Array:
+    """Rows of tokens: attention over their keys [t, K, hd], the output projection and hc_post
+    -> streams [t, hc, D] after the attention sublayer."""
     cos, sin = cos_sin(positions, layer_inv_freq(cfg, kind))
     out = attention.sink_attention(t.q[:, None], keys, visible[:, None], p.attn.sinks)[:, 0]
-    streams = hc_post(attention.output_projection(out, p.attn, cos, sin, cfg), streams, t.post,
-                      t.comb)
+    return hc_post(attention.output_projection(out, p.attn, cos, sin, cfg), streams, t.post,
+                   t.comb)
+
+
+def ffn_outputs(p: LayerParams, mlp_kind: MlpKind, cfg: ModelConfig, streams: Array,
+                token_ids: Array) -> Array:
+    """Rows of tokens: the MoE sublayer -> new streams [t, hc, D]."""
+    inv = cfg.batch_invariant
     collapsed, post, comb = hc_pre(streams, p.ffn_hc, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
-                                   sinkhorn_iters=cfg.hc_sinkhorn_iters)
+                                   sinkhorn_iters=cfg.hc_sinkhorn_iters, invariant=inv)
     f = moe(rms_norm(collapsed, p.ffn_norm, cfg.rms_norm_eps), token_ids, p.moe, mlp_kind, cfg)
-    return hc_post(f, streams, post, comb)
+    return hc_post(f, streams, post, comb, invariant=inv)
+
+
+def ffn_rowwise(p: LayerParams, cfg: ModelConfig, streams: Array, rowwise: Callable) -> Callable:
+    """How the MoE sublayer runs. Where its routed experts run on the grouped-GEMM kernel (row
+    by row by construction) batch-invariant mode runs it over the whole batch at once: tile by
+    tile, every tile would read all the experts it hits again (an 8k prefill in 256-token
+    chunks read the expert weights 4x per chunk: most of the mode's prefill cost on the H200).
+    Its other ops are elementwise, row-wise or invariant by themselves (`invariant=`)."""
+    return _apply if experts_on_kernel(streams.shape[0], streams.dtype, p.moe, cfg) else rowwise
 
 
 def select_rows(t_q: Array, t_w: Array, ls: LayerState, ctx: TokenContext, cfg: ModelConfig,
@@ -147,8 +162,10 @@ def layer_step(p: LayerParams, streams: Array, token_ids: Array, ctx: TokenConte
                                                    max_rows=ecfg.max_rows(rate))
         keys = jnp.concatenate([keys, rows_seen], axis=1)
         visible = jnp.concatenate([visible, rows_visible], axis=1)
-    streams = rowwise(lambda *a: token_outputs(p, kind, mlp_kind, cfg, *a), t, keys, visible,
-                      streams, token_ids, ctx.positions)
+    streams = rowwise(lambda *a: attention_outputs(p, kind, cfg, *a), t, keys, visible, streams,
+                      ctx.positions)
+    streams = ffn_rowwise(p, cfg, streams, rowwise)(
+        lambda s, ids: ffn_outputs(p, mlp_kind, cfg, s, ids), streams, token_ids)
     return streams, ls
 
 

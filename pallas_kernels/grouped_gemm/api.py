@@ -117,13 +117,13 @@ def expert_mlp(x: jax.Array, w13: jax.Array, w2: jax.Array, group_sizes: jax.Arr
 
 
 # Batch-invariant configs. Every config sums a row's K in the same order (block_k 64, no
-# split-K). Whether wgmma's per-element sums also ignore the tile's shape (block_m, block_n)
-# is what test_rows_do_not_depend_on_the_tile_shape checks on a GPU; until it has passed on
-# the H200 the invariant configs depend on N only, never on the number of rows. Then small
-# batches could take narrower tiles, enough programs to fill the SMs (dense_invariant_config):
-# with 128-column tiles a decode batch's 4096 -> 512 projection runs on 4 of 132 SMs.
-# DEEPINFER_INVARIANT_FREE_TILES=1 turns it on to measure it before it is proven.
-TILE_SHAPE_FREE_ON_GPU = os.environ.get("DEEPINFER_INVARIANT_FREE_TILES", "0") == "1"
+# split-K). wgmma's per-element sums also ignore the tile's shape (block_m, block_n) and a row's
+# place in its tile: test_rows_do_not_depend_on_the_tile_shape passed on the H200
+# (2026-11-30, bench/results/gpu-tests.md). So small batches take narrower tiles, enough
+# programs to fill the SMs (dense_invariant_config): with 128-column tiles a decode batch's
+# 4096 -> 512 projection ran on 4 of 132 SMs. DEEPINFER_INVARIANT_FREE_TILES=0 restores the
+# configs that depend on N only (for comparison).
+TILE_SHAPE_FREE_ON_GPU = os.environ.get("DEEPINFER_INVARIANT_FREE_TILES", "1") == "1"
 SMS = 132                       # H200; only sets how narrow small-batch tiles get
 LARGE_BATCH = 1 << 20           # the dense config: default_config's large-batch one
 SMALL_BATCH = 1                 # the experts' config: default_config's decode-sized one

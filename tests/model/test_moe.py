@@ -106,3 +106,27 @@ def test_moe_through_the_grouped_gemm_kernel(monkeypatch):
     got = np.asarray(moe(x, jnp.asarray(ids), p, MlpKind.MOE, cfg), np.float32)
     want = numpy_moe(np.asarray(x, np.float64), ids, p, MlpKind.MOE, cfg)
     np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2 * np.abs(want).max())
+
+
+def test_invariant_ffn_on_the_kernel_runs_untiled_and_row_by_row(monkeypatch):
+    """Batch-invariant mode runs the MoE sublayer over the whole batch at once where the routed
+    experts are on the grouped-GEMM kernel (one read of the expert weights per step, not one per
+    row tile): a token's new streams are then bitwise the same among few tokens as among many,
+    whatever rows share its experts' tiles. The default mode's are not (the control)."""
+    from deepinfer_jax.model import step_forward
+
+    monkeypatch.setenv("DEEPINFER_KERNELS", "interpret" if jax.default_backend() == "cpu"
+                       else "mosaic_gpu")
+    rng = np.random.default_rng(3)
+    few = np.array([30, 2, 17, 5, 11])
+    for invariant in (True, False):
+        cfg = BASE.replace(hidden_size=128, moe_intermediate_size=64, batch_invariant=invariant)
+        layer = random_params(cfg, 5, jnp.bfloat16).layers[ROUTED_LAYER]
+        streams = jnp.asarray(rng.standard_normal((37, cfg.hc_mult, cfg.hidden_size)),
+                              jnp.bfloat16)
+        ids = jnp.asarray(rng.integers(0, cfg.vocab_size, 37))
+        assert step_forward.ffn_rowwise(layer, cfg, streams, None) is step_forward._apply
+        ffn = jax.jit(lambda s, i: step_forward.ffn_outputs(layer, MlpKind.MOE, cfg, s, i))
+        alone = np.asarray(ffn(streams[few], ids[few]), np.float32)
+        among_all = np.asarray(ffn(streams, ids), np.float32)[few]
+        assert np.array_equal(alone, among_all) == invariant
