@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import jax
@@ -90,6 +92,13 @@ BATCH_INVARIANT_COMPILER_OPTIONS = {"xla_allow_excess_precision": False,
                                     "xla_gpu_deterministic_ops": True}
 
 
+def compile_threads(jobs: int) -> int:
+    """How many steps compile at once: DEEPINFER_COMPILE_THREADS, else one per core (each
+    compile also runs threads of its own, so more would only wait)."""
+    forced = os.environ.get("DEEPINFER_COMPILE_THREADS")
+    return max(1, min(jobs, int(forced) if forced else os.cpu_count() or 1))
+
+
 def compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
                   ecfg: ResolvedEngineConfig, speculative: bool = False) -> CompiledSteps:
     """The step compiled for every token bucket (and sampler variant; state donated): the
@@ -98,11 +107,10 @@ def compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
     options = BATCH_INVARIANT_COMPILER_OPTIONS if cfg.batch_invariant else None
     truncations = (False, True) if launch_bound() else (None,)
     keys = [(t, truncation) for t in ecfg.token_buckets for truncation in truncations]
-    compiled = {}
-    progress = tqdm(keys, unit="step", disable=not ecfg.show_progress,
-                    desc=f"compiling {'speculative ' if speculative else ''}steps")
-    for t, truncation in progress:
-        progress.set_postfix(tokens=t)
+    # Tracing and lowering is Python (one at a time); XLA's compile releases the GIL and is
+    # mostly single-threaded per module, so the buckets compile side by side.
+    lowered, wires = {}, {}
+    for t, truncation in keys:
         step_fn = functools.partial(spec_step if speculative else step, cfg=cfg, ecfg=ecfg,
                                     truncation=truncation)
         plan_wire = Wire.of(build_plan(ScheduleDecision(()), t, ecfg))   # shapes are fixed
@@ -114,7 +122,19 @@ def compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
             output_wire.append(Wire.of(output))
             return state, output_wire[-1].pack_device(output)
 
-        executable = jax.jit(wired_step, donate_argnums=(1,)).lower(
-            params, state, plan_wire.spec()).compile(compiler_options=options)
-        compiled[t, truncation] = CompiledStep(executable, plan_wire, output_wire[-1])
+        lowered[t, truncation] = jax.jit(wired_step, donate_argnums=(1,)).lower(
+            params, state, plan_wire.spec())
+        wires[t, truncation] = (plan_wire, output_wire[-1])
+    progress = tqdm(total=len(keys), unit="step", disable=not ecfg.show_progress,
+                    desc=f"compiling {'speculative ' if speculative else ''}steps")
+    compiled = {}
+    with ThreadPoolExecutor(compile_threads(len(keys))) as pool:
+        futures = {pool.submit(lowered[key].compile, compiler_options=options): key
+                   for key in keys}
+        for future in as_completed(futures):
+            key = futures[future]
+            compiled[key] = CompiledStep(future.result(), *wires[key])
+            progress.set_postfix(tokens=key[0])
+            progress.update()
+    progress.close()
     return CompiledSteps(compiled)

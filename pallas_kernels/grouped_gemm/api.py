@@ -133,8 +133,10 @@ def dense_invariant_config(num_rows: int, n_out: int) -> TileConfig:
     """matmul's config for M = num_rows in batch-invariant mode."""
     if not TILE_SHAPE_FREE_ON_GPU or num_rows >= 4096:
         return default_config(LARGE_BATCH, n_out)
+    widths = [b for b in (128, 64, 32, 16) if n_out % b == 0]
+    if not widths:                  # no tile fits N (the kernel does not run)
+        return default_config(LARGE_BATCH, n_out)
     row_tiles = -(-num_rows // 64)
-    widths = [b for b in (128, 64, 32, 16) if n_out % b == 0] or [0]
     block_n = next((b for b in widths if row_tiles * (n_out // b) >= SMS), widths[-1])
     return TileConfig(block_m=64, block_n=block_n, max_concurrent_steps=4)
 

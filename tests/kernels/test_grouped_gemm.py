@@ -241,3 +241,4 @@ def test_invariant_configs_follow_the_batch_only_once_the_tile_shape_is_free(mon
     assert wide.block_n == 128
     assert api.dense_invariant_config(8192, 512) == api.default_config(api.LARGE_BATCH, 512)
     assert api.expert_invariant_configs(5000, dim, inter)[0].block_m == 128
+    assert not api.kernel_runs(64, 4096, 24, config=api.dense_invariant_config(64, 24))  # mHC's
