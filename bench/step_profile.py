@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import faulthandler
 import pstats
+import signal
 import sys
 import time
 from pathlib import Path
@@ -83,6 +85,8 @@ def steady_decode(llm: LLM, args) -> None:
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGTERM)     # where a run cut by `timeout` was
+    t0 = time.perf_counter()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(REPO / "models" / "deepinfer-tiny-v4"))
     ap.add_argument("--v4-flash-layers", type=int, default=0)
@@ -97,6 +101,7 @@ def main() -> None:
     if args.prefill:
         args.budget, args.batch, args.context = args.prefill, 1, args.prefill
     llm = build(args)
+    print(f"engine built (traced and compiled) in {time.perf_counter() - t0:.0f} s", flush=True)
     engine = llm.engine
     if args.prefill:
         engine.add_request("prompt", np.random.default_rng(0).integers(

@@ -110,7 +110,9 @@ def compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
     # Tracing and lowering is Python (one at a time); XLA's compile releases the GIL and is
     # mostly single-threaded per module, so the buckets compile side by side.
     lowered, wires = {}, {}
-    for t, truncation in keys:
+    kind = "speculative steps" if speculative else "steps"
+    for t, truncation in tqdm(keys, unit="step", disable=not ecfg.show_progress,
+                              desc=f"tracing {kind}"):
         step_fn = functools.partial(spec_step if speculative else step, cfg=cfg, ecfg=ecfg,
                                     truncation=truncation)
         plan_wire = Wire.of(build_plan(ScheduleDecision(()), t, ecfg))   # shapes are fixed
@@ -126,7 +128,7 @@ def compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
             params, state, plan_wire.spec())
         wires[t, truncation] = (plan_wire, output_wire[-1])
     progress = tqdm(total=len(keys), unit="step", disable=not ecfg.show_progress,
-                    desc=f"compiling {'speculative ' if speculative else ''}steps")
+                    desc=f"compiling {kind}")
     compiled = {}
     with ThreadPoolExecutor(compile_threads(len(keys))) as pool:
         futures = {pool.submit(lowered[key].compile, compiler_options=options): key
