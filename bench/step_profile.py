@@ -85,7 +85,7 @@ def steady_decode(llm: LLM, args) -> None:
 
 
 def main() -> None:
-    faulthandler.register(signal.SIGTERM)     # where a run cut by `timeout` was
+    faulthandler.register(signal.SIGTERM, chain=True)   # where a run cut by `timeout` was
     t0 = time.perf_counter()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(REPO / "models" / "deepinfer-tiny-v4"))

@@ -93,10 +93,15 @@ BATCH_INVARIANT_COMPILER_OPTIONS = {"xla_allow_excess_precision": False,
 
 
 def compile_threads(jobs: int) -> int:
-    """How many steps compile at once: DEEPINFER_COMPILE_THREADS, else one per core (each
-    compile also runs threads of its own, so more would only wait)."""
+    """How many steps compile at once: DEEPINFER_COMPILE_THREADS, else one per core on the
+    CPU and one on GPUs. There XLA autotunes its GEMMs by timing them on the device, and side
+    by side the compiles time them against each other: the H200 run that compiled 4 steps at
+    once (37 s instead of ~6 min) logged the autotuner's "sub-optimal accuracy" warnings and
+    decoded 28% slower than the last serial build (6,777 vs 9,383 tok/s at batch 64, not yet
+    re-measured apart from the other changes since)."""
     forced = os.environ.get("DEEPINFER_COMPILE_THREADS")
-    return max(1, min(jobs, int(forced) if forced else os.cpu_count() or 1))
+    default = 1 if launch_bound() else os.cpu_count() or 1
+    return max(1, min(jobs, int(forced) if forced else default))
 
 
 def compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
@@ -108,7 +113,7 @@ def compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
     truncations = (False, True) if launch_bound() else (None,)
     keys = [(t, truncation) for t in ecfg.token_buckets for truncation in truncations]
     # Tracing and lowering is Python (one at a time); XLA's compile releases the GIL and is
-    # mostly single-threaded per module, so the buckets compile side by side.
+    # mostly single-threaded per module, so on the CPU the buckets compile side by side.
     lowered, wires = {}, {}
     kind = "speculative steps" if speculative else "steps"
     for t, truncation in tqdm(keys, unit="step", disable=not ecfg.show_progress,
