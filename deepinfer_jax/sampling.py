@@ -85,7 +85,8 @@ def filter_logits(logits: Array, rows: SamplingRows) -> Array:
     # tokens where the float cumsum reaches 1): the same as scale_by_temperature, so a row's
     # draw does not depend on whether a neighbour made the batch truncate
     keep |= ~row_truncates(rows.temperature, rows.top_k, rows.top_p, rows.min_p)[:, None]
-    kept = jnp.zeros_like(keep).at[jnp.arange(keep.shape[0])[:, None], order].set(keep)
+    kept = jnp.zeros_like(keep).at[jnp.arange(keep.shape[0])[:, None], order].set(
+        keep, unique_indices=True)                       # `order` is a permutation per row
     return jnp.where(kept, scaled, -jnp.inf)
 
 

@@ -34,7 +34,8 @@ def init_pool(state: StateCache, count: int) -> SlotRings:
 def save(rings: SlotRings, pool: SlotRings, slots: jax.Array, snapshots: jax.Array) -> SlotRings:
     """pool[snapshots[i]] = rings[slots[i]]."""
     return jax.tree.map(lambda p, r: p.at[snapshots].set(r[jnp.minimum(slots, r.shape[0] - 1)],
-                                                         mode="drop"), pool, rings)
+                                                         mode="drop", unique_indices=True),
+                        pool, rings)
 
 
 def restore(state: StateCache, pool: SlotRings, snapshots: jax.Array, slots: jax.Array,
@@ -42,19 +43,20 @@ def restore(state: StateCache, pool: SlotRings, snapshots: jax.Array, slots: jax
     """state[slots[i]] = pool[snapshots[i]], and the penalty counters of slots[i] recounted
     from tokens[i] (i32[L], -1 padded; positions >= prompt_len[i] are generated tokens)."""
     rings, mtp_window = jax.tree.map(
-        lambda r, p: r.at[slots].set(p[jnp.minimum(snapshots, p.shape[0] - 1)], mode="drop"),
+        lambda r, p: r.at[slots].set(p[jnp.minimum(snapshots, p.shape[0] - 1)], mode="drop",
+                                     unique_indices=True),
         slot_rings(state), pool)
     layers = tuple(dataclasses.replace(ls, window=w, tail=t, index_tail=it)
                    for ls, (w, t, it) in zip(state.layers, rings, strict=True))
     mtp = None if state.mtp is None else dataclasses.replace(state.mtp, window=mtp_window)
     n_slots = state.last_tokens.shape[0]
-    prompt_mask = state.prompt_mask.at[slots].set(False, mode="drop")
-    counts = state.output_counts.at[slots].set(0, mode="drop")
+    prompt_mask = state.prompt_mask.at[slots].set(False, mode="drop", unique_indices=True)
+    counts = state.output_counts.at[slots].set(0, mode="drop", unique_indices=True)
     generated = jnp.arange(tokens.shape[1])[None, :] >= prompt_len[:, None]
     real = tokens >= 0
     row_slot = jnp.broadcast_to(slots[:, None], tokens.shape)
     ids = jnp.maximum(tokens, 0)
-    prompt_mask = prompt_mask.at[jnp.where(real & ~generated, row_slot, n_slots), ids].set(
+    prompt_mask = prompt_mask.at[jnp.where(real & ~generated, row_slot, n_slots), ids].max(
         True, mode="drop")
     counts = counts.at[jnp.where(real & generated, row_slot, n_slots), ids].add(1, mode="drop")
     return dataclasses.replace(state, layers=layers, mtp=mtp, prompt_mask=prompt_mask,

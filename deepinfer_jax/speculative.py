@@ -159,7 +159,8 @@ def spec_step(params: ModelParams, state: StateCache, plan, *, cfg: ModelConfig,
     bonus = jnp.take_along_axis(new, accepted[:, None], axis=1)[:, 0]
     sink = state.last_tokens.shape[0]
     state = dataclasses.replace(state, last_tokens=state.last_tokens.at[
-        jnp.where(plan.seq_samples, plan.seq_slot, sink)].set(bonus, mode="drop"))
+        jnp.where(plan.seq_samples, plan.seq_slot, sink)].set(bonus, mode="drop",
+                                                              unique_indices=True))
 
     # MTP: committed tokens are a prefix of each row's span; the last one pairs with the bonus
     last = first + accepted                                                # [N]

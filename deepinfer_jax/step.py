@@ -47,13 +47,15 @@ def record_fed_tokens(state: StateCache, plan: BatchPlan, token_ids: jax.Array) 
     marked as a prompt token or counted as a generated one (positions >= prompt_len)."""
     n, slots = plan.seq_slot.shape[0], state.last_tokens.shape[0]
     fresh = jnp.where((plan.seq_start == 0) & (plan.seq_len > 0), plan.seq_slot, slots)
-    prompt_mask = state.prompt_mask.at[fresh].set(False, mode="drop")
-    counts = state.output_counts.at[fresh].set(0, mode="drop")
+    # Scatters whose result does not depend on the order of their updates (unique slots; an
+    # `or` for marks a prompt may repeat): tests/engine/test_gpu_step_structure.py
+    prompt_mask = state.prompt_mask.at[fresh].set(False, mode="drop", unique_indices=True)
+    counts = state.output_counts.at[fresh].set(0, mode="drop", unique_indices=True)
     row = jnp.minimum(plan.token_seq, n - 1)
     real = plan.token_seq < n
     generated = plan.positions >= plan.prompt_len[row]
     slot = plan.seq_slot[row]
-    prompt_mask = prompt_mask.at[jnp.where(real & ~generated, slot, slots), token_ids].set(
+    prompt_mask = prompt_mask.at[jnp.where(real & ~generated, slot, slots), token_ids].max(
         True, mode="drop")
     counts = counts.at[jnp.where(real & generated, slot, slots), token_ids].add(1, mode="drop")
     return dataclasses.replace(state, prompt_mask=prompt_mask, output_counts=counts)
@@ -78,5 +80,5 @@ def step(params: ModelParams, state: StateCache, plan: BatchPlan, *, cfg: ModelC
                  ecfg.max_logprobs, truncation)
     slots = jnp.where(plan.seq_samples, plan.seq_slot, state.last_tokens.shape[0])
     state = dataclasses.replace(state, last_tokens=state.last_tokens.at[slots].set(
-        out.tokens, mode="drop"))
+        out.tokens, mode="drop", unique_indices=True))
     return state, StepOutput(out.tokens, out.logprob, out.top_ids, out.top_logprobs)

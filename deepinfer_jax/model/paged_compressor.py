@@ -59,7 +59,8 @@ def close_rows(kv: Array, score: Array, p: CompressorParams, tail: CompressorTai
 
     rows = rowwise(pool_and_finish, g_kv, g_score, row)
     dest = row_index(ctx.block_table, ctx.seq[closer], row, rate, page_size)
-    pool = pool.at[jnp.where(real, dest, pool.shape[0])].set(rows, mode="drop")
+    pool = pool.at[jnp.where(real, dest, pool.shape[0])].set(rows, mode="drop",
+                                                             unique_indices=True)
     tail = CompressorTail(kv=write_ring(tail.kv, kv, ctx), score=write_ring(tail.score, score, ctx))
     return pool, tail
 

@@ -67,7 +67,11 @@ def write_ring(ring: Array, values: Array, ctx: TokenContext) -> Array:
     slots, size = ring.shape[:2]
     keep = ctx.valid & (ctx.positions >= ctx.end - size)
     dest = jnp.where(keep, ctx.slot * size + ctx.positions % size, slots * size)
-    flat = ring.reshape(slots * size, -1).at[dest].set(values.astype(ring.dtype), mode="drop")
+    # unique: the kept positions of a sequence are R consecutive ones (distinct mod R); the rest
+    # are dropped (a scatter that may repeat an index is a serial loop on a GPU in
+    # batch-invariant mode: tests/engine/test_gpu_step_structure.py)
+    flat = ring.reshape(slots * size, -1).at[dest].set(values.astype(ring.dtype), mode="drop",
+                                                        unique_indices=True)
     return flat.reshape(ring.shape)
 
 

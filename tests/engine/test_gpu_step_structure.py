@@ -50,3 +50,68 @@ def test_gpu_step_has_no_conditionals_or_loops(monkeypatch, step_fn):
     monkeypatch.setenv("DEEPINFER_STEP_FORMULATION", "cpu")       # the test can fail:
     whiles, cases = loops_and_branches(lowered_for_cuda())
     assert whiles > 0 and cases > 0
+
+
+# Scatters XLA runs as they are under xla_gpu_deterministic_ops (batch-invariant mode): unique
+# indices, or a combiner whose result does not depend on the order of the updates. Any other
+# it rewrites into a loop over the updates, one launch sequence and a host synchronisation per
+# row written (every cache write of a step).
+ORDER_FREE = {"add", "multiply", "maximum", "minimum", "and", "or", "xor"}
+
+
+def order_dependent_scatters(module: str) -> list[str]:
+    """The scatters of a StableHLO module whose result could depend on the order of the
+    updates: indices not declared unique, and an overwrite or a float combiner."""
+    found = []
+    for match in re.finditer(r'stablehlo\.scatter"?\(.*?\}\)', module, re.S):
+        op = match.group(0)
+        head, _, body = op.partition("^bb0")
+        dtype = re.match(r"\(%\w+: tensor<(\w+)>", body).group(1)
+        ops = set(re.findall(r"stablehlo\.(\w+) %", body)) - {"return"}
+        integral = dtype.startswith(("i", "ui"))
+        if "unique_indices = true" not in head and not (
+                ops and ops <= ORDER_FREE and (integral or ops <= {"maximum", "minimum"})):
+            found.append(op.splitlines()[0][:160])
+    return found
+
+
+def test_order_dependent_scatter_is_recognised():
+    """The check itself, on a hand-written case of each kind."""
+    import jax.numpy as jnp
+
+    def scatters(r, i, v, c):
+        return (r.at[i].set(v, mode="drop"),                       # overwrite: flagged
+                r.at[i].add(v, mode="drop"),                       # float add: flagged
+                r.at[i].set(v, mode="drop", unique_indices=True),  # unique: fine
+                c.at[i].add(1, mode="drop"),                       # integer add: fine
+                (c > 0).at[i].max(True, mode="drop"))              # boolean or: fine
+    text = jax.jit(scatters).lower(jnp.zeros((8, 4)), jnp.array([1, 1]), jnp.ones((2, 4)),
+                                   jnp.zeros(8, jnp.int32)).as_text()
+    assert len(order_dependent_scatters(text)) == 2
+
+
+def test_invariant_steps_scatter_without_order(monkeypatch):
+    """The batch-invariant steps (plain and speculative) and the prefix cache's slot copies,
+    as traced for a GPU, write only through order-free scatters."""
+    from deepinfer_jax import snapshots
+
+    monkeypatch.setenv("DEEPINFER_STEP_FORMULATION", "gpu")
+    llm = LLM(REPO / "models" / "deepinfer-tiny-v4", max_num_seqs=4, max_model_len=128,
+              max_num_batched_tokens=16, token_buckets=(16,), show_progress=False,
+              batch_invariant=True, enable_prefix_caching=True,
+              speculative_config={"num_speculative_tokens": 3})
+    engine = llm.engine
+    wire = Wire.of(build_plan(ScheduleDecision(()), 16, engine.ecfg))
+    for step_fn in (step, spec_step):
+        traced = jax.jit(lambda p, s, b: step_fn(p, s, wire.unpack_device(b), cfg=engine.cfg,
+                                                 ecfg=engine.ecfg, truncation=True))
+        module = jax.export.export(traced, platforms=["cuda"])(
+            engine.params, engine.state, wire.spec()).mlir_module()
+        assert order_dependent_scatters(module) == [], step_fn.__name__
+    ids = jax.ShapeDtypeStruct((4,), "int32")
+    tokens = jax.ShapeDtypeStruct((4, 128), "int32")
+    pool = engine.snapshot_pool
+    save = jax.jit(snapshots.save).lower(snapshots.slot_rings(engine.state), pool, ids, ids)
+    restore = jax.jit(snapshots.restore).lower(engine.state, pool, ids, ids, tokens, ids)
+    assert order_dependent_scatters(save.as_text()) == []
+    assert order_dependent_scatters(restore.as_text()) == []
