@@ -2,7 +2,7 @@
 # The GPU runs, as steps for one call of the device tool (each step under its own time limit,
 # so one failure leaves the others' results). Logs and result files go to $OUT.
 #
-#   bash bench/h200.sh kernels moe attention invariance     # carry: .whl
+#   bash bench/h200.sh kernels moe attention invariance     # carry: .whl .cache/autotune
 #
 # Wheels the GPU image lacks travel in .whl/: bench/gpu-wheels.txt lists them and says how
 # to fetch them.
@@ -11,7 +11,11 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/logs"
 touch /tmp/h200-start   # results newer than this are this call's
 # No --xla_gpu_autotune_level=0: without autotuning XLA picked a 10 TFLOP/s GEMM (8192^3).
-# XLA_FLAGS passes through from the caller.
+# XLA_FLAGS passes through from the caller. XLA's autotuning results are kept between calls:
+# each step leaves them in $OUT/autotune; copy that to .cache/autotune here and carry it
+# (with .whl) so that the next call's compiles skip the timing runs.
+mkdir -p .cache/autotune
+export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_per_fusion_autotune_cache_dir=$(pwd)/.cache/autotune"
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -30,6 +34,7 @@ step() {   # name, limit in seconds, command...
   tail -n 3 "$OUT/logs/$name.log"
   find bench/results -name "*gpu*" -newer /tmp/h200-start -exec cp {} "$OUT/" \;  # now, in case
   # a later step outlasts the call
+  cp -r .cache/autotune "$OUT/" 2>/dev/null
 }
 
 for name in "$@"; do
