@@ -82,6 +82,9 @@ for name in "$@"; do
     diag-invariant) for free in 1 0; do DEEPINFER_INVARIANT_FREE_TILES=$free step \
                    diag-invariant-$free 220 python3 bench/step_profile.py --v4-flash-layers 1 \
                    --context 1024 --batch 64 --steps 10 --batch-invariant; done ;;
+    launcher-ab) step launcher-ab 400 sh -c 'for batch in 16 1; do python3 bench/step_profile.py \
+                   --v4-flash-layers 2 --context 4096 --batch $batch --steps 30 --launch-ab; \
+                   done' ;;   # the launcher thread on vs off, one engine each batch
     dense)       step dense 200 python3 bench/kernels_moe.py --dense-only ;;  # invariant GEMM sweep
     cmdbuf)      step cmdbuf 300 sh -c 'for flags in "" "--xla_gpu_graph_min_graph_size=1" \
                    "--xla_gpu_enable_command_buffer="; do echo "XLA_FLAGS=$flags"; \

@@ -56,7 +56,8 @@ def kernel_table(trace_dir: Path, steps: int, top: int = 25) -> list[tuple[str, 
 
 
 def steady_decode(llm: LLM, args) -> None:
-    """Reach steady decode at args.batch requests, then split the loop's time."""
+    """Reach steady decode at args.batch requests, then split the loop's time (with
+    --launch-ab, again with the step launched from the loop's own thread)."""
     engine, vocab = llm.engine, llm.model.config.vocab_size
     rng = np.random.default_rng(0)
     for i in range(args.batch):
@@ -67,20 +68,29 @@ def steady_decode(llm: LLM, args) -> None:
         engine.step()
     for _ in range(5):
         engine.step()
+    loop_split(engine, args.steps, "launch thread" if engine.ecfg.launch_thread else "")
+    if args.launch_ab:
+        engine.set_launch_thread(False)       # the same engine, no worker thread
+        for _ in range(5):
+            engine.step()
+        loop_split(engine, args.steps, "no launch thread")
 
+
+def loop_split(engine, steps: int, label: str) -> None:
     stats = engine.stats
     before = (stats.steps, stats.host_seconds, stats.wait_seconds)
     profile = cProfile.Profile()
     start = time.perf_counter()
     profile.enable()
-    for _ in range(args.steps):
+    for _ in range(steps):
         engine.step()
     profile.disable()
-    wall = (time.perf_counter() - start) / args.steps
+    wall = (time.perf_counter() - start) / steps
     n = stats.steps - before[0]
     host = (stats.host_seconds - before[1]) / n
     wait = (stats.wait_seconds - before[2]) / n
-    print(f"loop: {1e3 * wall:.2f} ms/step = host {1e3 * host:.2f} + waiting {1e3 * wait:.2f}")
+    print(f"loop ({label}): {1e3 * wall:.2f} ms/step = host {1e3 * host:.2f} + waiting "
+          f"{1e3 * wait:.2f}")
     pstats.Stats(profile).sort_stats("tottime").print_stats(15)
 
 
@@ -97,6 +107,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--prefill", type=int, default=0, help="profile one prompt of N tokens")
     ap.add_argument("--batch-invariant", action="store_true")
+    ap.add_argument("--launch-ab", action="store_true",
+                    help="then the same loop with the step launched from the loop's thread")
     args = ap.parse_args()
     if args.prefill:
         args.budget, args.batch, args.context = args.prefill, 1, args.prefill

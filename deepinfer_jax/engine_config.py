@@ -83,6 +83,9 @@ class EngineConfig:
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_cache_dir)
     show_progress: bool = True
     async_scheduling: bool = True        # plan step N+1 while step N runs
+    # with async scheduling: each step's device calls on a worker thread (launcher.py), so
+    # XLA's kernel launches overlap the loop's reading and planning
+    launch_thread: bool = True
     seed: int = 0                        # draws the seeds of requests that give none
     max_logprobs: int = 20               # the most top logprobs a request may ask for
     grammar_compile_timeout_s: float = 10.0
@@ -133,6 +136,7 @@ class ResolvedEngineConfig:
     compilation_cache_dir: str | None
     show_progress: bool
     async_scheduling: bool
+    launch_thread: bool
     seed: int
     max_logprobs: int
     grammar_compile_timeout_s: float
@@ -182,6 +186,7 @@ class ResolvedEngineConfig:
                    compilation_cache_dir=ec.compilation_cache_dir, show_progress=ec.show_progress,
                    # speculation reads each step's accepted counts before planning the next
                    async_scheduling=ec.async_scheduling and ec.speculative_config is None,
+                   launch_thread=ec.launch_thread,
                    seed=ec.seed,
                    max_logprobs=min(ec.max_logprobs, model.vocab_size),
                    grammar_compile_timeout_s=ec.grammar_compile_timeout_s,

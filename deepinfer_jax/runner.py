@@ -99,7 +99,7 @@ class EngineCore:
         self._in_flight: collections.deque[InFlight] = collections.deque()
         # Device calls (state, snapshot pool) run on the launcher, in order; the loop only
         # reads their outputs. Threaded where the loop overlaps steps.
-        self._launcher = Launcher(threaded=ecfg.async_scheduling)
+        self._launcher = Launcher(threaded=ecfg.async_scheduling and ecfg.launch_thread)
         self.stats = LoopStats()
 
     @property
@@ -143,6 +143,13 @@ class EngineCore:
                 problems.append(f"a sequence of {longest} tokens needs more pages than the "
                                 f"pool holds ({self.ecfg.num_pages})")
         return problems
+
+    def set_launch_thread(self, enabled: bool) -> None:
+        """Launch the next steps on the worker thread or from the loop's own (an A/B for
+        benchmarks); waits until every launched step's device calls have been made."""
+        for flight in self._in_flight:
+            flight.output.result()
+        self._launcher = Launcher(threaded=enabled and self.ecfg.async_scheduling)
 
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[Request]:

@@ -28,6 +28,28 @@ def test_sync_loop_gives_the_same_tokens(llm, sync_llm, workload):
     check_outputs(async_out, workload)
 
 
+def test_async_loop_without_the_launch_thread(model, llm, workload):
+    """launch_thread=False: the asynchronous loop launches each step from its own thread (the
+    A/B for the launcher thread on a GPU); same tokens."""
+    inline = deepinfer_jax.LLM(model, **{**ENGINE, "launch_thread": False})
+    assert inline.engine_config.async_scheduling and inline.engine._launcher._pool is None
+    assert llm.engine._launcher._pool is not None
+    params = sampling(workload)
+    outputs = inline.generate(workload.prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [
+        o.token_ids for o in llm.generate(workload.prompts, params, use_tqdm=False)]
+    check_outputs(outputs, workload)
+    # switched back and forth between steps, with a step in flight: still the same tokens
+    request = inline.engine.add_request("again", list(workload.prompts[0]), params[0])
+    inline.engine.step()
+    inline.engine.set_launch_thread(True)
+    inline.engine.step()
+    inline.engine.set_launch_thread(False)
+    while inline.engine.has_unfinished():
+        inline.engine.step()
+    assert list(request.generated) == outputs[0].token_ids
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_preemption_in_both_loops(model, workload, async_scheduling):
     llm = deepinfer_jax.LLM(model, **{**ENGINE, "num_pages": 14,
