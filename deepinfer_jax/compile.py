@@ -96,9 +96,9 @@ def compile_threads(jobs: int) -> int:
     """How many steps compile at once: DEEPINFER_COMPILE_THREADS, else one per core on the
     CPU and one on GPUs. There XLA autotunes its GEMMs by timing them on the device, and side
     by side the compiles time them against each other: the H200 run that compiled 4 steps at
-    once (37 s instead of ~6 min) logged the autotuner's "sub-optimal accuracy" warnings and
-    decoded 28% slower than the last serial build (6,777 vs 9,383 tok/s at batch 64, not yet
-    re-measured apart from the other changes since)."""
+    once (37 s for all 4 after tracing) logged the autotuner's "sub-optimal accuracy" warnings
+    and decoded 28% slower than the last serial build (6,777 vs 9,383 tok/s at batch 64, not
+    yet re-measured apart from the other changes since)."""
     forced = os.environ.get("DEEPINFER_COMPILE_THREADS")
     default = 1 if launch_bound() else os.cpu_count() or 1
     return max(1, min(jobs, int(forced) if forced else default))

@@ -110,8 +110,8 @@ def ffn_outputs(p: LayerParams, mlp_kind: MlpKind, cfg: ModelConfig, streams: Ar
 def ffn_rowwise(p: LayerParams, cfg: ModelConfig, streams: Array, rowwise: Callable) -> Callable:
     """How the MoE sublayer runs. Where its routed experts run on the grouped-GEMM kernel (row
     by row by construction) batch-invariant mode runs it over the whole batch at once: tile by
-    tile, every tile would read all the experts it hits again (an 8k prefill in 256-token
-    chunks read the expert weights 4x per chunk: most of the mode's prefill cost on the H200).
+    tile, every tile would read all the experts it hits again (about 4x the expert weights per
+    256-token chunk, which would account for most of the mode's measured prefill cost).
     Its other ops are elementwise, row-wise or invariant by themselves (`invariant=`)."""
     return _apply if experts_on_kernel(streams.shape[0], streams.dtype, p.moe, cfg) else rowwise
 
