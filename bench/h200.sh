@@ -75,7 +75,8 @@ for name in "$@"; do
     b1)          step b1 540 sh -c 'for args in "--batch 1 --budget 16 --context 128" \
                    "--v4-flash-layers 4 --context 4096 --batch 1" \
                    "--v4-flash-layers 2 --context 4096 --batch 16"; do echo "== $args"; \
-                   python3 bench/step_profile.py $args --steps 30; done' ;;  # the host-bound batches
+                   python3 bench/step_profile.py $args --steps 30 --out /tmp/b1; done' ;;  # the
+                   # host-bound batches, with each one's device kernels ranked
     profile-invariant) step profile-invariant 220 python3 bench/step_profile.py \
                    --v4-flash-layers 2 --context 1024 --batch 64 --steps 20 --out /tmp/pi \
                    --batch-invariant ;;   # where the invariant mode's decode loses (issue 7)
