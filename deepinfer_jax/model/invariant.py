@@ -48,16 +48,21 @@ def per_row_tiles(fn: Callable, *args, tile: int | None = None):
     return jax.tree.map(lambda o: o.reshape(-1, *o.shape[2:])[:rows], out)
 
 
-def linear(x: jax.Array, w: jax.Array, invariant: bool) -> jax.Array:
-    """x [..., K] @ w [K, N]."""
+def linear(x: jax.Array, w: jax.Array, invariant: bool, out_dtype=None) -> jax.Array:
+    """x [..., K] @ w [K, N], the result in out_dtype (default: the operands' type). With
+    out_dtype float32 and bf16 operands this is a float32 matmul of them (each product is
+    exact in float32, the sum is float32) without converting w first."""
+    def matmul(t):
+        return jnp.matmul(t, w, preferred_element_type=out_dtype)
+
     if not invariant:
-        return x @ w
+        return matmul(x)
     flat = x.reshape(-1, x.shape[-1])
     config = gemm.dense_invariant_config(flat.shape[0], w.shape[1])
-    if x.dtype == w.dtype and gemm.kernel_runs(flat.shape[0], w.shape[0], w.shape[1],
-                                               dtype=x.dtype, config=config):
+    if x.dtype == w.dtype and out_dtype in (None, x.dtype) and gemm.kernel_runs(
+            flat.shape[0], w.shape[0], w.shape[1], dtype=x.dtype, config=config):
         return gemm.matmul(flat, w, config=config).reshape(*x.shape[:-1], w.shape[-1])
-    return per_row_tiles(lambda t: t @ w, flat).reshape(*x.shape[:-1], w.shape[-1])
+    return per_row_tiles(matmul, flat).reshape(*x.shape[:-1], w.shape[-1])
 
 
 def ordered_sum(x: jax.Array, axis: int) -> jax.Array:
