@@ -19,9 +19,9 @@ from pallas_kernels.sinkhorn.mosaic_gpu import TOKENS_PER_PROGRAM, sinkhorn_entr
 # The unrolled kernel matched the float64 formula on the H200 (tests/kernels/test_sinkhorn.py,
 # gpu-tests.md) and took 41% off the tiny model's batch-1 decode step there
 # (step-profile-gpu.md), but took ~9 s to lower per call (twice per layer per step variant).
-# Its loop form lowers in 0.5 s and is the same arithmetic; until its own H200 run it must be
-# asked for (DEEPINFER_KERNEL_SINKHORN=mosaic_gpu).
-VALIDATED_ON_GPU = False
+# Its loop form lowers in 0.5 s, is the same arithmetic, and passed the same tests on the H200
+# (2026-11-30, gpu-tests.md). DEEPINFER_KERNEL_SINKHORN=reference turns it off.
+VALIDATED_ON_GPU = True
 
 
 def kernel_runs(comb_logits: jax.Array, impl: str | None = None) -> bool:
