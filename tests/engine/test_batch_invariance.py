@@ -4,6 +4,7 @@ reduction order shows). The default mode does differ (so the test can fail)."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -103,3 +104,35 @@ def test_invariant_mode_computes_the_same_model(workload):
 
     llm = deepinfer_jax.LLM(oracle_case("tiny-mixed").model, batch_invariant=True, **HF_ENGINE)
     check_outputs(llm.generate(workload.prompts, sampling(workload), use_tqdm=False), workload)
+
+
+# Dimensions the Pallas kernels tile (head_dim a multiple of 128, hidden and expert width of
+# 64): the step runs the grouped GEMM for the experts (untiled, see step_forward.ffn_rowwise),
+# the invariant dense GEMM for the projections and the sink attention; compiled on a GPU,
+# interpreted on the CPU.
+KERNEL_CFG = ModelConfig.from_json_file(REPO / "configs/tiny/tiny-mixed.json").replace(
+    hidden_size=128, head_dim=128, moe_intermediate_size=64, num_mtp_layers=0)
+
+
+@pytest.mark.skipif(jax.default_backend() == "cpu", reason="GPU: interpreted on the CPU, this "
+                    "engine takes over 15 minutes (test_kernels_in_engine runs the kernels there)")
+def test_rows_stay_invariant_on_the_kernels(monkeypatch):
+    from pallas_kernels.grouped_gemm import api as gemm
+    from pallas_kernels.sink_attention import api as attention
+
+    monkeypatch.setenv("DEEPINFER_KERNELS", "mosaic_gpu")
+    q = jnp.zeros((1, KERNEL_CFG.num_heads, KERNEL_CFG.head_dim), jnp.bfloat16)
+    inter, hidden = KERNEL_CFG.moe_intermediate_size, KERNEL_CFG.hidden_size
+    assert attention.kernel_runs(q, q)                              # the kernels really run
+    assert gemm.kernel_runs(16, hidden, inter) and gemm.kernel_runs(16, inter, hidden)
+    assert gemm.kernel_runs(64, hidden, hidden, config=gemm.dense_invariant_config(64, hidden))
+    model = deepinfer_jax.Model(KERNEL_CFG, deepinfer_jax.random_params(KERNEL_CFG, 3,
+                                                                        jnp.bfloat16))
+    llm = deepinfer_jax.LLM(model, batch_invariant=True, max_num_seqs=8, max_model_len=320,
+                            max_num_batched_tokens=64, token_buckets=(16, 64), page_size=64,
+                            show_progress=False)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(2, 512, size=int(n)).tolist() for n in rng.integers(5, 200, size=8)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=1)
+    alone = [logprobs(llm.generate([p], params, use_tqdm=False))[0] for p in prompts]
+    assert same(logprobs(llm.generate(prompts, params, use_tqdm=False)), alone)
