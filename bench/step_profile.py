@@ -106,20 +106,25 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--prefill", type=int, default=0, help="profile one prompt of N tokens")
+    ap.add_argument("--chunk", type=int, default=0,
+                    help="with --prefill: tokens per step (default: the whole prompt)")
     ap.add_argument("--batch-invariant", action="store_true")
     ap.add_argument("--launch-ab", action="store_true",
                     help="then the same loop with the step launched from the loop's thread")
     args = ap.parse_args()
     if args.prefill:
-        args.budget, args.batch, args.context = args.prefill, 1, args.prefill
+        args.budget, args.batch, args.context = args.chunk or args.prefill, 1, args.prefill
     llm = build(args)
     print(f"engine built (traced and compiled) in {time.perf_counter() - t0:.0f} s", flush=True)
     engine = llm.engine
     if args.prefill:
-        engine.add_request("prompt", np.random.default_rng(0).integers(
+        request = engine.add_request("prompt", np.random.default_rng(0).integers(
             2, llm.model.config.vocab_size, args.prefill).tolist(), SamplingParams(max_tokens=1))
+        while request.num_tokens - request.num_computed > args.budget:
+            engine.step()       # chunked: profile the last chunk, the one that sees the most
     else:
         steady_decode(llm, args)
+    engine.set_launch_thread(False)     # waits for the launched steps: the state is settled
     # The compiled step alone: the same plan, called back to back (the state is donated).
     decision = engine.scheduler.schedule()
     bucket = token_bucket(engine.ecfg.token_buckets, decision.num_tokens)
