@@ -60,8 +60,9 @@ def close_rows(kv: Array, score: Array, p: CompressorParams, tail: CompressorTai
     rows = rowwise(pool_and_finish, g_kv, g_score, row)
     dest = row_index(ctx.block_table, ctx.seq[closer], row, rate, page_size)
     pool = pool.at[jnp.where(real, dest, pool.shape[0])].set(rows, mode="drop",
-                                                             unique_indices=True)
-    tail = CompressorTail(kv=write_ring(tail.kv, kv, ctx), score=write_ring(tail.score, score, ctx))
+                                                             unique_indices=invariant)  # as ring
+    tail = CompressorTail(kv=write_ring(tail.kv, kv, ctx, invariant),
+                          score=write_ring(tail.score, score, ctx, invariant))
     return pool, tail
 
 

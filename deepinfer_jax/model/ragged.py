@@ -61,17 +61,21 @@ def window_keys(kv: Array, window: Array, ctx: TokenContext, width: int) -> tupl
     return source[index], visible
 
 
-def write_ring(ring: Array, values: Array, ctx: TokenContext) -> Array:
+def write_ring(ring: Array, values: Array, ctx: TokenContext, order_free: bool) -> Array:
     """Store each token's row at `slot, position mod R` if it is among the last R positions of
-    its sequence in this step; ring [slots, R, X], values [T, X]."""
+    its sequence in this step; ring [slots, R, X], values [T, X].
+
+    order_free (batch-invariant mode): declare the indices unique, which they are (a sequence's
+    kept positions are R consecutive ones, distinct mod R; the rest are dropped). Under XLA's
+    deterministic ops a scatter that may repeat an index runs as a serial loop over its
+    updates (tests/engine/test_gpu_step_structure.py). Not in the default mode: on the H200 an
+    8k-token prefill step's two large scatter fusions per layer (these writes and the page
+    pool's) took 5x longer with it (2.8 -> 14 ms each, step-profile-gpu.md)."""
     slots, size = ring.shape[:2]
     keep = ctx.valid & (ctx.positions >= ctx.end - size)
     dest = jnp.where(keep, ctx.slot * size + ctx.positions % size, slots * size)
-    # unique: the kept positions of a sequence are R consecutive ones (distinct mod R); the rest
-    # are dropped (a scatter that may repeat an index is a serial loop on a GPU in
-    # batch-invariant mode: tests/engine/test_gpu_step_structure.py)
     flat = ring.reshape(slots * size, -1).at[dest].set(values.astype(ring.dtype), mode="drop",
-                                                        unique_indices=True)
+                                                        unique_indices=order_free)
     return flat.reshape(ring.shape)
 
 

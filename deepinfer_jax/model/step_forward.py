@@ -141,7 +141,7 @@ def layer_step(p: LayerParams, streams: Array, token_ids: Array, ctx: TokenConte
     rowwise = rowwise_for(cfg)
     t = rowwise(lambda s, pos: token_inputs(p, kind, cfg, s, pos), streams, ctx.positions)
     keys, visible = window_keys(t.kv, ls.window, ctx, cfg.sliding_window)   # [T, W, hd]
-    ls = dataclasses.replace(ls, window=write_ring(ls.window, t.kv, ctx))
+    ls = dataclasses.replace(ls, window=write_ring(ls.window, t.kv, ctx, cfg.batch_invariant))
     if kind is not AttentionKind.SLIDING:
         rate = cfg.compress_rate(kind)
         common = dict(rate=rate, freqs=layer_inv_freq(cfg, kind), eps=cfg.rms_norm_eps,
