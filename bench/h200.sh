@@ -12,7 +12,7 @@ mkdir -p "$OUT/logs"
 touch /tmp/h200-start   # results newer than this are this call's
 # No --xla_gpu_autotune_level=0: without autotuning XLA picked a 10 TFLOP/s GEMM (8192^3).
 # XLA_FLAGS passes through from the caller. XLA's autotuning results are kept between calls:
-# each step leaves them in $OUT/autotune; copy that to .cache/autotune here and carry it
+# each step leaves them in $OUT/autotune.tgz; unpack that into .cache here and carry it
 # (with .whl) so that the next call's compiles skip the timing runs.
 mkdir -p .cache/autotune
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_per_fusion_autotune_cache_dir=$(pwd)/.cache/autotune"
@@ -34,7 +34,8 @@ step() {   # name, limit in seconds, command...
   tail -n 3 "$OUT/logs/$name.log"
   find bench/results -name "*gpu*" -newer /tmp/h200-start -exec cp {} "$OUT/" \;  # now, in case
   # a later step outlasts the call
-  cp -r .cache/autotune "$OUT/" 2>/dev/null
+  tar czf "$OUT/autotune.tgz" -C .cache autotune   # one file: the device tool returns a few
+  # dozen files at most (here: tar xzf autotune.tgz -C .cache)
 }
 
 for name in "$@"; do
@@ -44,6 +45,8 @@ for name in "$@"; do
                    tests/kernels/test_sinkhorn.py tests/kernels/test_grouped_gemm.py \
                    tests/kernels/test_sink_attention.py tests/engine/test_kernels_in_engine.py \
                    -k "sinkhorn or split or tile_shape or engine" ;;
+    sinkhorn)    step sinkhorn 120 python3 -m pytest -q -p no:cacheprovider \
+                   tests/kernels/test_sinkhorn.py ;;   # the loop form (VALIDATED_ON_GPU)
     tile-shape)  step tile-shape 90 python3 -m pytest -q -p no:cacheprovider \
                    tests/kernels/test_grouped_gemm.py -k tile_shape ;;
     kernels-defaults) step kernels-defaults 60 python3 -m pytest -q -p no:cacheprovider \
@@ -54,6 +57,8 @@ for name in "$@"; do
     moe)         step moe 240 python3 bench/kernels_moe.py ;;
     invariance)  step invariance 500 python3 -m pytest -q -p no:cacheprovider \
                    tests/engine/test_batch_invariance.py -k "not computes_the_same_model" ;;
+    invariance-kernels) step invariance-kernels 200 python3 -m pytest -q -p no:cacheprovider \
+                   tests/engine/test_batch_invariance.py -k "kernels or 7_and_31" ;;
     invariance8) DEEPINFER_INVARIANT_TILE=8 step invariance8 500 python3 -m pytest -q \
                    -p no:cacheprovider tests/engine/test_batch_invariance.py \
                    -k "not computes_the_same_model" ;;
@@ -64,7 +69,7 @@ for name in "$@"; do
     speculative) step speculative 420 python3 bench/speculative.py --buckets 16 64 256 ;;  # cold: 5 min compiling
     prefix)      step prefix 200 python3 bench/prefix_cache.py --v4-flash-layers 2 \
                    --prefix 16384 --chunk 2048 --buckets 16 128 512 2048 --repeats 2 ;;
-    e2e)         step e2e 560 python3 bench/e2e.py --peer-timeout 200 ;;   # carry transformers 5.23
+    e2e)         step e2e 520 python3 bench/e2e.py --peer-timeout 150 ;;   # carry transformers 5.23
     profile)     step profile 360 sh -c 'python3 bench/step_profile.py --batch 1 --budget 16 \
                    --context 128 --out /tmp/profile-tiny && python3 bench/step_profile.py \
                    --v4-flash-layers 2 --context 4096 --batch 16 --out /tmp/profile-v4 && \
@@ -80,12 +85,25 @@ for name in "$@"; do
     profile-invariant) step profile-invariant 220 python3 bench/step_profile.py \
                    --v4-flash-layers 2 --context 1024 --batch 64 --steps 20 --out /tmp/pi \
                    --batch-invariant ;;   # where the invariant mode's decode loses (issue 7)
+    bi-profile)  step bi-profile 360 sh -c 'for mode in "" --batch-invariant; do echo "== $mode"; \
+                   python3 bench/step_profile.py --v4-flash-layers 2 --context 1024 --batch 64 \
+                   --steps 20 --out /tmp/bp $mode; python3 bench/step_profile.py \
+                   --v4-flash-layers 2 --prefill 8192 --chunk 256 --steps 10 --out /tmp/bpp $mode; \
+                   done' ;;   # bi-bench's two cases in both modes, each with its kernels ranked
+    regression)  for case in "old-5c172ea decode" ". decode" "old-5c172ea prefill" ". prefill"; do
+                   set -- $case; tag=head; [ $1 = . ] || tag=${1#old-}; if [ $2 = decode ]; then limit=150; args="--context 1024 \
+                   --batch 64 --steps 20"; else limit=130; args="--prefill 8192 --steps 5"; fi
+                   step regression-$2-$tag $limit sh -c "cd $1 && python3 bench/step_profile.py \
+                   --v4-flash-layers 2 $args --out /tmp/r-$2-$tag"; done ;;   # default mode,
+                   # an older commit vs this tree (prepare it here, untracked: git archive 5c172ea
+                   # deepinfer_jax pallas_kernels bench configs | tar -x -C old-5c172ea; then copy
+                   # bench/step_profile.py over its own; step-profile-gpu.md)
     diag-invariant) for free in 1 0; do DEEPINFER_INVARIANT_FREE_TILES=$free step \
                    diag-invariant-$free 220 python3 bench/step_profile.py --v4-flash-layers 1 \
                    --context 1024 --batch 64 --steps 10 --batch-invariant; done ;;
-    launcher-ab) step launcher-ab 400 sh -c 'for batch in 16 1; do python3 bench/step_profile.py \
-                   --v4-flash-layers 2 --context 4096 --batch $batch --steps 30 --launch-ab; \
-                   done' ;;   # the launcher thread on vs off, one engine each batch
+    launcher-ab) step launcher-ab 400 sh -c 'for case in "64 1024" "1 4096"; do set -- $case; \
+                   python3 bench/step_profile.py --v4-flash-layers 2 --batch $1 --context $2 \
+                   --steps 30 --launch-ab; done' ;;   # thread on vs off (64 x 4k context: 1,024 prefill steps)
     dense)       step dense 200 python3 bench/kernels_moe.py --dense-only ;;  # invariant GEMM sweep
     cmdbuf)      step cmdbuf 300 sh -c 'for flags in "" "--xla_gpu_graph_min_graph_size=1" \
                    "--xla_gpu_enable_command_buffer="; do echo "XLA_FLAGS=$flags"; \

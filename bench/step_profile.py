@@ -36,7 +36,11 @@ from deepinfer_jax.plan import build_plan  # noqa: E402
 
 
 def build(args) -> LLM:
-    common = dict(max_num_seqs=max(args.batch, 16), max_model_len=args.context + 256,
+    # Room to decode while the other prompts prefill (batch x context / budget steps) and
+    # through the measured steps: a request that reached max_model_len during the warm-up
+    # would finish and the batch would never be full (the warm-up loop would not end).
+    growth = args.batch * args.context // args.budget + 4 * args.steps + 256
+    common = dict(max_num_seqs=max(args.batch, 16), max_model_len=args.context + growth,
                   max_num_batched_tokens=args.budget, token_buckets=tuple(sorted({16, args.budget})),
                   enable_prefix_caching=False, batch_invariant=args.batch_invariant,
                   compilation_cache_dir=str(REPO / ".cache" / "xla-bench"))
