@@ -240,7 +240,9 @@ def main() -> None:
             f"in every layer. Ceilings measured in this run: matmul "
             f"{ceilings['matmul_tflops']:.0f} TFLOP/s, copy {ceilings['copy_tbps']:.2f} TB/s. "
             f"Peer: HF transformers {env['peer'].get('transformers', '-')} DeepseekV4ForCausalLM, "
-            f"bf16, eager attention, same slice and prompt lengths. Command: `{command}`.")
+            f"bf16, eager attention (its only one), same slice and prompt lengths; its decode "
+            f"rows: prompts prefilled in chunks through its cache, then greedy steps timed. "
+            f"Command: `{command}`.")
     text = table(rows, note)
     print(text)
     name = args.name or f"e2e-{jax.devices()[0].platform}"
