@@ -104,6 +104,7 @@ for name in "$@"; do
     launcher-ab) step launcher-ab 400 sh -c 'for case in "64 1024" "1 4096"; do set -- $case; \
                    python3 bench/step_profile.py --v4-flash-layers 2 --batch $1 --context $2 \
                    --steps 30 --launch-ab; done' ;;   # thread on vs off (64 x 4k context: 1,024 prefill steps)
+    ring-writes) step ring-writes 150 python3 bench/ring_writes.py ;;   # the cache writes' forms
     dense)       step dense 200 python3 bench/kernels_moe.py --dense-only ;;  # invariant GEMM sweep
     cmdbuf)      step cmdbuf 300 sh -c 'for flags in "" "--xla_gpu_graph_min_graph_size=1" \
                    "--xla_gpu_enable_command_buffer="; do echo "XLA_FLAGS=$flags"; \
