@@ -56,11 +56,16 @@ class CompiledStep:
     output_wire: Wire
 
     def __call__(self, params: ModelParams, state: StateCache, plan: BatchPlan):
-        # The numpy buffer goes in as is: the step's one transfer, allowed by name so that a
-        # "disallow" transfer guard (as the loop's test sets) still catches any other. The
-        # executable's own transfer costs the host a fraction of a jax.device_put first
-        # (on this CPU ~25 vs ~90 us per call).
         buffer = self.plan_wire.pack_host(plan)
+        if launch_bound():
+            # On GPUs an explicit, asynchronous transfer, as when the H200 figures were
+            # measured (e2e-gpu.md, 2026-11-29): the executable's own transfer of a numpy
+            # argument has to finish with the host buffer before the call returns, and it has
+            # not been timed there.
+            return self.executable(params, state, jax.device_put(buffer))
+        # On the CPU the numpy buffer goes in as is: the step's one transfer, allowed by name
+        # so that a "disallow" transfer guard (as the loop's test sets) still catches any
+        # other; it costs the host a fraction of a jax.device_put (~25 vs ~90 us per call).
         with jax.transfer_guard_host_to_device("allow"):
             return self.executable(params, state, buffer)
 
