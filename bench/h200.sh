@@ -57,7 +57,7 @@ for name in "$@"; do
     moe)         step moe 240 python3 bench/kernels_moe.py ;;
     invariance)  step invariance 500 python3 -m pytest -q -p no:cacheprovider \
                    tests/engine/test_batch_invariance.py -k "not computes_the_same_model" ;;
-    invariance-kernels) step invariance-kernels 200 python3 -m pytest -q -p no:cacheprovider \
+    invariance-kernels) step invariance-kernels 300 python3 -m pytest -q -p no:cacheprovider \
                    tests/engine/test_batch_invariance.py -k "kernels or 7_and_31" ;;
     invariance8) DEEPINFER_INVARIANT_TILE=8 step invariance8 500 python3 -m pytest -q \
                    -p no:cacheprovider tests/engine/test_batch_invariance.py \

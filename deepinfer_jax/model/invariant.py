@@ -17,6 +17,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import launch_bound
 from pallas_kernels.grouped_gemm import api as gemm
 
 
@@ -33,6 +34,18 @@ def invariant_tile() -> int:
 
 def default_invariant_tile() -> int:
     return 8 if jax.default_backend() == "cpu" else 64
+
+
+def untiled_segments() -> bool:
+    """Whether batch-invariant mode runs the per-token segments whose every op is invariant
+    by itself over the whole batch at once rather than tile by tile: their matmuls are
+    `linear` (the GEMM kernel, or its own fixed row tiles), the rest elementwise ops and row
+    reductions. That relies on XLA computing a row's elementwise ops and reductions the same
+    way whatever the number of rows, which a GPU's code does and the CPU's vectorised loops do
+    not, so only in the GPU formulation (launch_bound). Opt-in (DEEPINFER_INVARIANT_UNTILED=1)
+    until the H200's invariance tests pass with it: an experiment for the mode's prefill
+    cost, where each 256-token chunk ran four 64-row tiles of small launches."""
+    return launch_bound() and os.environ.get("DEEPINFER_INVARIANT_UNTILED") == "1"
 
 
 def per_row_tiles(fn: Callable, *args, tile: int | None = None):

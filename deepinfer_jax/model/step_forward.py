@@ -9,7 +9,9 @@ cross-token part (window gathers, closing compressed rows, indexer selection), p
 attention (attention, output projection, hc_post), and the MoE sublayer. In batch-invariant
 mode each per-token (and per-new-row) segment runs over fixed-size tiles of rows, so every row
 is computed by the same program whatever else is in the batch (model/invariant.py); the MoE
-sublayer does so only where its experts are not on the row-invariant kernel (ffn_rowwise).
+sublayer does so only where its experts are not on the row-invariant kernel (ffn_rowwise),
+and on a GPU the attention segments need not either with DEEPINFER_INVARIANT_UNTILED=1
+(untiled_segments, opt-in until measured).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import jax.numpy as jnp
 from deepinfer_jax.config import AttentionKind, MlpKind, ModelConfig
 from deepinfer_jax.engine_config import ResolvedEngineConfig
 from deepinfer_jax.model import attention, compressor, indexer
-from deepinfer_jax.model.invariant import per_row_tiles
+from deepinfer_jax.model.invariant import per_row_tiles, untiled_segments
 from deepinfer_jax.model.mhc import hc_post, hc_pre
 from deepinfer_jax.model.moe import experts_on_kernel, moe
 from deepinfer_jax.model.norms import rms_norm
@@ -33,6 +35,7 @@ from deepinfer_jax.model.ragged import TokenContext, row_index, token_context, w
 from deepinfer_jax.model.rope import cos_sin, layer_inv_freq
 from deepinfer_jax.pytree import pytree_dataclass
 from deepinfer_jax.state import LayerState, StateCache
+from pallas_kernels.sink_attention import api as attention_kernel
 
 Array = jax.Array
 
@@ -94,7 +97,7 @@ def attention_outputs(p: LayerParams, kind: AttentionKind, cfg: ModelConfig, t: 
     cos, sin = cos_sin(positions, layer_inv_freq(cfg, kind))
     out = attention.sink_attention(t.q[:, None], keys, visible[:, None], p.attn.sinks)[:, 0]
     return hc_post(attention.output_projection(out, p.attn, cos, sin, cfg), streams, t.post,
-                   t.comb)
+                   t.comb, invariant=cfg.batch_invariant)
 
 
 def ffn_outputs(p: LayerParams, mlp_kind: MlpKind, cfg: ModelConfig, streams: Array,
@@ -139,7 +142,9 @@ def layer_step(p: LayerParams, streams: Array, token_ids: Array, ctx: TokenConte
                ecfg: ResolvedEngineConfig) -> tuple[Array, LayerState]:
     """One block on the flat batch's residual streams [T, hc, D]."""
     rowwise = rowwise_for(cfg)
-    t = rowwise(lambda s, pos: token_inputs(p, kind, cfg, s, pos), streams, ctx.positions)
+    untiled = cfg.batch_invariant and untiled_segments()
+    t = (_apply if untiled else rowwise)(lambda s, pos: token_inputs(p, kind, cfg, s, pos),
+                                         streams, ctx.positions)
     keys, visible = window_keys(t.kv, ls.window, ctx, cfg.sliding_window)   # [T, W, hd]
     ls = dataclasses.replace(ls, window=write_ring(ls.window, t.kv, ctx, cfg.batch_invariant))
     if kind is not AttentionKind.SLIDING:
@@ -162,8 +167,10 @@ def layer_step(p: LayerParams, streams: Array, token_ids: Array, ctx: TokenConte
                                                    max_rows=ecfg.max_rows(rate))
         keys = jnp.concatenate([keys, rows_seen], axis=1)
         visible = jnp.concatenate([visible, rows_visible], axis=1)
-    streams = rowwise(lambda *a: attention_outputs(p, kind, cfg, *a), t, keys, visible, streams,
-                      ctx.positions)
+    # attention itself is row by row only on its kernel (one program per token)
+    untiled &= attention_kernel.kernel_runs(t.q, keys)
+    streams = (_apply if untiled else rowwise)(lambda *a: attention_outputs(p, kind, cfg, *a),
+                                               t, keys, visible, streams, ctx.positions)
     streams = ffn_rowwise(p, cfg, streams, rowwise)(
         lambda s, ids: ffn_outputs(p, mlp_kind, cfg, s, ids), streams, token_ids)
     return streams, ls

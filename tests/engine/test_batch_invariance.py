@@ -116,11 +116,13 @@ KERNEL_CFG = ModelConfig.from_json_file(REPO / "configs/tiny/tiny-mixed.json").r
 
 @pytest.mark.skipif(jax.default_backend() == "cpu", reason="GPU: interpreted on the CPU, this "
                     "engine takes over 15 minutes (test_kernels_in_engine runs the kernels there)")
-def test_rows_stay_invariant_on_the_kernels(monkeypatch):
+@pytest.mark.parametrize("untiled", ["0", "1"], ids=["tiled", "untiled"])
+def test_rows_stay_invariant_on_the_kernels(monkeypatch, untiled):
     from pallas_kernels.grouped_gemm import api as gemm
     from pallas_kernels.sink_attention import api as attention
 
     monkeypatch.setenv("DEEPINFER_KERNELS", "mosaic_gpu")
+    monkeypatch.setenv("DEEPINFER_INVARIANT_UNTILED", untiled)   # invariant.untiled_segments
     q = jnp.zeros((1, KERNEL_CFG.num_heads, KERNEL_CFG.head_dim), jnp.bfloat16)
     inter, hidden = KERNEL_CFG.moe_intermediate_size, KERNEL_CFG.hidden_size
     assert attention.kernel_runs(q, q)                              # the kernels really run
@@ -136,3 +138,40 @@ def test_rows_stay_invariant_on_the_kernels(monkeypatch):
     params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=1)
     alone = [logprobs(llm.generate([p], params, use_tqdm=False))[0] for p in prompts]
     assert same(logprobs(llm.generate(prompts, params, use_tqdm=False)), alone)
+
+
+def test_untiled_segments_are_the_same_computation(monkeypatch):
+    """DEEPINFER_INVARIANT_UNTILED=1 (GPU formulation): the attention segments leave the tile
+    loop (fewer loops in the step as lowered for CUDA) and compute the same outputs (float32,
+    so to rounding: tokens equal, logprobs close). Whether rows stay bitwise invariant that
+    way is the GPU's test above."""
+    from deepinfer_jax.plan import build_plan
+    from deepinfer_jax.scheduler import ScheduleDecision
+    from deepinfer_jax.step import step
+    from deepinfer_jax.wire import Wire
+
+    monkeypatch.setenv("DEEPINFER_STEP_FORMULATION", "gpu")
+    cfg = ModelConfig.from_json_file(REPO / "configs/tiny/tiny-mixed.json").replace(
+        num_mtp_layers=0)
+    model = deepinfer_jax.Model(cfg, deepinfer_jax.random_params(cfg, 3, jnp.float32))
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(2, 512, size=int(n)).tolist() for n in (7, 90, 150)]
+    results, loops = {}, {}
+    for untiled in ("0", "1"):
+        monkeypatch.setenv("DEEPINFER_INVARIANT_UNTILED", untiled)
+        llm = deepinfer_jax.LLM(model, batch_invariant=True, max_num_seqs=4, max_model_len=256,
+                                max_num_batched_tokens=64, token_buckets=(16, 64), page_size=64,
+                                show_progress=False)
+        engine = llm.engine
+        wire = Wire.of(build_plan(ScheduleDecision(()), 64, engine.ecfg))
+        traced = jax.jit(lambda p, s, b: step(p, s, wire.unpack_device(b), cfg=engine.cfg,
+                                              ecfg=engine.ecfg))
+        module = jax.export.export(traced, platforms=["cuda"])(
+            engine.params, engine.state, wire.spec()).mlir_module()
+        loops[untiled] = module.count("stablehlo.while")
+        out = llm.generate(prompts, PARAMS, use_tqdm=False)
+        results[untiled] = ([o.token_ids for o in out], logprobs(out))
+    assert loops["1"] < loops["0"]
+    assert results["1"][0] == results["0"][0]
+    np.testing.assert_allclose(np.concatenate(results["1"][1]), np.concatenate(results["0"][1]),
+                               atol=1e-4)
