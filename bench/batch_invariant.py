@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 from bench.common import environment, write_results  # noqa: E402
 from bench.overlap import model_config, steady_decode  # noqa: E402
 from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
-from deepinfer_jax.model.invariant import default_invariant_tile, invariant_tile  # noqa: E402
+from deepinfer_jax.model.invariant import default_invariant_tile, invariant_tile, untiled_segments  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
 from pallas_kernels.grouped_gemm import api as gemm  # noqa: E402
 
@@ -84,6 +84,9 @@ def main() -> None:
     suffix = "" if tile == default_invariant_tile() else f"-tile{tile}"   # a variant's own file
     if not gemm.TILE_SHAPE_FREE_ON_GPU:
         suffix += "-fixed-tiles"
+    payload["untiled_segments"] = untiled = untiled_segments()
+    if untiled:
+        suffix += "-untiled"
     write_results(f"batch-invariant-{device}{suffix}", payload, table)
     print(table)
 
