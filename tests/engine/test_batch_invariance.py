@@ -160,7 +160,7 @@ def test_untiled_segments_are_the_same_computation(monkeypatch):
     for untiled in ("0", "1"):
         monkeypatch.setenv("DEEPINFER_INVARIANT_UNTILED", untiled)
         llm = deepinfer_jax.LLM(model, batch_invariant=True, max_num_seqs=4, max_model_len=256,
-                                max_num_batched_tokens=64, token_buckets=(16, 64), page_size=64,
+                                max_num_batched_tokens=64, token_buckets=(64,), page_size=64,
                                 show_progress=False)
         engine = llm.engine
         wire = Wire.of(build_plan(ScheduleDecision(()), 64, engine.ecfg))
