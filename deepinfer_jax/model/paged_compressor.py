@@ -59,8 +59,10 @@ def close_rows(kv: Array, score: Array, p: CompressorParams, tail: CompressorTai
 
     rows = rowwise(pool_and_finish, g_kv, g_score, row)
     dest = row_index(ctx.block_table, ctx.seq[closer], row, rate, page_size)
+    # unique (each closed row has its own page row) declared in batch-invariant mode only,
+    # as for ragged.write_ring
     pool = pool.at[jnp.where(real, dest, pool.shape[0])].set(rows, mode="drop",
-                                                             unique_indices=invariant)  # as ring
+                                                             unique_indices=invariant)
     tail = CompressorTail(kv=write_ring(tail.kv, kv, ctx, invariant),
                           score=write_ring(tail.score, score, ctx, invariant))
     return pool, tail

@@ -168,7 +168,7 @@ def layer_step(p: LayerParams, streams: Array, token_ids: Array, ctx: TokenConte
         keys = jnp.concatenate([keys, rows_seen], axis=1)
         visible = jnp.concatenate([visible, rows_visible], axis=1)
     # attention itself is row by row only on its kernel (one program per token)
-    untiled &= attention_kernel.kernel_runs(t.q, keys)
+    untiled = untiled and attention_kernel.kernel_runs(t.q, keys)
     streams = (_apply if untiled else rowwise)(lambda *a: attention_outputs(p, kind, cfg, *a),
                                                t, keys, visible, streams, ctx.positions)
     streams = ffn_rowwise(p, cfg, streams, rowwise)(
