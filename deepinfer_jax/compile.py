@@ -54,18 +54,19 @@ class CompiledStep:
     executable: jax.stages.Compiled
     plan_wire: Wire
     output_wire: Wire
+    # On GPUs the plan goes by an explicit, asynchronous jax.device_put, as when the H200
+    # figures were measured (e2e-gpu.md, 2026-11-29): the executable's own transfer of a numpy
+    # argument has to be done with the host buffer before the call returns, and it has not
+    # been timed there. On the CPU the numpy buffer goes in as is: it costs the host a
+    # fraction of a jax.device_put (~25 vs ~90 us per call). Decided once, at compile time.
+    explicit_transfer: bool = False
 
     def __call__(self, params: ModelParams, state: StateCache, plan: BatchPlan):
         buffer = self.plan_wire.pack_host(plan)
-        if launch_bound():
-            # On GPUs an explicit, asynchronous transfer, as when the H200 figures were
-            # measured (e2e-gpu.md, 2026-11-29): the executable's own transfer of a numpy
-            # argument has to finish with the host buffer before the call returns, and it has
-            # not been timed there.
+        if self.explicit_transfer:
             return self.executable(params, state, jax.device_put(buffer))
-        # On the CPU the numpy buffer goes in as is: the step's one transfer, allowed by name
-        # so that a "disallow" transfer guard (as the loop's test sets) still catches any
-        # other; it costs the host a fraction of a jax.device_put (~25 vs ~90 us per call).
+        # the step's one transfer, allowed by name so that a "disallow" transfer guard (as the
+        # loop's test sets) still catches any other
         with jax.transfer_guard_host_to_device("allow"):
             return self.executable(params, state, buffer)
 
@@ -145,7 +146,7 @@ def compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
                    for key in keys}
         for future in as_completed(futures):
             key = futures[future]
-            compiled[key] = CompiledStep(future.result(), *wires[key])
+            compiled[key] = CompiledStep(future.result(), *wires[key], launch_bound())
             progress.set_postfix(tokens=key[0])
             progress.update()
     progress.close()
