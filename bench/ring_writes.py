@@ -10,8 +10,9 @@ ops an undeclared scatter runs as a serial loop). Variants of the same write, on
 `--slots` sequences of R = 128 rows (bf16 x 512 like the window ring, float32 x 512 like a
 compressor tail), for a prefill (one sequence of `--prefill` tokens) and a decode batch:
 
-- set: `.at[dest].set(mode="drop")`, the default mode's write;
-- set unique: the same, indices declared unique (every dropped row at one index past the end);
+- set: `ragged.write_ring` as the default mode runs it;
+- set unique: as batch-invariant mode runs it (indices declared unique, every dropped row at
+  one index past the end);
 - set unique, distinct drops: each dropped row at its own index past the end;
 - kept first: the updates compacted (kept rows first, a stable argsort) and cut to the most a
   step can keep (slots x R, or T), then the unique scatter;
@@ -39,6 +40,7 @@ sys.path.insert(0, str(REPO))
 from bench.common import environment, write_results  # noqa: E402
 from bench.device_time import device_ms  # noqa: E402
 from deepinfer_jax.compile import BATCH_INVARIANT_COMPILER_OPTIONS  # noqa: E402
+from deepinfer_jax.model.ragged import TokenContext, write_ring  # noqa: E402
 
 R = 128
 
@@ -49,9 +51,14 @@ def destinations(slot, positions, end, slots):
 
 
 def set_rows(flat, values, slot, positions, end, unique=False, distinct_drops=False):
+    if not distinct_drops:      # the engine's own write (ragged.write_ring)
+        ctx = TokenContext(positions=positions, valid=jnp.ones_like(positions, bool),
+                           seq=slot, slot=slot, start=positions, end=end,
+                           block_table=jnp.zeros((1, 1), jnp.int32))
+        ring = flat.reshape(-1, R, flat.shape[-1])
+        return write_ring(ring, values, ctx, order_free=unique).reshape(flat.shape)
     keep, dest = destinations(slot, positions, end, flat.shape[0] // R)
-    if distinct_drops:
-        dest = jnp.where(keep, dest, flat.shape[0] + jnp.arange(dest.shape[0]))
+    dest = jnp.where(keep, dest, flat.shape[0] + jnp.arange(dest.shape[0]))
     return flat.at[dest].set(values, mode="drop", unique_indices=unique)
 
 
