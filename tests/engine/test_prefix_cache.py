@@ -121,31 +121,29 @@ def test_preempted_sequences_resume_from_the_cache_exactly(model, cold):
 def test_with_mtp_speculation_a_warm_cache_equals_a_cold_run():
     """Prefix caching with MTP speculation on the shipped trained model (whose drafts get
     accepted): the snapshots then hold the MTP block's window too. Warm speculative runs give
-    the same tokens and logprobs as cold speculative runs (and the tokens of plain decoding),
-    and accept exactly as many drafts: the MTP state came back bit for bit (the prompts end less than
-    a window (64) after the hit, so the first drafts read the restored MTP rows, and an
-    unrelated request runs in the slot before each). The third prompt shares the first 256
-    tokens but not the token after them, so its lookup falls back to the snapshot before."""
-    plain = deepinfer_jax.LLM(TINY, **ENGINE)
+    the same tokens and logprobs as cold speculative runs (speculative against plain decoding:
+    test_speculative.py), and accept exactly as many drafts: the MTP state came back bit for
+    bit (the prompts end less than a window (64) after the hit, so the first drafts read the
+    restored MTP rows, and an unrelated request runs in the slot before each). The third prompt
+    shares the first 256 tokens but not the token after them, so its lookup falls back to the
+    snapshot before."""
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "varlen": False}
+    cold_spec = deepinfer_jax.LLM(TINY, speculative_config=spec, **ENGINE)
     source = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()
-    ids = plain.tokenizer.encode(source)
+    ids = cold_spec.tokenizer.encode(source)
     base, other = ids[:300], ids[1000:1100]
     prompts = [base[:256] + ids[256:266], base + ids[300:310], base[:256] + other[:10]]
     params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=1)
-    reference = run_alone(plain, prompts, [params] * 3)
-    spec = {"method": "mtp", "num_speculative_tokens": 3, "varlen": False}
-    cold_spec = deepinfer_jax.LLM(TINY, speculative_config=spec, **ENGINE)
     warm_spec = deepinfer_jax.LLM(TINY, speculative_config=spec, enable_prefix_caching=True,
                                   **ENGINE)
     warm_spec.generate([base + ids[300:305]], params, use_tqdm=False)         # fills the cache
-    for prompt, ref, hit in zip(prompts, reference, (256, 256, 128), strict=True):
+    for prompt, hit in zip(prompts, (256, 256, 128), strict=True):
         warm_spec.generate([other[:50]], params, use_tqdm=False)     # leaves its state in the slot
         accepted = cold_spec.spec_metrics.accepted, warm_spec.spec_metrics.accepted
         hits = warm_spec.prefix_cache_stats.hit_tokens
         out_cold = cold_spec.generate([prompt], params, use_tqdm=False)[0]
         out_warm = warm_spec.generate([prompt], params, use_tqdm=False)[0]
         assert_same([out_warm], [out_cold])
-        assert out_cold.token_ids == ref.token_ids
         assert warm_spec.prefix_cache_stats.hit_tokens - hits == hit
         assert (warm_spec.spec_metrics.accepted - accepted[1]
                 == cold_spec.spec_metrics.accepted - accepted[0] > 0)
