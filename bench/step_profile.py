@@ -7,7 +7,8 @@
 Runs steady decode at one batch size and reports (1) the engine loop's split between host
 work and waiting for the device, (2) the compiled step's device time alone (same inputs,
 called back to back), (3) with --out, a profiler trace and the device kernels ranked by total
-time (from the trace's Perfetto JSON). With --prefill N: (2) and (3) for one N-token prompt
+time (from the trace's Perfetto JSON), each with the model line it came from (the optimised
+HLO's source metadata, hlo_sources.py). With --prefill N: (2) and (3) for one N-token prompt
 in one step instead.
 """
 
@@ -30,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.device_time import kernel_totals, trace_events  # noqa: E402
+from bench.hlo_sources import describe  # noqa: E402
 from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
 from deepinfer_jax.buckets import token_bucket  # noqa: E402
 from deepinfer_jax.plan import build_plan  # noqa: E402
@@ -150,8 +152,10 @@ def main() -> None:
             for _ in range(10):
                 state, out = compiled(engine.params, state, plan)
             jax.block_until_ready(out)
-        for name, ms, count in kernel_table(args.out / "trace", 10, top=40 if args.prefill else 25):
-            print(f"{ms:8.3f} ms  x{count:<4} {name}")
+        table = kernel_table(args.out / "trace", 10, top=40 if args.prefill else 25)
+        sources = describe(compiled.executable.as_text(), [name for name, _, _ in table])
+        for name, ms, count in table:
+            print(f"{ms:8.3f} ms  x{count:<4} {name}  {sources.get(name, '')}")
     engine.state = state
 
 
