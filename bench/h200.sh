@@ -80,6 +80,10 @@ for name in "$@"; do
                    --v4-flash-layers 2 --context 4096 --batch 16 --out /tmp/profile-v4 && \
                    python3 bench/step_profile.py --v4-flash-layers 2 --context 128 --batch 256 \
                    --steps 20 --out /tmp/profile-v4-b256' ;;   # b256: the sampler's sort
+    settle1|settle0) DEEPINFER_SETTLE_INDICES=${name#settle} step profile-prefill-$name 150 \
+                   python3 bench/step_profile.py --v4-flash-layers 2 --prefill 8192 --steps 5 \
+                   --out /tmp/pp-$name ;;   # index arrays settled before wide gathers (common.settled) or not
+    e2e-quick)   step e2e 260 python3 bench/e2e.py --peer-timeout 100 ;;   # warm autotune cache
     profile-prefill) step profile-prefill 300 python3 bench/step_profile.py --v4-flash-layers 2 \
                    --prefill 8192 --steps 5 --out /tmp/profile-prefill ;;   # issue 11's 8k prefill
     b1)          step b1 540 sh -c 'for args in "--batch 1 --budget 16 --context 128" \

@@ -42,6 +42,20 @@ def launch_bound() -> bool:
     return jax.default_backend() != "cpu"
 
 
+def settled(*indices: jax.Array):
+    """Index arrays computed once before the wide gathers or scatters that use them.
+
+    XLA's GPU fusion folds an index's arithmetic (divisions, block-table lookups, searches)
+    into the gather or scatter kernel that consumes it, which then recomputes it for every
+    element of every row it moves (512 or 4096 times per row here). An optimization barrier
+    keeps the index its own small fusion, written once. Values are unchanged. GPU formulation
+    only (`launch_bound`); DEEPINFER_SETTLE_INDICES=0 turns it off, for comparison."""
+    if not launch_bound() or os.environ.get("DEEPINFER_SETTLE_INDICES") == "0":
+        return indices[0] if len(indices) == 1 else indices
+    out = jax.lax.optimization_barrier(indices)
+    return out[0] if len(indices) == 1 else out
+
+
 def on_hopper_or_newer() -> bool:
     device = jax.devices()[0]
     if device.platform != "gpu":

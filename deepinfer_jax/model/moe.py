@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from deepinfer_jax.config import MlpKind, ModelConfig, ScoringFunc
 from deepinfer_jax.model.invariant import linear, ordered_sum
 from deepinfer_jax.model.params import ExpertParams, MoEParams, SharedExpertParams
+from pallas_kernels.common import settled
 from pallas_kernels.grouped_gemm import api as gemm
 from pallas_kernels.grouped_gemm.reference import swiglu  # the clamped SwiGLU, one definition
 
@@ -58,7 +59,7 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, p: Expe
     flat_expert = experts.reshape(-1)                                    # [N*K]
     order = jnp.argsort(flat_expert, stable=True)                        # pairs sorted by expert
     group_sizes = jnp.bincount(flat_expert, length=n_experts).astype(jnp.int32)
-    sorted_x = x[order // top_k]                                         # [N*K, D]
+    sorted_x = x[settled(order // top_k)]                                # [N*K, D]
     out = gemm.expert_mlp(sorted_x, p.w13, p.w2, group_sizes, limit, configs=configs)  # [N*K, D]
     out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
     # Back to (token, slot) order, then a fixed-order sum over the K slots.

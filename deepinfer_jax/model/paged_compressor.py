@@ -19,6 +19,7 @@ from deepinfer_jax.model.compressor import finish_rows, pool_rows
 from deepinfer_jax.model.params import CompressorParams
 from deepinfer_jax.model.ragged import TokenContext, ring_or_flat_index, row_index, write_ring
 from deepinfer_jax.state import CompressorTail
+from pallas_kernels.common import settled
 
 Array = jax.Array
 
@@ -40,8 +41,8 @@ def close_rows(kv: Array, score: Array, p: CompressorParams, tail: CompressorTai
     first = row * rate - (rate if overlap else 0)
     positions = first[:, None] + jnp.arange(span)                           # [n, span]
     ring = tail.kv.shape[1]
-    index = ring_or_flat_index(ctx, closer[:, None] - (closer_pos[:, None] - positions),
-                               positions, ring, num_tokens, closer)
+    index = settled(ring_or_flat_index(ctx, closer[:, None] - (closer_pos[:, None] - positions),
+                                       positions, ring, num_tokens, closer))
     exists = (positions >= 0)[..., None]
     g_kv = jnp.where(exists, jnp.concatenate([kv, tail.kv.reshape(-1, kv.shape[-1])])[index], 0.0)
     g_score = jnp.where(exists, jnp.concatenate([score, tail.score.reshape(
@@ -58,7 +59,7 @@ def close_rows(kv: Array, score: Array, p: CompressorParams, tail: CompressorTai
         return finish_rows(pooled[:, 0], p.norm, row * rate, freqs, eps, pool.dtype)
 
     rows = rowwise(pool_and_finish, g_kv, g_score, row)
-    dest = row_index(ctx.block_table, ctx.seq[closer], row, rate, page_size)
+    dest = settled(row_index(ctx.block_table, ctx.seq[closer], row, rate, page_size))
     # unique (each closed row has its own page row) declared in batch-invariant mode only,
     # as for ragged.write_ring
     pool = pool.at[jnp.where(real, dest, pool.shape[0])].set(rows, mode="drop",
@@ -72,6 +73,6 @@ def visible_rows(pool: Array, ctx: TokenContext, *, rate: int, page_size: int,
                  max_rows: int) -> tuple[Array, Array]:
     """All rows each token may see (HCA): (rows [T, max_rows, d], visible bool[T, max_rows])."""
     rows = jnp.arange(max_rows)
-    index = row_index(ctx.block_table, ctx.seq[:, None], rows, rate, page_size)
+    index = settled(row_index(ctx.block_table, ctx.seq[:, None], rows, rate, page_size))
     visible = (rows < (ctx.positions[:, None] + 1) // rate) & ctx.valid[:, None]
     return pool[index], visible

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.pytree import pytree_dataclass
+from pallas_kernels.common import settled
 
 Array = jax.Array
 
@@ -55,7 +56,8 @@ def window_keys(kv: Array, window: Array, ctx: TokenContext, width: int) -> tupl
     dist = jnp.arange(width)
     positions = ctx.positions[:, None] - dist                               # [T, W]
     token = jnp.arange(num_tokens)
-    index = ring_or_flat_index(ctx, token[:, None] - dist, positions, ring, num_tokens, token)
+    index = settled(ring_or_flat_index(ctx, token[:, None] - dist, positions, ring, num_tokens,
+                                       token))
     source = jnp.concatenate([kv, window.reshape(-1, kv.shape[-1])])
     visible = (positions >= 0) & ctx.valid[:, None]
     return source[index], visible
@@ -73,7 +75,7 @@ def write_ring(ring: Array, values: Array, ctx: TokenContext, order_free: bool) 
     pool's) took 5x longer with it (2.8 -> 14 ms each, step-profile-gpu.md)."""
     slots, size = ring.shape[:2]
     keep = ctx.valid & (ctx.positions >= ctx.end - size)
-    dest = jnp.where(keep, ctx.slot * size + ctx.positions % size, slots * size)
+    dest = settled(jnp.where(keep, ctx.slot * size + ctx.positions % size, slots * size))
     flat = ring.reshape(slots * size, -1).at[dest].set(values.astype(ring.dtype), mode="drop",
                                                         unique_indices=order_free)
     return flat.reshape(ring.shape)

@@ -35,6 +35,7 @@ from deepinfer_jax.model.ragged import TokenContext, row_index, token_context, w
 from deepinfer_jax.model.rope import cos_sin, layer_inv_freq
 from deepinfer_jax.pytree import pytree_dataclass
 from deepinfer_jax.state import LayerState, StateCache
+from pallas_kernels.common import settled
 from pallas_kernels.sink_attention import api as attention_kernel
 
 Array = jax.Array
@@ -133,7 +134,7 @@ def select_rows(t_q: Array, t_w: Array, ls: LayerState, ctx: TokenContext, cfg: 
         return top, jnp.take_along_axis(visible, top, axis=-1)
 
     top, top_visible = rowwise(top_rows, t_q, t_w, keys, visible)
-    index = row_index(ctx.block_table, ctx.seq[:, None], top, rate, ecfg.page_size)
+    index = settled(row_index(ctx.block_table, ctx.seq[:, None], top, rate, ecfg.page_size))
     return ls.rows[index], top_visible
 
 

@@ -13,6 +13,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import settled
+
 
 def max_tiles(num_rows: int, num_groups: int, block_m: int) -> int:
     # Each group's last tile may be partial (one extra tile per group) but every used tile
@@ -41,7 +43,7 @@ def tile_layout(group_sizes: jax.Array, num_rows: int, block_m: int) -> TileLayo
     t = jnp.arange(tiles)
     tile_group = jnp.searchsorted(tile_end, t, side="right", method="compare_all")
     tile_group = jnp.where(t < tile_end[-1], tile_group, -1).astype(jnp.int32)
-    return TileLayout(padded_row.astype(jnp.int32), tile_group)
+    return TileLayout(*settled(padded_row.astype(jnp.int32), tile_group))
 
 
 def to_tiles(rows: jax.Array, layout: TileLayout, block_m: int) -> jax.Array:
