@@ -27,6 +27,7 @@ from bench.overlap import model_config, steady_decode  # noqa: E402
 from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
 from deepinfer_jax.model.invariant import default_invariant_tile, invariant_tile, untiled_segments  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
+from pallas_kernels.common import launch_bound  # noqa: E402
 from pallas_kernels.grouped_gemm import api as gemm  # noqa: E402
 
 
@@ -85,8 +86,8 @@ def main() -> None:
     if not gemm.TILE_SHAPE_FREE_ON_GPU:
         suffix += "-fixed-tiles"
     payload["untiled_segments"] = untiled = untiled_segments()
-    if untiled:
-        suffix += "-untiled"
+    if launch_bound() and not untiled:
+        suffix += "-tiled"
     write_results(f"batch-invariant-{device}{suffix}", payload, table)
     print(table)
 

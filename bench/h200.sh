@@ -68,9 +68,9 @@ for name in "$@"; do
                    --v4-flash-layers 2 --prefill 8192 --decode-batch 64 --buckets 64 256 ;;
     bi-bench)    step bi-bench 330 python3 bench/batch_invariant.py --v4-flash-layers 2 \
                    --prefill 8192 --decode-batch 64 --buckets 64 256 ;;
-    bi-bench-untiled) DEEPINFER_INVARIANT_UNTILED=1 step bi-bench-untiled 330 python3 \
+    bi-bench-tiled) DEEPINFER_INVARIANT_UNTILED=0 step bi-bench-tiled 330 python3 \
                    bench/batch_invariant.py --v4-flash-layers 2 --prefill 8192 --decode-batch 64 \
-                   --buckets 64 256 ;;   # the attention segments untiled (invariant.untiled_segments)
+                   --buckets 64 256 ;;   # the attention segments in row tiles (invariant.untiled_segments)
     speculative) step speculative 420 python3 bench/speculative.py --buckets 16 64 256 ;;  # cold: 5 min compiling
     prefix)      step prefix 200 python3 bench/prefix_cache.py --v4-flash-layers 2 \
                    --prefix 16384 --chunk 2048 --buckets 16 128 512 2048 --repeats 2 ;;

@@ -42,10 +42,11 @@ def untiled_segments() -> bool:
     `linear` (the GEMM kernel, or its own fixed row tiles), the rest elementwise ops and row
     reductions. That relies on XLA computing a row's elementwise ops and reductions the same
     way whatever the number of rows, which a GPU's code does and the CPU's vectorised loops do
-    not, so only in the GPU formulation (launch_bound). Opt-in (DEEPINFER_INVARIANT_UNTILED=1)
-    until the H200's invariance tests pass with it: an experiment for the mode's prefill
-    cost, where each 256-token chunk ran four 64-row tiles of small launches."""
-    return launch_bound() and os.environ.get("DEEPINFER_INVARIANT_UNTILED") == "1"
+    not, so only in the GPU formulation (launch_bound). On the H200 rows stayed bitwise
+    invariant this way (test_rows_stay_invariant_on_the_kernels[untiled], 2026-11-30) and the
+    mode's chunked 8k prefill gained 3% (batch-invariant-gpu-untiled.md); the default there
+    since. DEEPINFER_INVARIANT_UNTILED=0 keeps the row tiles."""
+    return launch_bound() and os.environ.get("DEEPINFER_INVARIANT_UNTILED", "1") != "0"
 
 
 def per_row_tiles(fn: Callable, *args, tile: int | None = None):

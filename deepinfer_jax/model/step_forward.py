@@ -10,8 +10,8 @@ attention (attention, output projection, hc_post), and the MoE sublayer. In batc
 mode each per-token (and per-new-row) segment runs over fixed-size tiles of rows, so every row
 is computed by the same program whatever else is in the batch (model/invariant.py); the MoE
 sublayer does so only where its experts are not on the row-invariant kernel (ffn_rowwise),
-and on a GPU the attention segments need not either with DEEPINFER_INVARIANT_UNTILED=1
-(untiled_segments, opt-in until measured).
+and on a GPU the attention segments need not either (untiled_segments; measured on the
+H200, DEEPINFER_INVARIANT_UNTILED=0 restores the tiles).
 """
 
 from __future__ import annotations

@@ -141,7 +141,7 @@ def test_rows_stay_invariant_on_the_kernels(monkeypatch, untiled):
 
 
 def test_untiled_segments_are_the_same_computation(monkeypatch):
-    """DEEPINFER_INVARIANT_UNTILED=1 (GPU formulation): the attention segments leave the tile
+    """Untiled segments (the GPU formulation's default): the attention segments leave the tile
     loop (fewer loops in the step as lowered for CUDA) and compute the same outputs (float32,
     so to rounding: tokens equal, logprobs close). Whether rows stay bitwise invariant that
     way is the GPU's test above."""
