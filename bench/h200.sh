@@ -83,6 +83,10 @@ for name in "$@"; do
     settle1|settle0) DEEPINFER_SETTLE_INDICES=${name#settle} step profile-prefill-$name 150 \
                    python3 bench/step_profile.py --v4-flash-layers 2 --prefill 8192 --steps 5 \
                    --out /tmp/pp-$name ;;   # index arrays settled before wide gathers (common.settled) or not
+    decode-ab)   for impl in mosaic_gpu reference; do DEEPINFER_KERNEL_SINKHORN=$impl step \
+                   decode-sinkhorn-$impl 200 python3 bench/step_profile.py --v4-flash-layers 2 \
+                   --context 4096 --batch 16 --steps 30 --out /tmp/da-$impl; done ;;   # e2e's
+                   # batch 16 lost 15% since 5c172ea: the mHC Sinkhorn kernel (GPU default since) or not
     e2e-quick)   step e2e 260 python3 bench/e2e.py --peer-timeout 100 ;;   # warm autotune cache
     profile-prefill) step profile-prefill 300 python3 bench/step_profile.py --v4-flash-layers 2 \
                    --prefill 8192 --steps 5 --out /tmp/profile-prefill ;;   # issue 11's 8k prefill
