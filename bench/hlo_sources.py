@@ -70,10 +70,23 @@ def _where(line: str, frames: dict[int, tuple[str, int]], depth: int = 3) -> str
     return f"{place} ({op.group(1).rsplit('/', 1)[-1]})" if op else place
 
 
+# The ops that shape a fusion's kernel, preferred when its root carries no source (a tuple,
+# bitcast or convert of them).
+_HEROES = ("dot", "gather", "scatter", "reduce", "concatenate", "sort", "convolution")
+
+
+def _with_source(body: list[str]) -> str | None:
+    """The fused computation's most telling instruction that has a stack frame: the last
+    hero op, else the last instruction with a frame."""
+    framed = [x for x in body if _FRAME.search(x) and _INSTRUCTION.match(x)]
+    heroes = [x for x in framed if _INSTRUCTION.match(x).group(3) in _HEROES]
+    return (heroes or framed or [None])[-1]
+
+
 def describe(hlo_text: str, kernel_names: list[str]) -> dict[str, str]:
     """For each kernel named after an HLO instruction: its shape, the called computation's
-    root op, and the source line of that root (and of the root's non-trivial operands when
-    the root itself has none, e.g. a tuple)."""
+    root op, and the source line of that root (or, when the root has none, e.g. a tuple or a
+    bitcast, of the computation's last hero op that has one)."""
     bodies, frames = computations(hlo_text), stack_frames(hlo_text)
     callers = {}
     for lines in bodies.values():
@@ -92,6 +105,8 @@ def describe(hlo_text: str, kernel_names: list[str]) -> dict[str, str]:
         if called and called.group(1) in bodies:
             body = bodies[called.group(1)]
             root = next((x for x in body if x.lstrip().startswith("ROOT")), body[-1] if body else line)
+            if not _FRAME.search(root):
+                root = _with_source(body) or root
         op = _INSTRUCTION.match(root).group(3) if _INSTRUCTION.match(root) else "?"
         described[name] = f"{op} -> {shape[:60]} at {_where(root, frames)}"
     return described

@@ -26,3 +26,23 @@ def test_each_fusion_names_its_op_and_source_line():
     scatter = [d for d in described.values() if d.startswith("scatter")]
     assert scatter and all(f"test_hlo_sources.py:{first + 2}" in d for d in scatter)
     assert any(f"test_hlo_sources.py:{first + 1}" in d and "dot" in d for d in described.values())
+
+
+def test_a_root_without_source_falls_back_to_its_hero_op():
+    text = "\n".join([
+        "HloModule m", "", "FileNames", '1 "/x/model.py"', "", "FunctionNames", '1 "f"', "",
+        "FileLocations", "1 {file_name_id=1 function_name_id=1 line=42 end_line=42}", "",
+        "StackFrames", "1 {file_location_id=1 parent_frame_id=0}", "",
+        "%fused_gather (p0: f32[8,4], p1: s32[3]) -> f32[3,4] {",
+        "  %p0 = f32[8,4]{1,0} parameter(0)",
+        "  %p1 = s32[3]{0} parameter(1)",
+        '  %g = f32[3,4]{1,0} gather(%p0, %p1), metadata={op_name="jit(f)/gather" stack_frame_id=1}',
+        "  ROOT %b = f32[3,4]{1,0} bitcast(%g)",
+        "}", "",
+        "ENTRY %main (a: f32[8,4], i: s32[3]) -> f32[3,4] {",
+        "  %a = f32[8,4]{1,0} parameter(0)",
+        "  %i = s32[3]{0} parameter(1)",
+        "  ROOT %loop_gather_fusion = f32[3,4]{1,0} fusion(%a, %i), kind=kLoop, calls=%fused_gather",
+        "}"])
+    assert describe(text, ["loop_gather_fusion"]) == {
+        "loop_gather_fusion": "gather -> f32[3,4]{1,0} at model.py:42 (gather)"}
