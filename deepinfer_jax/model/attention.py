@@ -9,6 +9,8 @@ projection is grouped low-rank: each group of heads -> L dims, then all groups -
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -60,6 +62,33 @@ def sink_attention(q: jax.Array, keys: jax.Array, visible: jax.Array, sinks: jax
     denom = jnp.sum(probs, axis=-1) + jnp.exp(sinks - peak)
     out = jnp.einsum("bsht,btd->bshd", probs.astype(keys.dtype), keys,
                      preferred_element_type=jnp.float32)
+    return (out / denom[..., None]).astype(q.dtype)
+
+
+def sink_attention_parts(q: jax.Array, keys: tuple[jax.Array, ...],
+                         visible: tuple[jax.Array, ...], sinks: jax.Array) -> jax.Array:
+    """sink_attention over the concatenation of several key sets, without building it.
+
+    q [B, H, hd] (one query per row), keys: [B, T_i, hd] each, visible: bool[B, T_i] each ->
+    [B, H, hd]. One softmax: its max and its sum run over every part and the sink, and the
+    parts' weighted values are added in part order. The engine's step attends over each
+    token's window rows and its compressed rows: concatenated, that is every token's 640
+    rows written once more (bf16[8192, 640, 512], 5.4 GB, 2.5 ms of an 8k prefill step on the
+    H200). The kernel path takes them concatenated."""
+    if len(keys) == 1 or attention_kernel.kernel_runs(q, keys[0]):
+        return sink_attention(q[:, None], jnp.concatenate(keys, axis=1),
+                              jnp.concatenate(visible, axis=1)[:, None], sinks)[:, 0]
+    scale = q.shape[-1] ** -0.5
+    logits = [jnp.where(v[:, None, :], jnp.einsum("bhd,btd->bht", q, k,
+                                                   preferred_element_type=jnp.float32) * scale,
+                        -jnp.inf) for k, v in zip(keys, visible, strict=True)]
+    peak = functools.reduce(jnp.maximum, [jnp.max(x, axis=-1) for x in logits], sinks)  # [B, H]
+    probs = [jnp.exp(x - peak[..., None]) for x in logits]
+    denom = functools.reduce(jnp.add, [jnp.sum(p, axis=-1) for p in probs],
+                             jnp.exp(sinks - peak))
+    out = functools.reduce(jnp.add, [
+        jnp.einsum("bht,btd->bhd", p.astype(k.dtype), k, preferred_element_type=jnp.float32)
+        for p, k in zip(probs, keys, strict=True)])
     return (out / denom[..., None]).astype(q.dtype)
 
 

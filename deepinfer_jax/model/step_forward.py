@@ -92,11 +92,13 @@ def token_inputs(p: LayerParams, kind: AttentionKind, cfg: ModelConfig, streams:
 
 
 def attention_outputs(p: LayerParams, kind: AttentionKind, cfg: ModelConfig, t: TokenInputs,
-                      keys: Array, visible: Array, streams: Array, positions: Array) -> Array:
-    """Rows of tokens: attention over their keys [t, K, hd], the output projection and hc_post
-    -> streams [t, hc, D] after the attention sublayer."""
+                      keys: tuple[Array, ...], visible: tuple[Array, ...], streams: Array,
+                      positions: Array) -> Array:
+    """Rows of tokens: attention over their key sets (the window's [t, W, hd], then in
+    CSA/HCA layers the compressed rows [t, R, hd]), the output projection and hc_post ->
+    streams [t, hc, D] after the attention sublayer."""
     cos, sin = cos_sin(positions, layer_inv_freq(cfg, kind))
-    out = attention.sink_attention(t.q[:, None], keys, visible[:, None], p.attn.sinks)[:, 0]
+    out = attention.sink_attention_parts(t.q, keys, visible, p.attn.sinks)
     return hc_post(attention.output_projection(out, p.attn, cos, sin, cfg), streams, t.post,
                    t.comb, invariant=cfg.batch_invariant)
 
@@ -166,10 +168,11 @@ def layer_step(p: LayerParams, streams: Array, token_ids: Array, ctx: TokenConte
             rows_seen, rows_visible = visible_rows(ls.rows, ctx, rate=rate,
                                                    page_size=ecfg.page_size,
                                                    max_rows=ecfg.max_rows(rate))
-        keys = jnp.concatenate([keys, rows_seen], axis=1)
-        visible = jnp.concatenate([visible, rows_visible], axis=1)
+        keys, visible = (keys, rows_seen), (visible, rows_visible)
+    else:
+        keys, visible = (keys,), (visible,)
     # attention itself is row by row only on its kernel (one program per token)
-    untiled = untiled and attention_kernel.kernel_runs(t.q, keys)
+    untiled = untiled and attention_kernel.kernel_runs(t.q, keys[0])
     streams = (_apply if untiled else rowwise)(lambda *a: attention_outputs(p, kind, cfg, *a),
                                                t, keys, visible, streams, ctx.positions)
     streams = ffn_rowwise(p, cfg, streams, rowwise)(
