@@ -130,3 +130,13 @@ def test_invariant_ffn_on_the_kernel_runs_untiled_and_row_by_row(monkeypatch):
         alone = np.asarray(ffn(streams[few], ids[few]), np.float32)
         among_all = np.asarray(ffn(streams, ids), np.float32)[few]
         assert np.array_equal(alone, among_all) == invariant
+
+
+def test_sort_by_expert_is_the_stable_argsort():
+    from deepinfer_jax.model.moe import sort_by_expert
+
+    rng = np.random.default_rng(5)
+    for pairs, experts in ((1, 4), (96, 256), (49152, 256), (1000, 3)):
+        flat = jnp.asarray(rng.integers(0, experts, pairs), jnp.int32)
+        np.testing.assert_array_equal(np.asarray(sort_by_expert(flat, experts)),
+                                      np.argsort(np.asarray(flat), kind="stable"))
