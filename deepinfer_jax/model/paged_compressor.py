@@ -74,5 +74,21 @@ def visible_rows(pool: Array, ctx: TokenContext, *, rate: int, page_size: int,
     """All rows each token may see (HCA): (rows [T, max_rows, d], visible bool[T, max_rows])."""
     rows = jnp.arange(max_rows)
     index = settled(row_index(ctx.block_table, ctx.seq[:, None], rows, rate, page_size))
-    visible = (rows < (ctx.positions[:, None] + 1) // rate) & ctx.valid[:, None]
-    return pool[index], visible
+    return pool[index], row_visibility(ctx, rate=rate, max_rows=max_rows)
+
+
+def row_visibility(ctx: TokenContext, *, rate: int, max_rows: int) -> Array:
+    """Which of its sequence's rows each token may see: bool[T, max_rows] (row w closes at
+    token m*w + m - 1)."""
+    return (jnp.arange(max_rows) < (ctx.positions[:, None] + 1) // rate) & ctx.valid[:, None]
+
+
+def sequence_rows(pool: Array, block_table: Array, *, rate: int, page_size: int,
+                  max_rows: int) -> Array:
+    """Every row of each batch row's sequence, once per sequence (not per token):
+    [N, max_rows, d]. What the indexer kernel scores each token against."""
+    rows = jnp.arange(max_rows)
+    index = settled(row_index(block_table, jnp.arange(block_table.shape[0])[:, None], rows,
+                              rate, page_size))
+    return pool[index]
+

@@ -29,13 +29,14 @@ from deepinfer_jax.model.invariant import per_row_tiles, untiled_segments
 from deepinfer_jax.model.mhc import hc_post, hc_pre
 from deepinfer_jax.model.moe import experts_on_kernel, moe
 from deepinfer_jax.model.norms import rms_norm
-from deepinfer_jax.model.paged_compressor import close_rows, visible_rows
+from deepinfer_jax.model.paged_compressor import close_rows, row_visibility, sequence_rows, visible_rows
 from deepinfer_jax.model.params import LayerParams, ModelParams
 from deepinfer_jax.model.ragged import TokenContext, row_index, token_context, window_keys, write_ring
 from deepinfer_jax.model.rope import cos_sin, layer_inv_freq
 from deepinfer_jax.pytree import pytree_dataclass
 from deepinfer_jax.state import LayerState, StateCache
 from pallas_kernels.common import settled
+from pallas_kernels.indexer import api as indexer_kernel
 from pallas_kernels.sink_attention import api as attention_kernel
 
 Array = jax.Array
@@ -124,18 +125,34 @@ def ffn_rowwise(p: LayerParams, cfg: ModelConfig, streams: Array, rowwise: Calla
 
 def select_rows(t_q: Array, t_w: Array, ls: LayerState, ctx: TokenContext, cfg: ModelConfig,
                 ecfg: ResolvedEngineConfig, rowwise: Callable) -> tuple[Array, Array]:
-    """CSA: the indexer's top-k rows per token -> (rows [T, k, hd], visible bool[T, k])."""
-    rate = cfg.compress_rate_csa
-    keys, visible = visible_rows(ls.index_keys, ctx, rate=rate, page_size=ecfg.page_size,
-                                 max_rows=ecfg.max_rows(rate))              # [T, R, Id]
-    k = min(cfg.index_topk, keys.shape[1])
+    """CSA: the indexer's top-k rows per token -> (rows [T, k, hd], visible bool[T, k]).
 
-    def top_rows(q, w, keys, visible):                                   # per token
-        scores = indexer.index_scores(q[:, None], w[:, None], keys)[:, 0]   # [t, R]
+    Where the indexer kernel runs, each token's scores come from its sequence's keys
+    (gathered once per sequence) with its queries rounded to bf16, as HF's are; else from
+    keys gathered per token ([T, R, Id]) in float32."""
+    rate, max_rows = cfg.compress_rate_csa, ecfg.max_rows(cfg.compress_rate_csa)
+    k = min(cfg.index_topk, max_rows)
+
+    def top_of(scores, visible):                                         # per token
         _, top = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), k)
         return top, jnp.take_along_axis(visible, top, axis=-1)
 
-    top, top_visible = rowwise(top_rows, t_q, t_w, keys, visible)
+    q_bf16 = t_q.astype(jnp.bfloat16)
+    if indexer_kernel.kernel_runs(q_bf16, ls.index_keys):
+        keys = sequence_rows(ls.index_keys, ctx.block_table, rate=rate, page_size=ecfg.page_size,
+                             max_rows=max_rows)                                  # [N, R, Id]
+        token_seq = jnp.where(ctx.valid, ctx.seq, -1)
+        scores = indexer_kernel.indexer_scores(q_bf16, keys, t_w, token_seq)    # [T, R]
+        top, top_visible = rowwise(top_of, scores, row_visibility(ctx, rate=rate,
+                                                                  max_rows=max_rows))
+    else:
+        keys, visible = visible_rows(ls.index_keys, ctx, rate=rate, page_size=ecfg.page_size,
+                                     max_rows=max_rows)                          # [T, R, Id]
+
+        def top_rows(q, w, keys, visible):                               # per token
+            return top_of(indexer.index_scores(q[:, None], w[:, None], keys)[:, 0], visible)
+
+        top, top_visible = rowwise(top_rows, t_q, t_w, keys, visible)
     index = settled(row_index(ctx.block_table, ctx.seq[:, None], top, rate, ecfg.page_size))
     return ls.rows[index], top_visible
 

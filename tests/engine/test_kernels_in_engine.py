@@ -1,8 +1,8 @@
 """The engine with its Pallas kernels in the step (interpreted on the CPU, compiled on a GPU):
-the routed experts' grouped GEMM and the decode/verify sink attention (and on a GPU, whose step
-formulation unrolls mHC's Sinkhorn, the Sinkhorn kernel), against the same
-engine on the jnp reference path. bf16, so the two agree to rounding: same greedy tokens,
-per-step logprobs within a few thousandths."""
+the routed experts' grouped GEMM, the decode/verify sink attention and the indexer's scores
+(and on a GPU, whose step formulation unrolls mHC's Sinkhorn, the Sinkhorn kernel), against
+the same engine on the jnp reference path. bf16, so the two agree to rounding: same greedy
+tokens, per-step logprobs within a few thousandths."""
 
 from __future__ import annotations
 
@@ -14,12 +14,15 @@ import deepinfer_jax
 from deepinfer_jax import SamplingParams
 from deepinfer_jax.config import ModelConfig
 from pallas_kernels.grouped_gemm import api as gemm
+from pallas_kernels.indexer import api as indexer
 from pallas_kernels.sink_attention import api as attention
 from tests.conftest import REPO
 
-# Dimensions the kernels tile: head_dim a multiple of 128, hidden and expert width of 64.
+# Dimensions the kernels tile: head_dim a multiple of 128, hidden and expert width of 64, the
+# indexer's 64 heads of a multiple of 64.
 CFG = ModelConfig.from_json_file(REPO / "configs/tiny/tiny-mixed.json").replace(
-    hidden_size=128, head_dim=128, moe_intermediate_size=64, num_mtp_layers=0)
+    hidden_size=128, head_dim=128, moe_intermediate_size=64, num_mtp_layers=0,
+    index_n_heads=64, index_head_dim=64)
 KERNELS = "interpret" if jax.default_backend() == "cpu" else "mosaic_gpu"
 
 
@@ -41,6 +44,8 @@ def test_engine_on_kernels_matches_the_reference_path(monkeypatch):
     assert attention.kernel_runs(q, q)                              # the kernels really run
     inter, hidden = CFG.moe_intermediate_size, CFG.hidden_size
     assert gemm.kernel_runs(16, hidden, inter) and gemm.kernel_runs(16, inter, hidden)
+    index_q = jnp.zeros((1, CFG.index_n_heads, CFG.index_head_dim), jnp.bfloat16)
+    assert indexer.kernel_runs(index_q, index_q)
     tokens, logprobs = run(monkeypatch, "reference")
     kernel_tokens, kernel_logprobs = run(monkeypatch, KERNELS)
     assert kernel_tokens == tokens

@@ -1,0 +1,25 @@
+"""The lightning indexer's scores over each sequence's compressed keys, in plain jnp: the
+kernel's oracle (the engine's CPU path scores per token, model/indexer.py).
+
+    score[t, r] = sum_h w[t, h] * relu(q[t, h] . keys[seq[t], r]) / sqrt(d)
+
+Every token of a sequence scores the same key rows (its sequence's), so the keys come per
+sequence, [N, R, d], not gathered per token ([T, R, d]: an 8k prefill's 8192 copies of one
+sequence's 2k x 128 keys, 4.4 GB).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def indexer_scores(q: jax.Array, keys: jax.Array, weights: jax.Array,
+                   token_seq: jax.Array) -> jax.Array:
+    """q [T, H, d], keys [N, R, d], weights f32[T, H], token_seq i32[T] (a token's sequence,
+    -1 for padding) -> f32[T, R] (0 for padding tokens). Products of q and keys as given
+    (bf16 in the engine), summed in f32."""
+    own = keys[jnp.maximum(token_seq, 0)]                                     # [T, R, d]
+    dots = jnp.einsum("thd,trd->thr", q, own, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("thr,th->tr", jax.nn.relu(dots) * q.shape[-1] ** -0.5, weights)
+    return jnp.where((token_seq >= 0)[:, None], scores, 0.0)
