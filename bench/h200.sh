@@ -51,6 +51,8 @@ for name in "$@"; do
                    tests/kernels/test_grouped_gemm.py -k tile_shape ;;
     kernels-defaults) step kernels-defaults 60 python3 -m pytest -q -p no:cacheprovider \
                    tests/kernels -k default_configs ;;
+    indexer)     step indexer-tests 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_indexer.py
+                 step indexer-bench 200 python3 bench/kernels_indexer.py ;;   # kernel vs XLA path, top-k agreement
     attention)   step attention 420 python3 bench/kernels_attention.py ;;
     moe-model)   step moe-model 90 python3 -m pytest -q -p no:cacheprovider \
                    tests/model/test_moe.py -k kernel ;;
