@@ -89,6 +89,8 @@ for name in "$@"; do
                    decode-sinkhorn-$impl 200 python3 bench/step_profile.py --v4-flash-layers 2 \
                    --context 4096 --batch 16 --steps 30 --out /tmp/da-$impl; done ;;   # e2e's
                    # batch 16 lost 15% since 5c172ea: the mHC Sinkhorn kernel (GPU default since) or not
+    e2e-indexer) DEEPINFER_KERNEL_INDEXER=mosaic_gpu step e2e-indexer 300 python3 bench/e2e.py \
+                   --peer-python "" --name e2e-gpu-indexer-kernel ;;   # after the indexer step passes
     e2e-quick)   step e2e 260 python3 bench/e2e.py --peer-timeout 100 ;;   # warm autotune cache
     profile-prefill) step profile-prefill 300 python3 bench/step_profile.py --v4-flash-layers 2 \
                    --prefill 8192 --steps 5 --out /tmp/profile-prefill ;;   # issue 11's 8k prefill
