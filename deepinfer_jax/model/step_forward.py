@@ -143,8 +143,9 @@ def select_rows(t_q: Array, t_w: Array, ls: LayerState, ctx: TokenContext, cfg: 
                              max_rows=max_rows)                                  # [N, R, Id]
         token_seq = jnp.where(ctx.valid, ctx.seq, -1)
         scores = indexer_kernel.indexer_scores(q_bf16, keys, t_w, token_seq)    # [T, R]
-        top, top_visible = rowwise(top_of, scores, row_visibility(ctx, rate=rate,
-                                                                  max_rows=max_rows))
+        # no row tiles even in batch-invariant mode: the kernel scores each token in its own
+        # program, and a top-k is a selection (ties to the lower index), exact for any batch
+        top, top_visible = top_of(scores, row_visibility(ctx, rate=rate, max_rows=max_rows))
     else:
         keys, visible = visible_rows(ls.index_keys, ctx, rate=rate, page_size=ecfg.page_size,
                                      max_rows=max_rows)                          # [T, R, Id]
