@@ -107,11 +107,12 @@ def test_invariant_mode_computes_the_same_model(workload):
 
 
 # Dimensions the Pallas kernels tile (head_dim a multiple of 128, hidden and expert width of
-# 64): the step runs the grouped GEMM for the experts (untiled, see step_forward.ffn_rowwise),
-# the invariant dense GEMM for the projections and the sink attention; compiled on a GPU,
-# interpreted on the CPU.
+# 64, the indexer's 64 heads of 64): the step runs the grouped GEMM for the experts (untiled,
+# see step_forward.ffn_rowwise), the invariant dense GEMM for the projections, the sink
+# attention and the indexer's scores; compiled on a GPU, interpreted on the CPU.
 KERNEL_CFG = ModelConfig.from_json_file(REPO / "configs/tiny/tiny-mixed.json").replace(
-    hidden_size=128, head_dim=128, moe_intermediate_size=64, num_mtp_layers=0)
+    hidden_size=128, head_dim=128, moe_intermediate_size=64, num_mtp_layers=0,
+    index_n_heads=64, index_head_dim=64)
 
 
 @pytest.mark.skipif(jax.default_backend() == "cpu", reason="GPU: interpreted on the CPU, this "
@@ -119,6 +120,7 @@ KERNEL_CFG = ModelConfig.from_json_file(REPO / "configs/tiny/tiny-mixed.json").r
 @pytest.mark.parametrize("untiled", ["0", "1"], ids=["tiled", "untiled"])
 def test_rows_stay_invariant_on_the_kernels(monkeypatch, untiled):
     from pallas_kernels.grouped_gemm import api as gemm
+    from pallas_kernels.indexer import api as indexer
     from pallas_kernels.sink_attention import api as attention
 
     monkeypatch.setenv("DEEPINFER_KERNELS", "mosaic_gpu")
@@ -126,6 +128,8 @@ def test_rows_stay_invariant_on_the_kernels(monkeypatch, untiled):
     q = jnp.zeros((1, KERNEL_CFG.num_heads, KERNEL_CFG.head_dim), jnp.bfloat16)
     inter, hidden = KERNEL_CFG.moe_intermediate_size, KERNEL_CFG.hidden_size
     assert attention.kernel_runs(q, q)                              # the kernels really run
+    index_q = jnp.zeros((1, KERNEL_CFG.index_n_heads, KERNEL_CFG.index_head_dim), jnp.bfloat16)
+    assert indexer.kernel_runs(index_q, index_q)
     assert gemm.kernel_runs(16, hidden, inter) and gemm.kernel_runs(16, inter, hidden)
     assert gemm.kernel_runs(64, hidden, hidden, config=gemm.dense_invariant_config(64, hidden))
     model = deepinfer_jax.Model(KERNEL_CFG, deepinfer_jax.random_params(KERNEL_CFG, 3,
