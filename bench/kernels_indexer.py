@@ -9,7 +9,8 @@
 chunk of one sequence at 8k context, and decode batches of 16 and 64 sequences at 4k / 32k
 context. Device ms from the profiler, each path from the paged pool to the top-k indices.
 `top-k agree` is the share of the kernel path's selected rows that the float32 path selects
-too (the kernel takes bf16 queries, as HF's are; the engine's CPU path keeps float32).
+too (the kernel takes bf16 queries, as HF's are; the engine's CPU path keeps float32);
+`scores rel err` the kernel's scores against the jnp reference on the same bf16 queries.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ sys.path.insert(0, str(REPO))
 from bench.common import environment, write_results  # noqa: E402
 from bench.device_time import device_ms  # noqa: E402
 from deepinfer_jax.model.indexer import index_scores  # noqa: E402
-from pallas_kernels.indexer import api  # noqa: E402
+from pallas_kernels.indexer import api, reference  # noqa: E402
 
 HEADS, DIM, RATE, TOPK = 64, 128, 4, 512
 
@@ -60,6 +61,15 @@ def kernel_path(impl, pool, q, w, seq, visible, rows):
     return jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), min(TOPK, rows))[1]
 
 
+def scores_error(impl, pool, q, w, seq, rows) -> float:
+    """The kernel's scores against the reference's on the same bf16 queries (relative)."""
+    keys = pool.reshape(-1, rows, DIM)
+    qb = q.astype(jnp.bfloat16)
+    out = api.indexer_scores(qb, keys, w, seq, impl=impl)
+    ref = reference.indexer_scores(qb, keys, w, seq)
+    return float(jnp.linalg.norm(out - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30))
+
+
 def agreement(a, b) -> float:
     a, b = np.asarray(a), np.asarray(b)
     return float(np.mean([len(np.intersect1d(x, y)) / len(x) for x, y in zip(a, b)]))
@@ -82,14 +92,15 @@ def main() -> None:
         args_ = (pool, q, w, seq, visible, rows)
         row = {"case": name, "tokens": seqs * per_seq, "rows": rows,
                "xla_ms": device_ms(xla, *args_), "kernel_ms": device_ms(kern, *args_),
-               "topk_agree": agreement(kern(*args_), xla(*args_))}
+               "topk_agree": agreement(kern(*args_), xla(*args_)),
+               "rel_err": scores_error(impl, pool, q, w, seq, rows)}
         results.append(row)
         print(row, flush=True)
-    table = "\n".join(["| case | tokens | key rows | XLA path ms | kernel path ms | speed-up | top-k agree |",
-                       "|---|---:|---:|---:|---:|---:|---:|"] +
+    table = "\n".join(["| case | tokens | key rows | XLA path ms | kernel path ms | speed-up | "
+                       "top-k agree | scores rel err |", "|---|---:|---:|---:|---:|---:|---:|---:|"] +
                       [f"| {r['case']} | {r['tokens']} | {r['rows']} | {r['xla_ms']:.3f} | "
                        f"{r['kernel_ms']:.3f} | {r['xla_ms'] / r['kernel_ms']:.1f}x | "
-                       f"{r['topk_agree']:.1%} |" for r in results])
+                       f"{r['topk_agree']:.1%} | {r['rel_err']:.1e} |" for r in results])
     note = (f"\n\n64 heads of {DIM}, a row per {RATE} tokens, top-{TOPK}; device ms (profiler), "
             "each path from the paged pool to the top-k indices. Command: "
             f"`python bench/kernels_indexer.py{' --smoke' if args.smoke else ''}`.")

@@ -128,14 +128,15 @@ def test_with_mtp_speculation_a_warm_cache_equals_a_cold_run():
     shares the first 256 tokens but not the token after them, so its lookup falls back to the
     snapshot before."""
     spec = {"method": "mtp", "num_speculative_tokens": 3, "varlen": False}
-    cold_spec = deepinfer_jax.LLM(TINY, speculative_config=spec, **ENGINE)
+    engine = {**ENGINE, "token_buckets": (32, BUDGET)}    # half the speculative steps to compile
+    cold_spec = deepinfer_jax.LLM(TINY, speculative_config=spec, **engine)
     source = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()
     ids = cold_spec.tokenizer.encode(source)
     base, other = ids[:300], ids[1000:1100]
     prompts = [base[:256] + ids[256:266], base + ids[300:310], base[:256] + other[:10]]
     params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=1)
     warm_spec = deepinfer_jax.LLM(TINY, speculative_config=spec, enable_prefix_caching=True,
-                                  **ENGINE)
+                                  **engine)
     warm_spec.generate([base + ids[300:305]], params, use_tqdm=False)         # fills the cache
     for prompt, hit in zip(prompts, (256, 256, 128), strict=True):
         warm_spec.generate([other[:50]], params, use_tqdm=False)     # leaves its state in the slot
