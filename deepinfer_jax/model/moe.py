@@ -71,13 +71,15 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, p: Expe
     n_experts = p.w13.shape[0]
     flat_expert = experts.reshape(-1)                                    # [N*K]
     order = sort_by_expert(flat_expert, n_experts)                       # pairs sorted by expert
+    # each pair's place in that order (a permutation's inverse: unique indices)
+    rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
+                                                 unique_indices=True)
     group_sizes = jnp.bincount(flat_expert, length=n_experts).astype(jnp.int32)
-    sorted_x = x[settled(order // top_k)]                                # [N*K, D]
-    out = gemm.expert_mlp(sorted_x, p.w13, p.w2, group_sizes, limit, configs=configs)  # [N*K, D]
-    out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
-    # Back to (token, slot) order, then a fixed-order sum over the K slots.
-    unsorted = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
-    per_slot = unsorted.reshape(n_tokens, top_k, -1)
+    out = gemm.expert_mlp(x, p.w13, p.w2, group_sizes, limit, configs=configs,
+                          source_rows=settled(order // top_k), out_order=settled(rank))
+    out = out * weights.reshape(-1)[:, None].astype(out.dtype)           # [N*K, D], pair order
+    # a fixed-order sum over the K slots
+    per_slot = out.reshape(n_tokens, top_k, -1)
     return ordered_sum(per_slot, 1) if invariant else jnp.sum(per_slot, axis=1)
 
 

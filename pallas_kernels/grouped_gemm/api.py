@@ -92,12 +92,19 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
 def expert_mlp(x: jax.Array, w13: jax.Array, w2: jax.Array, group_sizes: jax.Array,
                swiglu_limit: float, *, w13_scale: jax.Array | None = None,
                w2_scale: jax.Array | None = None, impl: str | None = None,
-               configs: tuple[Config, Config] | None = None) -> jax.Array:
+               configs: tuple[Config, Config] | None = None, source_rows: jax.Array | None = None,
+               out_order: jax.Array | None = None) -> jax.Array:
     """Each row through its group's clamped-SwiGLU expert: x [M, D] sorted by group,
     w13 [G, D, 2I] (gate | up), w2 [G, I, D] -> [M, D] in x's dtype. configs: the gate/up
-    and down kernels' (their tiles must have the same rows)."""
+    and down kernels' (their tiles must have the same rows).
+
+    source_rows i32[M]: x is [N, D] and sorted row i is x[source_rows[i]]; out_order i32[M]:
+    row j of the result is sorted row out_order[j]. The routed experts pass both (tokens in,
+    (token, slot) pairs out), and on the kernel path the rows then move straight between x,
+    the tiles and the result, without sorted copies in between."""
     impl = impl or implementation(VALIDATED_ON_GPU, "grouped_gemm")
-    (rows, dim), inter = x.shape, w2.shape[1]
+    rows = x.shape[0] if source_rows is None else source_rows.shape[0]
+    dim, inter = x.shape[1], w2.shape[1]
     fp8 = w13_scale is not None
     up_cfg, down_cfg = configs or (default_config(rows, inter, fp8, swiglu=True),
                                    default_config(rows, dim, fp8))
@@ -105,15 +112,18 @@ def expert_mlp(x: jax.Array, w13: jax.Array, w2: jax.Array, group_sizes: jax.Arr
         raise ValueError("the gate/up and down kernels must tile the same rows")
     if (impl == "reference" or not kernel_fits(dim, inter, up_cfg, fp8, x.dtype)
             or not kernel_fits(inter, dim, down_cfg, fp8, x.dtype)):
-        hidden = reference.grouped_matmul(x, w13, group_sizes, rhs_scale=w13_scale,
+        sorted_x = x if source_rows is None else x[source_rows]
+        hidden = reference.grouped_matmul(sorted_x, w13, group_sizes, rhs_scale=w13_scale,
                                           swiglu_limit=swiglu_limit)
-        return reference.grouped_matmul(hidden, w2, group_sizes, rhs_scale=w2_scale)
+        out = reference.grouped_matmul(hidden, w2, group_sizes, rhs_scale=w2_scale)
+        return out if out_order is None else out[out_order]
     with _mode(impl):
         tiles = layout.tile_layout(group_sizes, rows, up_cfg.block_m)
-        hidden = _tiled(layout.to_tiles(x, tiles, up_cfg.block_m), w13, tiles.tile_group,
-                        w13_scale, swiglu_limit, up_cfg)
+        tiled = (layout.to_tiles(x, tiles, up_cfg.block_m) if source_rows is None else
+                 layout.gather_to_tiles(x, source_rows, tiles, up_cfg.block_m))
+        hidden = _tiled(tiled, w13, tiles.tile_group, w13_scale, swiglu_limit, up_cfg)
         out = _tiled(hidden, w2, tiles.tile_group, w2_scale, None, down_cfg)
-        return layout.from_tiles(out, tiles)
+        return layout.from_tiles(out, tiles, out_order)
 
 
 # Batch-invariant configs. Every config sums a row's K in the same order (block_k 64, no

@@ -53,5 +53,18 @@ def to_tiles(rows: jax.Array, layout: TileLayout, block_m: int) -> jax.Array:
     return out.at[layout.padded_row].set(rows, unique_indices=True)
 
 
-def from_tiles(tiled: jax.Array, layout: TileLayout) -> jax.Array:
-    return tiled[layout.padded_row]
+def gather_to_tiles(source: jax.Array, rows: jax.Array, layout: TileLayout,
+                    block_m: int) -> jax.Array:
+    """source [N, K] and rows i32[M] (sorted row i is source[rows[i]]) -> [T * block_m, K],
+    gathered straight into the tiles (no sorted copy in between). Padding rows hold some
+    source row: the kernel's results for them are never read."""
+    tiles = layout.tile_group.shape[0]
+    source_row = jnp.zeros((tiles * block_m,), jnp.int32).at[layout.padded_row].set(
+        rows.astype(jnp.int32), unique_indices=True)
+    return source[settled(source_row)]
+
+
+def from_tiles(tiled: jax.Array, layout: TileLayout, order: jax.Array | None = None) -> jax.Array:
+    """The sorted rows back out of the tiles; with `order` i32[M], row j of the result is
+    sorted row order[j] (read straight from the tiles)."""
+    return tiled[layout.padded_row if order is None else settled(layout.padded_row[order])]

@@ -113,6 +113,25 @@ def test_expert_mlp_matches_reference_chain():
     close(api.expert_mlp(x, w13, w2, sizes, 7.0, impl=KERNEL), ref)
 
 
+@pytest.mark.parametrize("impl", [KERNEL, "reference"])
+def test_expert_mlp_gathers_its_rows_and_orders_its_result(impl):
+    """source_rows / out_order (the routed experts' tokens in, pairs out): the same bits as
+    gathering the sorted rows first and reordering the result after."""
+    rng = np.random.default_rng(8)
+    sizes = jnp.asarray(SIZES["empty experts"], jnp.int32)
+    rows = int(sizes.sum())
+    tokens = jnp.asarray(rng.standard_normal((rows // 2 + 1, K)), jnp.bfloat16)
+    source_rows = jnp.asarray(rng.integers(0, tokens.shape[0], rows), jnp.int32)
+    out_order = jnp.asarray(rng.permutation(rows), jnp.int32)
+    w13 = jnp.asarray(rng.standard_normal((len(sizes), K, N)) / 8, jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((len(sizes), N // 2, K)) / 8, jnp.bfloat16)
+    sorted_first = api.expert_mlp(tokens[source_rows], w13, w2, sizes, 7.0, impl=impl)
+    np.testing.assert_array_equal(
+        np.asarray(api.expert_mlp(tokens, w13, w2, sizes, 7.0, impl=impl, source_rows=source_rows,
+                                  out_order=out_order), np.float32),
+        np.asarray(sorted_first[out_order], np.float32))
+
+
 def test_a_rows_result_does_not_depend_on_its_groups_size():
     """What batch-invariant MoE needs: the same (row, expert) pair gives the same bits
     whether the expert got one row or many."""
