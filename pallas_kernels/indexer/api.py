@@ -25,6 +25,13 @@ from pallas_kernels.indexer.mosaic_gpu import indexer_scores as kernel
 VALIDATED_ON_GPU = False
 
 
+def default_config(tokens: int) -> IndexerConfig:
+    """Few tokens (decode): 256-row ranges, so that a small batch still has a few programs per
+    SM (64 tokens x 4k context: 256 programs, not 64); many: 1024-row ranges, fewer reloads
+    of each token's queries. The block (block_r) stays, so a score's sums do not change."""
+    return IndexerConfig(range_rows=256 if tokens < 512 else 1024)
+
+
 def kernel_fits(q: jax.Array, keys: jax.Array) -> bool:
     return (q.dtype == keys.dtype == jnp.bfloat16 and q.shape[1] == HEADS
             and q.shape[-1] % 64 == 0)
@@ -43,7 +50,7 @@ def indexer_scores(q: jax.Array, keys: jax.Array, weights: jax.Array, token_seq:
     impl = impl or implementation(VALIDATED_ON_GPU, "indexer")
     if not kernel_runs(q, keys, impl):
         return reference.indexer_scores(q, keys, weights, token_seq)
-    config = config or IndexerConfig()
+    config = config or default_config(q.shape[0])
     rows = keys.shape[1]
     pad = -rows % config.row_multiple(rows)
     keys = jnp.pad(keys, ((0, 0), (0, pad), (0, 0)))
