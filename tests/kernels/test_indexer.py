@@ -63,6 +63,14 @@ def test_a_tokens_scores_do_not_depend_on_the_batch():
     np.testing.assert_array_equal(np.asarray(together[2:3]), np.asarray(alone))
 
 
+def test_the_range_split_does_not_change_a_score():
+    """default_config picks ranges by batch size; with the block fixed, the bits stay."""
+    q, keys, weights, token_seq = problem([0, 1, 0], seqs=2, rows=512, seed=9)
+    split = [api.indexer_scores(q, keys, weights, token_seq, impl=KERNEL,
+                                config=IndexerConfig(range_rows=r)) for r in (128, 512)]
+    np.testing.assert_array_equal(np.asarray(split[0]), np.asarray(split[1]))
+
+
 def test_shapes_the_kernel_does_not_take_go_to_the_reference():
     q, keys, weights, token_seq = problem([0, 0], seqs=1, rows=16, head_dim=32)
     assert not api.kernel_runs(q, keys, impl="mosaic_gpu")
