@@ -78,7 +78,10 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, p: Expe
     out = gemm.expert_mlp(x, p.w13, p.w2, group_sizes, limit, configs=configs,
                           source_rows=settled(order // top_k), out_order=settled(rank))
     out = out * weights.reshape(-1)[:, None].astype(out.dtype)           # [N*K, D], pair order
-    # a fixed-order sum over the K slots
+    # Each weighted output rounded to the activations' type before the sum over the K slots,
+    # whatever XLA fuses (it may otherwise keep the products in float32 inside the fused sum).
+    finfo = jnp.finfo(out.dtype)
+    out = jax.lax.reduce_precision(out, exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant)
     per_slot = out.reshape(n_tokens, top_k, -1)
     return ordered_sum(per_slot, 1) if invariant else jnp.sum(per_slot, axis=1)
 
