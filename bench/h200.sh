@@ -89,6 +89,9 @@ for name in "$@"; do
                    decode-sinkhorn-$impl 200 python3 bench/step_profile.py --v4-flash-layers 2 \
                    --context 4096 --batch 16 --steps 30 --out /tmp/da-$impl; done ;;   # e2e's
                    # batch 16 lost 15% since 5c172ea: the mHC Sinkhorn kernel (GPU default since) or not
+    profile-indexer) DEEPINFER_KERNEL_INDEXER=mosaic_gpu step profile-indexer 150 python3 \
+                   bench/step_profile.py --v4-flash-layers 2 --prefill 8192 --steps 5 \
+                   --out /tmp/pp-indexer ;;   # the 8k prefill step with the indexer kernel
     e2e-indexer) DEEPINFER_KERNEL_INDEXER=mosaic_gpu step e2e-indexer 300 python3 bench/e2e.py \
                    --peer-python "" --name e2e-gpu-indexer-kernel ;;   # after the indexer step passes
     e2e-quick)   step e2e 260 python3 bench/e2e.py --peer-timeout 100 ;;   # warm autotune cache
