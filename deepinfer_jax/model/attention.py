@@ -54,15 +54,7 @@ def sink_attention(q: jax.Array, keys: jax.Array, visible: jax.Array, sinks: jax
         return attention_kernel.sink_attention(q[:, 0], keys, visible[:, 0], sinks)[:, None]
     if invariant:
         return per_row_tiles(lambda *a: sink_attention(*a, sinks), q, keys, visible)
-    scale = q.shape[-1] ** -0.5
-    logits = jnp.einsum("bshd,btd->bsht", q, keys, preferred_element_type=jnp.float32) * scale
-    logits = jnp.where(visible[:, :, None, :], logits, -jnp.inf)
-    peak = jnp.maximum(jnp.max(logits, axis=-1), sinks)                  # [B, S, H]
-    probs = jnp.exp(logits - peak[..., None])
-    denom = jnp.sum(probs, axis=-1) + jnp.exp(sinks - peak)
-    out = jnp.einsum("bsht,btd->bshd", probs.astype(keys.dtype), keys,
-                     preferred_element_type=jnp.float32)
-    return (out / denom[..., None]).astype(q.dtype)
+    return _attend(q, (keys,), (visible,), sinks)
 
 
 def sink_attention_parts(q: jax.Array, keys: tuple[jax.Array, ...],
@@ -70,24 +62,31 @@ def sink_attention_parts(q: jax.Array, keys: tuple[jax.Array, ...],
     """sink_attention over the concatenation of several key sets, without building it.
 
     q [B, H, hd] (one query per row), keys: [B, T_i, hd] each, visible: bool[B, T_i] each ->
-    [B, H, hd]. One softmax: its max and its sum run over every part and the sink, and the
-    parts' weighted values are added in part order. The engine's step attends over each
-    token's window rows and its compressed rows: concatenated, that is every token's 640
-    rows written once more (bf16[8192, 640, 512], 5.4 GB, 2.5 ms of an 8k prefill step on the
-    H200). The kernel path takes them concatenated."""
-    if len(keys) == 1 or attention_kernel.kernel_runs(q, keys[0]):
+    [B, H, hd]. The engine's step attends over each token's window rows and its compressed
+    rows: concatenated, that is every token's 640 rows written once more (bf16[8192, 640,
+    512], 5.4 GB, 2.5 ms of an 8k prefill step on the H200). The kernel path takes them
+    concatenated."""
+    if attention_kernel.kernel_runs(q, keys[0]):
         return sink_attention(q[:, None], jnp.concatenate(keys, axis=1),
                               jnp.concatenate(visible, axis=1)[:, None], sinks)[:, 0]
+    return _attend(q[:, None], keys, tuple(v[:, None] for v in visible), sinks)[:, 0]
+
+
+def _attend(q: jax.Array, keys: tuple[jax.Array, ...], visible: tuple[jax.Array, ...],
+            sinks: jax.Array) -> jax.Array:
+    """The jnp softmax: q [B, S, H, hd], key sets [B, T_i, hd], visible bool[B, S, T_i]. Its
+    max and its sum run over every set and the sink; the sets' weighted values are added in
+    set order."""
     scale = q.shape[-1] ** -0.5
-    logits = [jnp.where(v[:, None, :], jnp.einsum("bhd,btd->bht", q, k,
-                                                   preferred_element_type=jnp.float32) * scale,
+    logits = [jnp.where(v[:, :, None, :], jnp.einsum("bshd,btd->bsht", q, k,
+                                                      preferred_element_type=jnp.float32) * scale,
                         -jnp.inf) for k, v in zip(keys, visible, strict=True)]
-    peak = functools.reduce(jnp.maximum, [jnp.max(x, axis=-1) for x in logits], sinks)  # [B, H]
-    probs = [jnp.exp(x - peak[..., None]) for x in logits]
+    peak = functools.reduce(jnp.maximum, [jnp.max(x, axis=-1) for x in logits], sinks)
+    probs = [jnp.exp(x - peak[..., None]) for x in logits]                 # peak: [B, S, H]
     denom = functools.reduce(jnp.add, [jnp.sum(p, axis=-1) for p in probs],
                              jnp.exp(sinks - peak))
     out = functools.reduce(jnp.add, [
-        jnp.einsum("bht,btd->bhd", p.astype(k.dtype), k, preferred_element_type=jnp.float32)
+        jnp.einsum("bsht,btd->bshd", p.astype(k.dtype), k, preferred_element_type=jnp.float32)
         for p, k in zip(probs, keys, strict=True)])
     return (out / denom[..., None]).astype(q.dtype)
 
