@@ -92,11 +92,11 @@ def describe(hlo_text: str, kernel_names: list[str]) -> dict[str, str]:
     for lines in bodies.values():
         for line in lines:
             m = _INSTRUCTION.match(line)
-            if m:
-                callers[m.group(1)] = line
+            if m:   # the kernel's name is the instruction's with '.' and '-' as '_'
+                callers[re.sub(r"[.\-]", "_", m.group(1))] = line
     described = {}
     for name in kernel_names:
-        line = callers.get(name)
+        line = callers.get(re.sub(r"[.\-]", "_", name))
         if line is None:
             continue
         shape = _INSTRUCTION.match(line).group(2)

@@ -29,6 +29,7 @@ def test_each_fusion_names_its_op_and_source_line():
 
 
 def test_a_root_without_source_falls_back_to_its_hero_op():
+    # (and the profiler's kernel name, loop_gather_fusion_7, is the instruction's with '_')
     text = "\n".join([
         "HloModule m", "", "FileNames", '1 "/x/model.py"', "", "FunctionNames", '1 "f"', "",
         "FileLocations", "1 {file_name_id=1 function_name_id=1 line=42 end_line=42}", "",
@@ -42,7 +43,7 @@ def test_a_root_without_source_falls_back_to_its_hero_op():
         "ENTRY %main (a: f32[8,4], i: s32[3]) -> f32[3,4] {",
         "  %a = f32[8,4]{1,0} parameter(0)",
         "  %i = s32[3]{0} parameter(1)",
-        "  ROOT %loop_gather_fusion = f32[3,4]{1,0} fusion(%a, %i), kind=kLoop, calls=%fused_gather",
+        "  ROOT %loop_gather_fusion.7 = f32[3,4]{1,0} fusion(%a, %i), kind=kLoop, calls=%fused_gather",
         "}"])
-    assert describe(text, ["loop_gather_fusion"]) == {
-        "loop_gather_fusion": "gather -> f32[3,4]{1,0} at model.py:42 (gather)"}
+    assert describe(text, ["loop_gather_fusion_7"]) == {
+        "loop_gather_fusion_7": "gather -> f32[3,4]{1,0} at model.py:42 (gather)"}
