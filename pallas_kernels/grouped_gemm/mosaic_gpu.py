@@ -52,6 +52,15 @@ class TileConfig:
             raise ValueError("with FP8 weights a tile must lie inside one 128 x 128 scale block")
 
 
+def kernel_name(kind: str, config, k: int, n_out: int, swiglu_limit: float | None,
+                fp8: bool) -> str:
+    """The compiled kernel's symbol, so that a profile tells the GEMMs of a step apart:
+    e.g. grouped_gemm_64x128x64_k4096_n1024 (tile rows x columns x K step, then the shape)."""
+    tile = f"{config.block_m}x{config.block_n}x{config.block_k}"
+    return "_".join([kind, tile, f"k{k}", f"n{n_out}"] + ["swiglu"] * (swiglu_limit is not None)
+                    + ["fp8"] * fp8)
+
+
 def epilogue(accs: tuple[jax.Array, ...], swiglu_limit: float | None) -> jax.Array:
     """The f32 accumulators -> the tile's result: the accumulator itself, or the clamped
     SwiGLU of the gate and up accumulators, silu(min(gate, L)) * clip(up, -L, L) (L = 0: no
@@ -133,5 +142,6 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((rows, n_out), lhs.dtype),
         grid=(rows // bm, n_out // bn), grid_names=("tile", "col"), scratch_types=scratch,
+        kernel_name=kernel_name("grouped_gemm", config, k, n_out, swiglu_limit, fp8),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
     return kernel(tile_group, lhs, rhs, *((rhs_scale,) if fp8 else ()))

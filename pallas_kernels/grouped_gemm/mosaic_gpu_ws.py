@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.grouped_gemm.mosaic_gpu import epilogue
+from pallas_kernels.grouped_gemm.mosaic_gpu import epilogue, kernel_name
 
 WG_ROWS = 64          # rows per consumer warpgroup (the wgmma M)
 CONSUMERS = 2
@@ -116,6 +116,7 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((rows, n_out), lhs.dtype),
         grid=(rows // bm, n_out // bn), grid_names=("tile", "col"),
+        kernel_name=kernel_name("grouped_gemm_ws", config, k, n_out, swiglu_limit, False),
         num_threads=CONSUMERS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
     return kernel(tile_group, lhs, rhs)

@@ -96,6 +96,7 @@ def indexer_scores(q: jax.Array, keys: jax.Array, weights: jax.Array, token_seq:
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((tokens, rows), jnp.float32),
         grid=(tokens, rows // span), grid_names=("token", "range"),
+        kernel_name=f"indexer_scores_r{span}",   # a profile's name for it
         scratch_types=[plgpu.SMEM((heads, head_dim), q.dtype),
                        plgpu.SMEM((heads,), jnp.float32),
                        plgpu.SMEM((span,), jnp.float32),

@@ -177,6 +177,7 @@ def sink_attention(q: jax.Array, rows: jax.Array, bias: jax.Array, sinks: jax.Ar
     kernel = plgpu.kernel(
         body, out_type=out_type,
         grid=(tokens, head_dim // bd, splits), grid_names=("token", "dcol", "split"),
+        kernel_name=f"sink_attention_d{bd}_s{splits}",   # a profile's name for it
         scratch_types=[plgpu.SMEM((heads, head_dim), q.dtype),
                        plgpu.SMEM((2, heads), jnp.float32),
                        plgpu.SMEM((heads, br), q.dtype),

@@ -70,7 +70,7 @@ def sinkhorn_entry_major(logits: jax.Array, *, hc: int, iters: int, eps: float) 
 
     return plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct(logits.shape, jnp.float32),
-        grid=(tokens // tb,), grid_names=("block",),
+        grid=(tokens // tb,), grid_names=("block",), kernel_name="mhc_sinkhorn",
         scratch_types=[plgpu.SMEM((entries, tb), jnp.float32),
                        plgpu.SMEM((entries, tb), jnp.float32), plgpu.Barrier(num_barriers=1)],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
