@@ -88,6 +88,9 @@ def main() -> None:
     payload["untiled_segments"] = untiled = untiled_segments()
     if launch_bound() and not untiled:
         suffix += "-tiled"
+    payload["split_k"] = gemm.SPLIT_K_ON_GPU
+    if gemm.SPLIT_K_ON_GPU:
+        suffix += "-split-k"
     write_results(f"batch-invariant-{device}{suffix}", payload, table)
     print(table)
 

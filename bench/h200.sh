@@ -70,6 +70,15 @@ for name in "$@"; do
                    --v4-flash-layers 2 --prefill 8192 --decode-batch 64 --buckets 64 256 ;;
     bi-bench)    step bi-bench 330 python3 bench/batch_invariant.py --v4-flash-layers 2 \
                    --prefill 8192 --decode-batch 64 --buckets 64 256 ;;
+    bi-bench-split) DEEPINFER_INVARIANT_SPLIT_K=1 step bi-bench-split 330 python3 \
+                   bench/batch_invariant.py --v4-flash-layers 2 --prefill 8192 --decode-batch 64 \
+                   --buckets 64 256 ;;   # api.invariant_split_k on (its own result file)
+    gemm-new)    step gemm-new 150 python3 -m pytest -q -p no:cacheprovider \
+                   tests/kernels/test_grouped_gemm.py -k "split or batched or tile_shape or dense_gemm" ;;
+    invariant-linears) step invariant-linears 200 python3 bench/invariant_linears.py ;;
+    bi-profile-split) DEEPINFER_INVARIANT_SPLIT_K=1 step bi-profile-split 200 python3 \
+                   bench/step_profile.py --v4-flash-layers 2 --prefill 8192 --chunk 256 \
+                   --steps 10 --out /tmp/bps --batch-invariant ;;   # the invariant prefill chunk, split K
     bi-bench-tiled) DEEPINFER_INVARIANT_UNTILED=0 step bi-bench-tiled 330 python3 \
                    bench/batch_invariant.py --v4-flash-layers 2 --prefill 8192 --decode-batch 64 \
                    --buckets 64 256 ;;   # the attention segments in row tiles (invariant.untiled_segments)

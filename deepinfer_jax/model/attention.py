@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.model.invariant import linear, per_row_tiles
+from deepinfer_jax.model.invariant import grouped_linear, linear, per_row_tiles
 from deepinfer_jax.model.norms import rms_norm, unweighted_rms_norm
 from deepinfer_jax.model.params import AttentionParams
 from deepinfer_jax.model.rope import apply_rope
@@ -98,6 +98,5 @@ def output_projection(o: jax.Array, p: AttentionParams, cos: jax.Array, sin: jax
     o = apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
     grouped = o.reshape(*o.shape[:-2], cfg.o_groups, -1)                 # [..., G, H*hd/G]
     inv = cfg.batch_invariant
-    low_rank = jnp.stack([linear(grouped[..., g, :], p.wo_a[g], inv)
-                          for g in range(cfg.o_groups)], axis=-2)          # [..., G, L]
+    low_rank = grouped_linear(grouped, p.wo_a, inv)                      # [..., G, L]
     return linear(low_rank.reshape(*o.shape[:-2], -1), p.wo_b, inv)

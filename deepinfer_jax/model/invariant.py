@@ -72,11 +72,27 @@ def linear(x: jax.Array, w: jax.Array, invariant: bool, out_dtype=None) -> jax.A
     if not invariant:
         return matmul(x)
     flat = x.reshape(-1, x.shape[-1])
-    config = gemm.dense_invariant_config(flat.shape[0], w.shape[1])
+    config = gemm.dense_invariant_config(flat.shape[0], w.shape[1], w.shape[0])
     if x.dtype == w.dtype and out_dtype in (None, x.dtype) and gemm.kernel_runs(
             flat.shape[0], w.shape[0], w.shape[1], dtype=x.dtype, config=config):
         return gemm.matmul(flat, w, config=config).reshape(*x.shape[:-1], w.shape[-1])
     return per_row_tiles(matmul, flat).reshape(*x.shape[:-1], w.shape[-1])
+
+
+def grouped_linear(x: jax.Array, w: jax.Array, invariant: bool) -> jax.Array:
+    """x [..., G, K] @ w [G, K, N] per group g -> [..., G, N] (the attention's grouped
+    low-rank output projection): one batched product, not G of them (G launches on a GPU)."""
+    if not invariant:
+        return jnp.einsum("...gk,gkn->...gn", x, w)
+    groups, k, n = w.shape
+    flat = x.reshape(-1, groups, k)
+    config = gemm.dense_invariant_config(flat.shape[0] * groups, n)
+    if x.dtype == w.dtype and gemm.kernel_runs(flat.shape[0] * groups, k, n, dtype=x.dtype,
+                                               config=config):
+        out = gemm.batched_matmul(flat.swapaxes(0, 1), w, config=config).swapaxes(0, 1)
+    else:
+        out = per_row_tiles(lambda t: jnp.einsum("tgk,gkn->tgn", t, w), flat)
+    return out.reshape(*x.shape[:-1], n)
 
 
 def ordered_sum(x: jax.Array, axis: int) -> jax.Array:

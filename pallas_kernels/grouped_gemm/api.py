@@ -134,13 +134,39 @@ def expert_mlp(x: jax.Array, w13: jax.Array, w2: jax.Array, group_sizes: jax.Arr
 # 4096 -> 512 projection ran on 4 of 132 SMs. DEEPINFER_INVARIANT_FREE_TILES=0 restores the
 # configs that depend on N only (for comparison).
 TILE_SHAPE_FREE_ON_GPU = os.environ.get("DEEPINFER_INVARIANT_FREE_TILES", "1") == "1"
+# Split K (config.split_k): a decode batch's projection with few output columns (4096 -> 512)
+# has too few programs to fill the SMs even in 16-column tiles, and each re-reads the whole
+# input. Splitting K into S ranges summed by separate programs, the f32 partials then added in
+# a fixed order, is batch-invariant as long as S depends on the weight's shape alone, never
+# on M (invariant_split_k). Opt-in until measured: DEEPINFER_INVARIANT_SPLIT_K=1.
+SPLIT_K_ON_GPU = os.environ.get("DEEPINFER_INVARIANT_SPLIT_K", "0") == "1"
 SMS = 132                       # H200; only sets how narrow small-batch tiles get
 LARGE_BATCH = 1 << 20           # the dense config: default_config's large-batch one
 SMALL_BATCH = 1                 # the experts' config: default_config's decode-sized one
+MIN_SPLIT_K = 512               # K per program at the least
 
 
-def dense_invariant_config(num_rows: int, n_out: int) -> TileConfig:
-    """matmul's config for M = num_rows in batch-invariant mode."""
+def invariant_split_k(k: int, n_out: int) -> int:
+    """K ranges for a k x n_out weight: doubled until one row tile's programs (128-column
+    tiles) fill the SMs or a range would fall under MIN_SPLIT_K. A function of the weight's
+    shape only: every M gets the same ranges, so a row's sum never depends on the batch."""
+    if not SPLIT_K_ON_GPU or n_out % 128:
+        return 1
+    splits = 1
+    while (n_out // 128) * splits < SMS and k % (2 * splits * 64) == 0 \
+            and k // (2 * splits) >= MIN_SPLIT_K:
+        splits *= 2
+    return splits
+
+
+def dense_invariant_config(num_rows: int, n_out: int, k: int | None = None) -> TileConfig:
+    """matmul's config for M = num_rows in batch-invariant mode (k: the weight's rows, for
+    the K split)."""
+    splits = invariant_split_k(k, n_out) if k else 1
+    if splits > 1:
+        if num_rows >= 4096:
+            return TileConfig(block_m=128, block_n=128, max_concurrent_steps=6, split_k=splits)
+        return TileConfig(block_m=64, block_n=128, max_concurrent_steps=4, split_k=splits)
     if not TILE_SHAPE_FREE_ON_GPU or num_rows >= 4096:
         return default_config(LARGE_BATCH, n_out)
     widths = [b for b in (128, 64, 32, 16) if n_out % b == 0]
@@ -163,9 +189,43 @@ def matmul(x: jax.Array, w: jax.Array, *, impl: str | None = None,
     """Batch-invariant x [M, K] @ w [K, N] -> [M, N] in x's dtype (f32 accumulation).
 
     A row's K sum runs in one order whatever M (dense_invariant_config)."""
-    config = config or dense_invariant_config(x.shape[0], w.shape[1])
-    sizes = jnp.full((1,), x.shape[0], jnp.int32)
-    return grouped_matmul(x, w[None], sizes, impl=impl, config=config)
+    impl = impl or implementation(VALIDATED_ON_GPU, "grouped_gemm")
+    config = config or dense_invariant_config(x.shape[0], w.shape[1], w.shape[0])
+    if (impl == "reference" or isinstance(config, WarpSpecializedConfig)
+            or not kernel_fits(w.shape[0], w.shape[1], config, False, x.dtype)):
+        sizes = jnp.full((1,), x.shape[0], jnp.int32)
+        return grouped_matmul(x, w[None], sizes, impl=impl, config=config)
+    with _mode(impl):   # one group: its tiles are the rows padded, no layout to build
+        rows = x.shape[0]
+        padded = jnp.pad(x, ((0, -rows % config.block_m), (0, 0)))
+        tile_group = jnp.zeros((padded.shape[0] // config.block_m,), jnp.int32)
+        out = mosaic_gpu.tiled_group_matmul(padded, w[None], tile_group, config=config)
+        if config.split_k > 1:    # the K ranges' partial sums, added first to last
+            total = out[0]
+            for part in out[1:]:
+                total = total + part
+            out = total
+        return out[:rows].astype(x.dtype)
+
+
+def batched_matmul(x: jax.Array, w: jax.Array, *, impl: str | None = None,
+                   config: TileConfig | None = None) -> jax.Array:
+    """Batch-invariant x [G, M, K] @ w [G, K, N] -> [G, M, N] in x's dtype: G products with
+    M rows each (the attention's grouped output projection) in one launch. Groups of equal
+    size need no layout: each is padded to whole tiles in place."""
+    impl = impl or implementation(VALIDATED_ON_GPU, "grouped_gemm")
+    groups, rows, k = x.shape
+    config = config or dense_invariant_config(groups * rows, w.shape[2])
+    if impl == "reference" or not kernel_fits(k, w.shape[2], config, False, x.dtype) \
+            or config.split_k > 1:
+        return jnp.einsum("gmk,gkn->gmn", x, w, preferred_element_type=jnp.float32
+                          ).astype(x.dtype)
+    with _mode(impl):
+        padded = jnp.pad(x, ((0, 0), (0, -rows % config.block_m), (0, 0)))
+        tiles = padded.shape[1] // config.block_m
+        tile_group = jnp.repeat(jnp.arange(groups, dtype=jnp.int32), tiles)
+        out = mosaic_gpu.tiled_group_matmul(padded.reshape(-1, k), w, tile_group, config=config)
+        return out.reshape(groups, -1, w.shape[2])[:, :rows]
 
 
 def _tiled(lhs, rhs, tile_group, rhs_scale, swiglu_limit, config: Config) -> jax.Array:

@@ -39,15 +39,18 @@ class TileConfig:
     block_n: int = 128            # output columns per program
     block_k: int = 64             # K per pipeline step
     max_concurrent_steps: int = 4
+    split_k: int = 1              # K ranges summed by separate programs (f32 partials out)
 
-    def check(self, k: int, n_out: int, fp8: bool) -> None:
+    def check(self, k: int, n_out: int, fp8: bool, swiglu: bool = False) -> None:
         if self.block_m % 64 or self.block_n % 8 or not 0 < self.block_n <= 256:
             raise ValueError(f"wgmma tiles: block_m a multiple of 64, block_n <= 256 ({self})")
         if self.max_concurrent_steps < 2:
             raise ValueError("the pipeline keeps one step's wgmma in flight: at least 2 steps")
-        if k % self.block_k or n_out % self.block_n:
-            raise ValueError(f"K={k} and N={n_out} must be multiples of {self.block_k} and "
-                             f"{self.block_n}")
+        if k % (self.block_k * self.split_k) or n_out % self.block_n:
+            raise ValueError(f"K={k} and N={n_out} must be multiples of "
+                             f"{self.block_k} x {self.split_k} and {self.block_n}")
+        if self.split_k > 1 and (fp8 or swiglu):
+            raise ValueError("split K: bf16 weights and no epilogue (the sums are partial)")
         if fp8 and (SCALE_BLOCK % self.block_k or SCALE_BLOCK % self.block_n):
             raise ValueError("with FP8 weights a tile must lie inside one 128 x 128 scale block")
 
@@ -57,8 +60,9 @@ def kernel_name(kind: str, config, k: int, n_out: int, swiglu_limit: float | Non
     """The compiled kernel's symbol, so that a profile tells the GEMMs of a step apart:
     e.g. grouped_gemm_64x128x64_k4096_n1024 (tile rows x columns x K step, then the shape)."""
     tile = f"{config.block_m}x{config.block_n}x{config.block_k}"
-    return "_".join([kind, tile, f"k{k}", f"n{n_out}"] + ["swiglu"] * (swiglu_limit is not None)
-                    + ["fp8"] * fp8)
+    splits = getattr(config, "split_k", 1)
+    return "_".join([kind, tile, f"k{k}", f"n{n_out}"] + [f"split{splits}"] * (splits > 1)
+                    + ["swiglu"] * (swiglu_limit is not None) + ["fp8"] * fp8)
 
 
 def epilogue(accs: tuple[jax.Array, ...], swiglu_limit: float | None) -> jax.Array:
@@ -84,18 +88,21 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
     """lhs [T * block_m, K] (tile t belongs to group tile_group[t]; -1: unused), rhs [G, K, N]
     (bf16, or FP8 E4M3 with rhs_scale f32[G, K/128, N/128]) -> [T * block_m, N] in lhs's
     dtype ([.., N/2] with the SwiGLU epilogue: rhs holds gate | up). Unused tiles stay
-    unwritten."""
+    unwritten. With config.split_k = S > 1: f32[S, T * block_m, N], the sums over each of S
+    consecutive K ranges (the caller adds them, in a fixed order for batch invariance)."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     rows, k = lhs.shape
     n = rhs.shape[2]
     n_out = n // 2 if swiglu_limit is not None else n
     fp8 = rhs_scale is not None
-    config.check(k, n_out, fp8)
+    config.check(k, n_out, fp8, swiglu_limit is not None)
+    splits, steps = config.split_k, k // (bk * config.split_k)   # K steps per program
     halves = 2 if swiglu_limit is not None else 1     # gate and up column blocks
 
     def body(tile_group_ref, lhs_ref, rhs_ref, *refs, dequantized=None):
         scale_ref, out_ref = refs if fp8 else (None, *refs)
         tile, col = lax.axis_index("tile"), lax.axis_index("col")
+        first = lax.axis_index("split") * steps if splits > 1 else 0     # of its K steps
         group = tile_group_ref[tile]
 
         def accumulate(*accs):
@@ -114,11 +121,11 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
                 # shared-memory slot (and FP8 staging slot) is refilled next (delay_release=1).
                 plgpu.wgmma_wait(halves)
 
-            specs = [plgpu.BlockSpec((bm, bk), lambda kk: (tile, kk), delay_release=1)]
+            specs = [plgpu.BlockSpec((bm, bk), lambda kk: (tile, first + kk), delay_release=1)]
             specs += [plgpu.BlockSpec((bk, bn), functools.partial(
-                lambda kk, half: (kk, col + half * (n_out // bn)), half=half), delay_release=1)
-                for half in range(halves)]
-            plgpu.emit_pipeline(step, grid=(k // bk,), in_specs=specs,
+                lambda kk, half: (first + kk, col + half * (n_out // bn)), half=half),
+                delay_release=1) for half in range(halves)]
+            plgpu.emit_pipeline(step, grid=(steps,), in_specs=specs,
                                 max_concurrent_steps=config.max_concurrent_steps)(
                 lhs_ref, *[rhs_ref.at[group]] * halves)
             return tuple(acc[...] for acc in accs)
@@ -132,16 +139,19 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
             def store(out_smem):
                 out_smem[...] = result.astype(out_smem.dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem, out_ref.at[pl.ds(tile * bm, bm),
-                                                             pl.ds(col * bn, bn)])
+                dest = out_ref.at[lax.axis_index("split")] if splits > 1 else out_ref
+                plgpu.copy_smem_to_gmem(out_smem, dest.at[pl.ds(tile * bm, bm),
+                                                          pl.ds(col * bn, bn)])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     scratch = {}
     if fp8:
         scratch["dequantized"] = plgpu.SMEM((2, halves, bk, bn), lhs.dtype)
+    out_type = (jax.ShapeDtypeStruct((rows, n_out), lhs.dtype) if splits == 1 else
+                jax.ShapeDtypeStruct((splits, rows, n_out), jnp.float32))
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((rows, n_out), lhs.dtype),
-        grid=(rows // bm, n_out // bn), grid_names=("tile", "col"), scratch_types=scratch,
+        body, out_type=out_type, scratch_types=scratch,
+        grid=(rows // bm, n_out // bn, splits), grid_names=("tile", "col", "split"),
         kernel_name=kernel_name("grouped_gemm", config, k, n_out, swiglu_limit, fp8),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
     return kernel(tile_group, lhs, rhs, *((rhs_scale,) if fp8 else ()))

@@ -117,16 +117,21 @@ KERNEL_CFG = ModelConfig.from_json_file(REPO / "configs/tiny/tiny-mixed.json").r
 
 @pytest.mark.skipif(jax.default_backend() == "cpu", reason="GPU: interpreted on the CPU, this "
                     "engine takes over 15 minutes (test_kernels_in_engine runs the kernels there)")
-@pytest.mark.parametrize("untiled", ["0", "1"], ids=["tiled", "untiled"])
-def test_rows_stay_invariant_on_the_kernels(monkeypatch, untiled):
+@pytest.mark.parametrize("untiled,split_k", [("0", False), ("1", False), ("1", True)],
+                         ids=["tiled", "untiled", "untiled-split-k"])
+def test_rows_stay_invariant_on_the_kernels(monkeypatch, untiled, split_k):
     from pallas_kernels.grouped_gemm import api as gemm
     from pallas_kernels.indexer import api as indexer
     from pallas_kernels.sink_attention import api as attention
 
     monkeypatch.setenv("DEEPINFER_KERNELS", "mosaic_gpu")
-    monkeypatch.setenv("DEEPINFER_INVARIANT_UNTILED", untiled)   # invariant.untiled_segments
-    q = jnp.zeros((1, KERNEL_CFG.num_heads, KERNEL_CFG.head_dim), jnp.bfloat16)
     inter, hidden = KERNEL_CFG.moe_intermediate_size, KERNEL_CFG.hidden_size
+    monkeypatch.setenv("DEEPINFER_INVARIANT_UNTILED", untiled)   # invariant.untiled_segments
+    if split_k:     # the dense GEMM's K in ranges (api.invariant_split_k), small enough here
+        monkeypatch.setattr(gemm, "SPLIT_K_ON_GPU", True)
+        monkeypatch.setattr(gemm, "MIN_SPLIT_K", 64)
+        assert gemm.dense_invariant_config(64, hidden, hidden).split_k > 1
+    q = jnp.zeros((1, KERNEL_CFG.num_heads, KERNEL_CFG.head_dim), jnp.bfloat16)
     assert attention.kernel_runs(q, q)                              # the kernels really run
     index_q = jnp.zeros((1, KERNEL_CFG.index_n_heads, KERNEL_CFG.index_head_dim), jnp.bfloat16)
     assert indexer.kernel_runs(index_q, index_q)

@@ -190,6 +190,44 @@ def test_dense_gemm_rows_do_not_depend_on_the_number_of_rows():
                                       full[:m])
 
 
+SPLIT = TileConfig(block_m=64, block_n=128, split_k=4)     # K = 4 x 128: ranges of 2 steps
+
+
+def test_split_k_rows_do_not_depend_on_the_number_of_rows():
+    """K summed in 4 ranges by separate programs, the partials added after: a row's result is
+    the same for M = 1, 3, 64 as inside 200 rows, and is the product."""
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((200, 4 * K)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((4 * K, N)) / 8, jnp.bfloat16)
+    full = np.asarray(api.matmul(x, w, impl=KERNEL, config=SPLIT), np.float32)
+    close(full, np.asarray(x, np.float64) @ np.asarray(w, np.float64))
+    for m in (1, 3, 64):
+        np.testing.assert_array_equal(
+            np.asarray(api.matmul(x[:m], w, impl=KERNEL, config=SPLIT), np.float32), full[:m])
+
+
+def test_split_k_follows_the_weight_shape_only(monkeypatch):
+    monkeypatch.setattr(api, "SPLIT_K_ON_GPU", True)
+    assert api.invariant_split_k(4096, 512) == 8        # 4 column tiles: K in ranges of 512
+    assert api.invariant_split_k(4096, 64) == 1         # no 128-column tile
+    assert api.invariant_split_k(1024, 32768) == 1      # 256 column tiles fill the SMs
+    for rows in (1, 64, 256, 5000):
+        config = api.dense_invariant_config(rows, 1024, 4096)
+        assert config.split_k == 8 and api.kernel_fits(4096, 1024, config, False)
+    with pytest.raises(ValueError, match="split K"):
+        SPLIT.check(4 * K, N, fp8=False, swiglu=True)
+
+
+def test_split_k_kernel_lowers_for_cuda():
+    x = jnp.zeros((128, 4 * K), jnp.bfloat16)
+    w = jnp.zeros((1, 4 * K, N), jnp.bfloat16)
+    fn = jax.jit(functools.partial(tiled_group_matmul, config=SPLIT))
+    with abstract_gpu():
+        exported = jax.export.export(fn, platforms=["cuda"])(x, w, jnp.zeros((2,), jnp.int32))
+    assert "mosaic_gpu" in exported.mlir_module()
+    assert exported.out_avals[0].shape == (4, 128, N)
+
+
 def test_warp_specialized_kernel_lowers_for_cuda():
     lhs, rhs, sizes, _ = problem(SIZES["balanced"], fp8=False)
     tiles = layout.tile_layout(sizes, lhs.shape[0], WS.block_m)
@@ -261,3 +299,16 @@ def test_invariant_configs_follow_the_batch_only_once_the_tile_shape_is_free(mon
     assert api.dense_invariant_config(8192, 512) == api.default_config(api.LARGE_BATCH, 512)
     assert api.expert_invariant_configs(5000, dim, inter)[0].block_m == 128
     assert not api.kernel_runs(64, 4096, 24, config=api.dense_invariant_config(64, 24))  # mHC's
+
+
+def test_batched_matmul_is_each_groups_product_and_row_invariant():
+    """G equal-size groups in one launch (the attention's grouped output projection): each
+    group's rows are its own product, and a row's result does not depend on M."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((3, 70, K)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((3, K, N)) / 8, jnp.bfloat16)
+    full = np.asarray(api.batched_matmul(x, w, impl=KERNEL), np.float32)
+    close(full, np.einsum("gmk,gkn->gmn", np.asarray(x, np.float64), np.asarray(w, np.float64)))
+    for m in (1, 5):
+        np.testing.assert_array_equal(
+            np.asarray(api.batched_matmul(x[:, :m], w, impl=KERNEL), np.float32), full[:, :m])
