@@ -89,8 +89,8 @@ def main() -> None:
     if launch_bound() and not untiled:
         suffix += "-tiled"
     payload["split_k"] = gemm.SPLIT_K_ON_GPU
-    if gemm.SPLIT_K_ON_GPU:
-        suffix += "-split-k"
+    if launch_bound() and not gemm.SPLIT_K_ON_GPU:
+        suffix += "-no-split-k"
     write_results(f"batch-invariant-{device}{suffix}", payload, table)
     print(table)
 

@@ -8,7 +8,8 @@
 # to fetch them.
 set -u
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT/logs"
+LOGS=/tmp/h200-logs   # returned as one file, $OUT/logs.tgz: the device tool brings back a
+mkdir -p "$LOGS"      # few files only (here: mkdir logs && tar xzf logs.tgz -C logs)
 touch /tmp/h200-start   # results newer than this are this call's
 # No --xla_gpu_autotune_level=0: without autotuning XLA picked a 10 TFLOP/s GEMM (8192^3).
 # XLA_FLAGS passes through from the caller. XLA's autotuning results are kept between calls:
@@ -24,14 +25,15 @@ else
   export PYTHONPATH=$(pwd)
 fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv \
-  > "$OUT/logs/gpu.txt" 2>&1
+  > "$LOGS/gpu.txt" 2>&1
 
 step() {   # name, limit in seconds, command...
   local name=$1 limit=$2; shift 2
   local start=$SECONDS
-  timeout "$limit" "$@" > "$OUT/logs/$name.log" 2>&1
-  echo "step $name: exit $? in $((SECONDS - start)) s" | tee -a "$OUT/logs/steps.txt"
-  tail -n 3 "$OUT/logs/$name.log"
+  timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
+  echo "step $name: exit $? in $((SECONDS - start)) s" | tee -a "$LOGS/steps.txt"
+  tail -n 3 "$LOGS/$name.log"
+  tar czf "$OUT/logs.tgz" -C "$LOGS" .
   find bench/results -name "*gpu*" -newer /tmp/h200-start -exec cp {} "$OUT/" \;  # now, in case
   # a later step outlasts the call
   tar czf "$OUT/autotune.tgz" -C .cache autotune   # one file: the device tool returns a few
@@ -70,15 +72,15 @@ for name in "$@"; do
                    --v4-flash-layers 2 --prefill 8192 --decode-batch 64 --buckets 64 256 ;;
     bi-bench)    step bi-bench 330 python3 bench/batch_invariant.py --v4-flash-layers 2 \
                    --prefill 8192 --decode-batch 64 --buckets 64 256 ;;
-    bi-bench-split) DEEPINFER_INVARIANT_SPLIT_K=1 step bi-bench-split 330 python3 \
+    bi-bench-nosplit) DEEPINFER_INVARIANT_SPLIT_K=0 step bi-bench-nosplit 330 python3 \
                    bench/batch_invariant.py --v4-flash-layers 2 --prefill 8192 --decode-batch 64 \
-                   --buckets 64 256 ;;   # api.invariant_split_k on (its own result file)
+                   --buckets 64 256 ;;   # the dense GEMM without split K (api.invariant_split_k)
     gemm-new)    step gemm-new 150 python3 -m pytest -q -p no:cacheprovider \
                    tests/kernels/test_grouped_gemm.py -k "split or batched or tile_shape or dense_gemm" ;;
     invariant-linears) step invariant-linears 200 python3 bench/invariant_linears.py ;;
-    bi-profile-split) DEEPINFER_INVARIANT_SPLIT_K=1 step bi-profile-split 200 python3 \
-                   bench/step_profile.py --v4-flash-layers 2 --prefill 8192 --chunk 256 \
-                   --steps 10 --out /tmp/bps --batch-invariant ;;   # the invariant prefill chunk, split K
+    bi-profile-prefill) step bi-profile-prefill 200 python3 bench/step_profile.py \
+                   --v4-flash-layers 2 --prefill 8192 --chunk 256 --steps 10 --out /tmp/bpp \
+                   --batch-invariant ;;   # the invariant mode's prefill chunk, kernels by name
     bi-bench-tiled) DEEPINFER_INVARIANT_UNTILED=0 step bi-bench-tiled 330 python3 \
                    bench/batch_invariant.py --v4-flash-layers 2 --prefill 8192 --decode-batch 64 \
                    --buckets 64 256 ;;   # the attention segments in row tiles (invariant.untiled_segments)
@@ -146,4 +148,4 @@ for name in "$@"; do
     *) echo "unknown step $name" ;;
   esac
 done
-cat "$OUT/logs/steps.txt"
+cat "$LOGS/steps.txt"

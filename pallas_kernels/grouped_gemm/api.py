@@ -138,22 +138,33 @@ TILE_SHAPE_FREE_ON_GPU = os.environ.get("DEEPINFER_INVARIANT_FREE_TILES", "1") =
 # has too few programs to fill the SMs even in 16-column tiles, and each re-reads the whole
 # input. Splitting K into S ranges summed by separate programs, the f32 partials then added in
 # a fixed order, is batch-invariant as long as S depends on the weight's shape alone, never
-# on M (invariant_split_k). Opt-in until measured: DEEPINFER_INVARIANT_SPLIT_K=1.
-SPLIT_K_ON_GPU = os.environ.get("DEEPINFER_INVARIANT_SPLIT_K", "0") == "1"
+# on M (invariant_split_k). On the H200 it took the narrow projections from 2.5-4.5x XLA's
+# time to about XLA's (invariant-linears-gpu.md) and the mode's chunked-prefill cost from 30%
+# to 16% (batch-invariant-gpu-split-k.md). DEEPINFER_INVARIANT_SPLIT_K=0 turns it off.
+SPLIT_K_ON_GPU = os.environ.get("DEEPINFER_INVARIANT_SPLIT_K", "1") == "1"
 SMS = 132                       # H200; only sets how narrow small-batch tiles get
 LARGE_BATCH = 1 << 20           # the dense config: default_config's large-batch one
 SMALL_BATCH = 1                 # the experts' config: default_config's decode-sized one
 MIN_SPLIT_K = 512               # K per program at the least
+SPLIT_PROGRAMS = 64             # programs per row tile that split K aims for
+GROUP_TILES = 8                 # row tiles per sweep of the column blocks (group_tiles)
+
+
+def split_block_n(n_out: int) -> int:
+    return next((b for b in (128, 64) if n_out % b == 0), 0)
 
 
 def invariant_split_k(k: int, n_out: int) -> int:
-    """K ranges for a k x n_out weight: doubled until one row tile's programs (128-column
-    tiles) fill the SMs or a range would fall under MIN_SPLIT_K. A function of the weight's
-    shape only: every M gets the same ranges, so a row's sum never depends on the batch."""
-    if not SPLIT_K_ON_GPU or n_out % 128:
+    """K ranges for a k x n_out weight: doubled until one row tile has SPLIT_PROGRAMS
+    programs or a range would fall under MIN_SPLIT_K. A function of the weight's shape only:
+    every M gets the same ranges, so a row's sum never depends on the batch. (On the H200,
+    more ranges helped M = 64 and cost M = 256 the partials' traffic; 64 programs was the
+    balance: invariant-linears-gpu.md.)"""
+    block_n = split_block_n(n_out)
+    if not SPLIT_K_ON_GPU or not block_n:
         return 1
     splits = 1
-    while (n_out // 128) * splits < SMS and k % (2 * splits * 64) == 0 \
+    while (n_out // block_n) * splits < SPLIT_PROGRAMS and k % (2 * splits * 64) == 0 \
             and k // (2 * splits) >= MIN_SPLIT_K:
         splits *= 2
     return splits
@@ -163,10 +174,10 @@ def dense_invariant_config(num_rows: int, n_out: int, k: int | None = None) -> T
     """matmul's config for M = num_rows in batch-invariant mode (k: the weight's rows, for
     the K split)."""
     splits = invariant_split_k(k, n_out) if k else 1
-    if splits > 1:
-        if num_rows >= 4096:
-            return TileConfig(block_m=128, block_n=128, max_concurrent_steps=6, split_k=splits)
-        return TileConfig(block_m=64, block_n=128, max_concurrent_steps=4, split_k=splits)
+    if splits > 1:      # (any tile shape sums a row the same way: TILE_SHAPE_FREE_ON_GPU)
+        block_m, steps = (128, 6) if num_rows >= 4096 else (64, 4)
+        return TileConfig(block_m=block_m, block_n=split_block_n(n_out),
+                          max_concurrent_steps=steps, split_k=splits, group_tiles=GROUP_TILES)
     if not TILE_SHAPE_FREE_ON_GPU or num_rows >= 4096:
         return default_config(LARGE_BATCH, n_out)
     widths = [b for b in (128, 64, 32, 16) if n_out % b == 0]
@@ -174,7 +185,8 @@ def dense_invariant_config(num_rows: int, n_out: int, k: int | None = None) -> T
         return default_config(LARGE_BATCH, n_out)
     row_tiles = -(-num_rows // 64)
     block_n = next((b for b in widths if row_tiles * (n_out // b) >= SMS), widths[-1])
-    return TileConfig(block_m=64, block_n=block_n, max_concurrent_steps=4)
+    return TileConfig(block_m=64, block_n=block_n, max_concurrent_steps=4,
+                      group_tiles=GROUP_TILES)
 
 
 def expert_invariant_configs(num_rows: int, dim: int, inter: int) -> tuple[TileConfig, TileConfig]:

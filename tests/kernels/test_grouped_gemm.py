@@ -191,6 +191,7 @@ def test_dense_gemm_rows_do_not_depend_on_the_number_of_rows():
 
 
 SPLIT = TileConfig(block_m=64, block_n=128, split_k=4)     # K = 4 x 128: ranges of 2 steps
+GROUPED = TileConfig(block_m=64, block_n=64, split_k=4, group_tiles=3)   # 4 tiles: 3 + 1
 
 
 def test_split_k_rows_do_not_depend_on_the_number_of_rows():
@@ -204,12 +205,17 @@ def test_split_k_rows_do_not_depend_on_the_number_of_rows():
     for m in (1, 3, 64):
         np.testing.assert_array_equal(
             np.asarray(api.matmul(x[:m], w, impl=KERNEL, config=SPLIT), np.float32), full[:m])
+    # programs in groups of row tiles (the last group short): every (tile, column) once
+    np.testing.assert_array_equal(
+        np.asarray(api.matmul(x, w, impl=KERNEL, config=GROUPED), np.float32), full)
 
 
 def test_split_k_follows_the_weight_shape_only(monkeypatch):
     monkeypatch.setattr(api, "SPLIT_K_ON_GPU", True)
     assert api.invariant_split_k(4096, 512) == 8        # 4 column tiles: K in ranges of 512
-    assert api.invariant_split_k(4096, 64) == 1         # no 128-column tile
+    assert api.invariant_split_k(4096, 64) == 8         # one 64-column tile
+    assert api.invariant_split_k(8192, 4096) == 2       # 32 column tiles
+    assert api.invariant_split_k(4096, 24) == 1         # no 64-column tile
     assert api.invariant_split_k(1024, 32768) == 1      # 256 column tiles fill the SMs
     for rows in (1, 64, 256, 5000):
         config = api.dense_invariant_config(rows, 1024, 4096)
@@ -218,10 +224,11 @@ def test_split_k_follows_the_weight_shape_only(monkeypatch):
         SPLIT.check(4 * K, N, fp8=False, swiglu=True)
 
 
-def test_split_k_kernel_lowers_for_cuda():
+@pytest.mark.parametrize("config", [SPLIT, GROUPED], ids=["split", "split-grouped-tiles"])
+def test_split_k_kernel_lowers_for_cuda(config):
     x = jnp.zeros((128, 4 * K), jnp.bfloat16)
     w = jnp.zeros((1, 4 * K, N), jnp.bfloat16)
-    fn = jax.jit(functools.partial(tiled_group_matmul, config=SPLIT))
+    fn = jax.jit(functools.partial(tiled_group_matmul, config=config))
     with abstract_gpu():
         exported = jax.export.export(fn, platforms=["cuda"])(x, w, jnp.zeros((2,), jnp.int32))
     assert "mosaic_gpu" in exported.mlir_module()
@@ -298,7 +305,8 @@ def test_invariant_configs_follow_the_batch_only_once_the_tile_shape_is_free(mon
     assert wide.block_n == 128
     assert api.dense_invariant_config(8192, 512) == api.default_config(api.LARGE_BATCH, 512)
     assert api.expert_invariant_configs(5000, dim, inter)[0].block_m == 128
-    assert not api.kernel_runs(64, 4096, 24, config=api.dense_invariant_config(64, 24))  # mHC's
+    assert not api.kernel_runs(64, 4096, 24, config=api.dense_invariant_config(64, 24),
+                               dtype=jnp.float32)          # mHC's: float32, not a wgmma type
 
 
 def test_batched_matmul_is_each_groups_product_and_row_invariant():
