@@ -65,6 +65,9 @@ for name in "$@"; do
                    tests/engine/test_batch_invariance.py -k "kernels or 7_and_31" ;;
     invariance-kernel-dims) step invariance-kernel-dims 300 python3 -m pytest -v -p no:cacheprovider \
                    tests/engine/test_batch_invariance.py -k kernels ;;   # the kernels really in the step
+    invariance-kernels-untiled) step invariance-kernels-untiled 250 python3 -m pytest -v \
+                   -p no:cacheprovider tests/engine/test_batch_invariance.py \
+                   -k "kernels and untiled" ;;   # the GPU default's formulation, with and without split K
     invariance8) DEEPINFER_INVARIANT_TILE=8 step invariance8 500 python3 -m pytest -q \
                    -p no:cacheprovider tests/engine/test_batch_invariance.py \
                    -k "not computes_the_same_model" ;;

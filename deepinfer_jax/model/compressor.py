@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deepinfer_jax.model.invariant import linear, ordered_softmax, ordered_sum
+from deepinfer_jax.model.invariant import f32_linear, ordered_softmax, ordered_sum
 from deepinfer_jax.model.norms import rms_norm
 from deepinfer_jax.model.params import CompressorParams
 from deepinfer_jax.model.rope import apply_rope, cos_sin
@@ -25,9 +25,7 @@ from deepinfer_jax.model.rope import apply_rope, cos_sin
 
 def project(x: jax.Array, p: CompressorParams, invariant: bool = False) -> tuple[jax.Array, jax.Array]:
     """x [..., D] -> (kv, score) f32[..., c*d]; the score still lacks the block-position bias."""
-    x32 = x.astype(jnp.float32)
-    return (linear(x32, p.wkv.astype(jnp.float32), invariant),
-            linear(x32, p.wgate.astype(jnp.float32), invariant))
+    return f32_linear(x, p.wkv, invariant), f32_linear(x, p.wgate, invariant)
 
 
 def pool_rows(kv: jax.Array, score: jax.Array, *, overlap: bool,

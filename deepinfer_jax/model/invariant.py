@@ -73,10 +73,22 @@ def linear(x: jax.Array, w: jax.Array, invariant: bool, out_dtype=None) -> jax.A
         return matmul(x)
     flat = x.reshape(-1, x.shape[-1])
     config = gemm.dense_invariant_config(flat.shape[0], w.shape[1], w.shape[0])
-    if x.dtype == w.dtype and out_dtype in (None, x.dtype) and gemm.kernel_runs(
+    if x.dtype == w.dtype and out_dtype in (None, x.dtype, jnp.float32) and gemm.kernel_runs(
             flat.shape[0], w.shape[0], w.shape[1], dtype=x.dtype, config=config):
-        return gemm.matmul(flat, w, config=config).reshape(*x.shape[:-1], w.shape[-1])
+        return gemm.matmul(flat, w, config=config, out_dtype=out_dtype).reshape(
+            *x.shape[:-1], w.shape[-1])
     return per_row_tiles(matmul, flat).reshape(*x.shape[:-1], w.shape[-1])
+
+
+def f32_linear(x: jax.Array, w: jax.Array, invariant: bool) -> jax.Array:
+    """x @ w in float32 (the compressor's and the router's projections, float32 in the
+    reference model). With both in bf16 every product is exact in float32 and the sum is
+    float32, so it is the same quantity as the float32 matmul of their values, without a
+    float32 copy of w and on a GPU at bf16 tensor-core speed (the batch-invariant mode's GEMM
+    kernel instead of a loop of row tiles); otherwise both go to float32."""
+    if x.dtype == w.dtype == jnp.bfloat16:
+        return linear(x, w, invariant, out_dtype=jnp.float32)
+    return linear(x.astype(jnp.float32), w.astype(jnp.float32), invariant)
 
 
 def grouped_linear(x: jax.Array, w: jax.Array, invariant: bool) -> jax.Array:

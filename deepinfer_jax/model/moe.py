@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config import MlpKind, ModelConfig, ScoringFunc
-from deepinfer_jax.model.invariant import linear, ordered_sum
+from deepinfer_jax.model.invariant import f32_linear, linear, ordered_sum
 from deepinfer_jax.model.params import ExpertParams, MoEParams, SharedExpertParams
 from pallas_kernels.common import settled
 from pallas_kernels.grouped_gemm import api as gemm
@@ -38,7 +38,7 @@ def score(logits: jax.Array, func: ScoringFunc) -> jax.Array:
 def route(x: jax.Array, token_ids: jax.Array, p: MoEParams, kind: MlpKind,
           cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """x [N, D], token_ids i32[N] -> (experts i32[N, K], weights f32[N, K])."""
-    logits = linear(x.astype(jnp.float32), p.gate.astype(jnp.float32), cfg.batch_invariant)
+    logits = f32_linear(x, p.gate, cfg.batch_invariant)
     scores = score(logits, cfg.scoring_func)
     if kind is MlpKind.HASH_MOE:
         experts = p.tid2eid[token_ids]

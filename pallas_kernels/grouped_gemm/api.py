@@ -197,27 +197,32 @@ def expert_invariant_configs(num_rows: int, dim: int, inter: int) -> tuple[TileC
 
 
 def matmul(x: jax.Array, w: jax.Array, *, impl: str | None = None,
-           config: Config | None = None) -> jax.Array:
-    """Batch-invariant x [M, K] @ w [K, N] -> [M, N] in x's dtype (f32 accumulation).
+           config: Config | None = None, out_dtype=None) -> jax.Array:
+    """Batch-invariant x [M, K] @ w [K, N] -> [M, N] in out_dtype (default: x's dtype), the
+    products summed in f32.
 
     A row's K sum runs in one order whatever M (dense_invariant_config)."""
     impl = impl or implementation(VALIDATED_ON_GPU, "grouped_gemm")
     config = config or dense_invariant_config(x.shape[0], w.shape[1], w.shape[0])
+    out_dtype = out_dtype or x.dtype
     if (impl == "reference" or isinstance(config, WarpSpecializedConfig)
             or not kernel_fits(w.shape[0], w.shape[1], config, False, x.dtype)):
+        if out_dtype != x.dtype:
+            return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
         sizes = jnp.full((1,), x.shape[0], jnp.int32)
         return grouped_matmul(x, w[None], sizes, impl=impl, config=config)
     with _mode(impl):   # one group: its tiles are the rows padded, no layout to build
         rows = x.shape[0]
         padded = jnp.pad(x, ((0, -rows % config.block_m), (0, 0)))
         tile_group = jnp.zeros((padded.shape[0] // config.block_m,), jnp.int32)
-        out = mosaic_gpu.tiled_group_matmul(padded, w[None], tile_group, config=config)
+        out = mosaic_gpu.tiled_group_matmul(padded, w[None], tile_group, config=config,
+                                            out_dtype=out_dtype)
         if config.split_k > 1:    # the K ranges' partial sums, added first to last
             total = out[0]
             for part in out[1:]:
                 total = total + part
             out = total
-        return out[:rows].astype(x.dtype)
+        return out[:rows].astype(out_dtype)
 
 
 def batched_matmul(x: jax.Array, w: jax.Array, *, impl: str | None = None,

@@ -103,13 +103,13 @@ def epilogue(accs: tuple[jax.Array, ...], swiglu_limit: float | None) -> jax.Arr
 
 # Jitted: the model calls it per layer with the same shapes, and jax lowers a jitted callee
 # once per module (Mosaic GPU lowering is ~0.1-0.5 s a kernel).
-@functools.partial(jax.jit, static_argnames=("swiglu_limit", "config"))
+@functools.partial(jax.jit, static_argnames=("swiglu_limit", "config", "out_dtype"))
 def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
                        rhs_scale: jax.Array | None = None, *, swiglu_limit: float | None = None,
-                       config: TileConfig = TileConfig()) -> jax.Array:
+                       config: TileConfig = TileConfig(), out_dtype=None) -> jax.Array:
     """lhs [T * block_m, K] (tile t belongs to group tile_group[t]; -1: unused), rhs [G, K, N]
-    (bf16, or FP8 E4M3 with rhs_scale f32[G, K/128, N/128]) -> [T * block_m, N] in lhs's
-    dtype ([.., N/2] with the SwiGLU epilogue: rhs holds gate | up). Unused tiles stay
+    (bf16, or FP8 E4M3 with rhs_scale f32[G, K/128, N/128]) -> [T * block_m, N] in out_dtype
+    (default: lhs's dtype) ([.., N/2] with the SwiGLU epilogue: rhs holds gate | up). Unused tiles stay
     unwritten. With config.split_k = S > 1: f32[S, T * block_m, N], the sums over each of S
     consecutive K ranges (the caller adds them, in a fixed order for batch invariance)."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
@@ -169,7 +169,7 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
     scratch = {}
     if fp8:
         scratch["dequantized"] = plgpu.SMEM((2, halves, bk, bn), lhs.dtype)
-    out_type = (jax.ShapeDtypeStruct((rows, n_out), lhs.dtype) if splits == 1 else
+    out_type = (jax.ShapeDtypeStruct((rows, n_out), out_dtype or lhs.dtype) if splits == 1 else
                 jax.ShapeDtypeStruct((splits, rows, n_out), jnp.float32))
     kernel = plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch,

@@ -320,3 +320,21 @@ def test_batched_matmul_is_each_groups_product_and_row_invariant():
     for m in (1, 5):
         np.testing.assert_array_equal(
             np.asarray(api.batched_matmul(x[:, :m], w, impl=KERNEL), np.float32), full[:, :m])
+
+
+@pytest.mark.parametrize("config", [TileConfig(block_m=64, block_n=128), SPLIT],
+                         ids=["whole-k", "split-k"])
+def test_dense_gemm_float32_out_keeps_the_float32_sum(config):
+    """out_dtype=float32 (the compressor's and router's projections of bf16 values): the
+    float32 sums come out unrounded, so they match a float64 product to float32's rounding of
+    a K-term sum, far inside bf16's; and a row's result still does not depend on M."""
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.standard_normal((130, 4 * K)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((4 * K, N)) / 8, jnp.bfloat16)
+    out = api.matmul(x, w, impl=KERNEL, config=config, out_dtype=jnp.float32)
+    assert out.dtype == jnp.float32
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=0, atol=1e-4 * np.abs(want).max())
+    np.testing.assert_array_equal(
+        np.asarray(api.matmul(x[:3], w, impl=KERNEL, config=config, out_dtype=jnp.float32)),
+        np.asarray(out)[:3])
