@@ -68,6 +68,9 @@ for name in "$@"; do
     invariance-kernels-untiled) step invariance-kernels-untiled 250 python3 -m pytest -v \
                    -p no:cacheprovider tests/engine/test_batch_invariance.py \
                    -k "kernels and untiled" ;;   # the GPU default's formulation, with and without split K
+    invariance-last) step invariance-last 185 python3 -m pytest -v -p no:cacheprovider \
+                   tests/engine/test_batch_invariance.py \
+                   -k "(kernels and untiled and not split) or 7_and_31" ;;   # a short device budget's pick
     invariance8) DEEPINFER_INVARIANT_TILE=8 step invariance8 500 python3 -m pytest -q \
                    -p no:cacheprovider tests/engine/test_batch_invariance.py \
                    -k "not computes_the_same_model" ;;

@@ -37,9 +37,9 @@ def default_config(num_rows: int, n_out: int, fp8: bool = False,
     with the tile. Large batches: 128-row tiles; with the SwiGLU epilogue's two accumulators
     64 columns each (128 x 128 x 2 f32 accumulators spill: 111 vs 267 TFLOP/s)."""
     if num_rows < 4096:
-        block_m, widths, steps = 64, (128, 64, 32, 16, 8), 4
+        block_m, widths, steps = 64, (128, 64, 32, 16), 4
     else:
-        block_m, widths, steps = 128, ((64, 32, 16, 8) if swiglu else (128, 64, 32, 16, 8)), 6
+        block_m, widths, steps = 128, ((64, 32, 16) if swiglu else (128, 64, 32, 16)), 6
     if fp8:
         widths = tuple(w for w in widths if w in (64, 128))
     block_n = next((b for b in widths if n_out % b == 0), 0)

@@ -43,8 +43,11 @@ class TileConfig:
     group_tiles: int = 0          # programs ordered by groups of this many row tiles (0: by tile)
 
     def check(self, k: int, n_out: int, fp8: bool, swiglu: bool = False) -> None:
-        if self.block_m % 64 or self.block_n % 8 or not 0 < self.block_n <= 256:
-            raise ValueError(f"wgmma tiles: block_m a multiple of 64, block_n <= 256 ({self})")
+        # block_n: 16-bit operands in shared memory take 32-byte swizzle tiles at the least:
+        # 8 columns fail Mosaic GPU's layout inference (seen on the H200: a tiny router's 8).
+        if self.block_m % 64 or self.block_n % 16 or not 0 < self.block_n <= 256:
+            raise ValueError(f"wgmma tiles: block_m a multiple of 64, block_n of 16, <= 256 "
+                             f"({self})")
         if self.max_concurrent_steps < 2:
             raise ValueError("the pipeline keeps one step's wgmma in flight: at least 2 steps")
         if k % (self.block_k * self.split_k) or n_out % self.block_n:

@@ -42,8 +42,8 @@ class WarpSpecializedConfig:
     def check(self, k: int, n_out: int, fp8: bool) -> None:
         if fp8:
             raise ValueError("the warp-specialised kernel takes bf16 weights only")
-        if self.block_n % 8 or not 0 < self.block_n <= 256:
-            raise ValueError(f"wgmma: 0 < block_n <= 256, a multiple of 8 ({self})")
+        if self.block_n % 16 or not 0 < self.block_n <= 256:   # see TileConfig.check
+            raise ValueError(f"wgmma: 0 < block_n <= 256, a multiple of 16 ({self})")
         if k % self.block_k or n_out % self.block_n:
             raise ValueError(f"K={k} and N={n_out} must be multiples of {self.block_k} and "
                              f"{self.block_n}")

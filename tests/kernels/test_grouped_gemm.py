@@ -307,6 +307,9 @@ def test_invariant_configs_follow_the_batch_only_once_the_tile_shape_is_free(mon
     assert api.expert_invariant_configs(5000, dim, inter)[0].block_m == 128
     assert not api.kernel_runs(64, 4096, 24, config=api.dense_invariant_config(64, 24),
                                dtype=jnp.float32)          # mHC's: float32, not a wgmma type
+    # 8 columns (a tiny model's router): Mosaic GPU finds no shared-memory tiling for them
+    assert not api.kernel_fits(4096, 8, api.dense_invariant_config(64, 8, 4096), False)
+    assert not api.kernel_fits(4096, 8, api.default_config(64, 8), False)
 
 
 def test_batched_matmul_is_each_groups_product_and_row_invariant():
