@@ -6,7 +6,8 @@ next to it. In batch-invariant mode every matmul-like op runs over fixed-size ro
 loop: each tile is the same program whatever the batch, and rows never share a reduction.
 Elementwise ops and row-wise reductions (norms, softmax, sorting) are already per row.
 On a GPU where the Pallas grouped-GEMM kernel runs, `linear` uses its dense form instead
-(fixed K tiles, no split-K: row-invariant by construction, at tensor-core speed).
+(fixed K tiles; K split only into ranges fixed by the weight's shape: row-invariant by
+construction, at tensor-core speed).
 """
 
 from __future__ import annotations

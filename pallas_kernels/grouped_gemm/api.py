@@ -126,10 +126,11 @@ def expert_mlp(x: jax.Array, w13: jax.Array, w2: jax.Array, group_sizes: jax.Arr
         return layout.from_tiles(out, tiles, out_order)
 
 
-# Batch-invariant configs. Every config sums a row's K in the same order (block_k 64, no
-# split-K). wgmma's per-element sums also ignore the tile's shape (block_m, block_n) and a row's
-# place in its tile: test_rows_do_not_depend_on_the_tile_shape passed on the H200
-# (2026-11-30, bench/results/gpu-tests.md). So small batches take narrower tiles, enough
+# Batch-invariant configs. Every config sums a row's K in the same order (block_k 64; K split
+# only by the weight's shape, invariant_split_k). wgmma's per-element sums also ignore the
+# tile's shape (block_m, block_n) and a row's place in its tile:
+# test_rows_do_not_depend_on_the_tile_shape passed on the H200 (2026-11-30,
+# bench/results/gpu-tests.md). So small batches take narrower tiles, enough
 # programs to fill the SMs (dense_invariant_config): with 128-column tiles a decode batch's
 # 4096 -> 512 projection ran on 4 of 132 SMs. DEEPINFER_INVARIANT_FREE_TILES=0 restores the
 # configs that depend on N only (for comparison).

@@ -14,7 +14,8 @@ expert weights at 82-90% of copy bandwidth; prefill-sized ones reach 267 TFLOP/s
 XLA's dense rate). The next steps are warp specialisation and a persistent grid.
 
 Batch invariance: a row's result depends on its own row and its group's weights only, and
-the K blocks are always summed in the same order (no split-K), so it is the same whatever
+the K blocks are always summed in the same order (split_k: ranges summed apart, the caller
+adding the partials in order, never a split chosen by M), so it is the same whatever
 other rows are in the batch; with one group this is the batch-invariant dense GEMM.
 An SM100 (tcgen05/TMEM) variant belongs in its own file, selected by compute capability.
 """
