@@ -66,9 +66,15 @@ def per_row_tiles(fn: Callable, *args, tile: int | None = None):
 def linear(x: jax.Array, w: jax.Array, invariant: bool, out_dtype=None) -> jax.Array:
     """x [..., K] @ w [K, N], the result in out_dtype (default: the operands' type). With
     out_dtype float32 and bf16 operands this is a float32 matmul of them (each product is
-    exact in float32, the sum is float32) without converting w first."""
+    exact in float32, the sum is float32) without converting w first. Float32 operands are
+    multiplied in float32: a GPU's default for them is TF32 (10-bit mantissas; the H200's
+    profile showed XLA's float32 GEMMs as tf32 kernels), which the reference model, torch with
+    TF32 off, does not use. Its only float32 user at size, mHC's 24-column projection, reads
+    far more than it computes."""
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+
     def matmul(t):
-        return jnp.matmul(t, w, preferred_element_type=out_dtype)
+        return jnp.matmul(t, w, preferred_element_type=out_dtype, precision=precision)
 
     if not invariant:
         return matmul(x)

@@ -42,3 +42,20 @@ def test_rows_do_not_depend_on_the_batch():
     for m in (1, 5, 9):
         np.testing.assert_array_equal(np.asarray(per_row_tiles(lambda t: t @ w, x[:m, 0])),
                                       np.asarray(tiled[:m]))
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_float32_linears_ask_for_float32_products(invariant):
+    """A float32 linear (mHC's projection) lowers, for a GPU too, with HIGHEST precision: a
+    GPU's default for float32 operands is TF32, which rounds them to 10-bit mantissas. bf16
+    operands keep the default (their products are exact either way)."""
+    import jax
+
+    from deepinfer_jax.model.invariant import linear
+
+    def lowered(dtype):
+        x, w = jnp.ones((16, 64), dtype), jnp.ones((64, 24), dtype)
+        return jax.jit(lambda a, b: linear(a, b, invariant)).lower(x, w).as_text()
+
+    assert "HIGHEST" in lowered(jnp.float32)
+    assert "HIGHEST" not in lowered(jnp.bfloat16)
