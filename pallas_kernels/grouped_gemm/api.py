@@ -142,6 +142,10 @@ TILE_SHAPE_FREE_ON_GPU = os.environ.get("DEEPINFER_INVARIANT_FREE_TILES", "1") =
 # on M (invariant_split_k). On the H200 it took the narrow projections from 2.5-4.5x XLA's
 # time to about XLA's (invariant-linears-gpu.md) and the mode's chunked-prefill cost from 30%
 # to 16% (batch-invariant-gpu-split-k.md). DEEPINFER_INVARIANT_SPLIT_K=0 turns it off.
+# The price grows with M: S float32 partials per output, written and read once. For a whole
+# 8192-token chunk that is ~3.5 GB per V4-Flash layer (~0.85 ms at copy bandwidth) against a
+# ~21 ms layer: ~4%, not yet measured. (A program summing its S ranges itself, in the same
+# order, would give the same bits without the traffic: the next step if it shows.)
 SPLIT_K_ON_GPU = os.environ.get("DEEPINFER_INVARIANT_SPLIT_K", "1") == "1"
 SMS = 132                       # H200; only sets how narrow small-batch tiles get
 LARGE_BATCH = 1 << 20           # the dense config: default_config's large-batch one
