@@ -199,7 +199,9 @@ def moe_case(name: str, tokens: int, shapes: Shapes, experts: Experts, impl: str
 
 def label(cfg) -> str:
     kind = "ws " if isinstance(cfg, WarpSpecializedConfig) else ""
-    return f"ours bf16 {kind}{cfg.block_m}x{cfg.block_n}x{cfg.block_k}/{cfg.max_concurrent_steps}"
+    grouped = f" by {cfg.group_tiles} tiles" if getattr(cfg, "group_tiles", 0) else ""
+    return (f"ours bf16 {kind}{cfg.block_m}x{cfg.block_n}x{cfg.block_k}/"
+            f"{cfg.max_concurrent_steps}{grouped}")
 
 
 def tile_sweep(name, op, tokens, rows, hit, flops, weight_bytes, fn, args, sweep) -> list[dict]:
@@ -227,8 +229,11 @@ def dense_case(m: int, shapes: Shapes, impl: str) -> list[dict]:
     k = n = shapes.hidden
     x = jax.random.normal(jax.random.key(3), (m, k), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(4), (k, n), jnp.bfloat16) * k**-0.5
+    whole_k = api.default_config(api.LARGE_BATCH, n)      # the config before split K
     variants = [("xla dot", jax.jit(jnp.dot)),
-                ("ours invariant", jax.jit(functools.partial(api.matmul, impl=impl)))]
+                ("ours invariant", jax.jit(functools.partial(api.matmul, impl=impl))),
+                ("ours invariant, K whole", jax.jit(functools.partial(api.matmul, impl=impl,
+                                                                      config=whole_k)))]
     variants += [(f"ours invariant ws {c.block_m}x{c.block_n}x{c.block_k}/{c.max_concurrent_steps}",
                   jax.jit(functools.partial(api.matmul, impl=impl, config=c))) for c in DENSE_SWEEP]
     rows, reference = [], None
@@ -295,10 +300,15 @@ def main() -> None:
     tokamax_dot, tokamax_version = (None, None) if args.smoke else tokamax_ragged_dot()
     experts = make_experts(shapes)
     ws = WarpSpecializedConfig
-    prefill_sweep = {"gate_up": [TileConfig(128, 64, 64, 6), ws(64, 64, 4), ws(128, 64, 3),
-                                 ws(128, 64, 4)],
+    # group_tiles: programs by groups of row tiles (TileConfig); 64-row tiles waste less of a
+    # ~192-row expert than 128-row ones (3 tiles exactly vs 2 = 256 rows)
+    prefill_sweep = {"gate_up": [TileConfig(128, 64, 64, 6), TileConfig(128, 64, 64, 6, group_tiles=8),
+                                 TileConfig(64, 128, 64, 4, group_tiles=8), ws(64, 64, 4),
+                                 ws(128, 64, 3), ws(128, 64, 4)],
                      "down": [TileConfig(128, 128, 64, 4), TileConfig(128, 128, 64, 6),
-                              ws(128, 64, 4), ws(256, 64, 3)]}
+                              TileConfig(128, 128, 64, 6, group_tiles=8),
+                              TileConfig(64, 256, 64, 3, group_tiles=8), ws(128, 64, 4),
+                              ws(256, 64, 3)]}
     decode_sweep = {"gate_up": [TileConfig(64, 128, 64, 4), TileConfig(64, 64, 64, 8),
                                 ws(128, 64, 4)],
                     "down": [TileConfig(64, 128, 64, 4), TileConfig(64, 256, 64, 3),
