@@ -192,25 +192,26 @@ def test_the_gpu_step_lowers_with_every_kernel(monkeypatch, cfg):
     for CUDA on the CPU: Mosaic GPU's layout and tiling checks run at lowering, so a shape the
     kernels cannot take that still reaches them fails here rather than on the H200 (a tiny
     router's 8 columns did)."""
+    from deepinfer_jax.engine_config import EngineConfig
     from deepinfer_jax.plan import build_plan
     from deepinfer_jax.scheduler import ScheduleDecision
+    from deepinfer_jax.state import init_state
     from deepinfer_jax.step import step
     from deepinfer_jax.wire import Wire
     from pallas_kernels.common import abstract_gpu
 
     monkeypatch.setenv("DEEPINFER_STEP_FORMULATION", "gpu")
-    config = KERNEL_CFG if cfg == "kernel dims" else ModelConfig.from_json_file(
-        REPO / "configs/tiny/tiny-mixed.json").replace(num_mtp_layers=0)
-    model = deepinfer_jax.Model(config, deepinfer_jax.random_params(config, 3, jnp.bfloat16))
-    llm = deepinfer_jax.LLM(model, batch_invariant=True, max_num_seqs=4, max_model_len=256,
-                            max_num_batched_tokens=64, token_buckets=(64,), page_size=64,
-                            show_progress=False)
-    engine = llm.engine
-    wire = Wire.of(build_plan(ScheduleDecision(()), 64, engine.ecfg))
-    traced = jax.jit(lambda p, s, b: step(p, s, wire.unpack_device(b), cfg=engine.cfg,
-                                          ecfg=engine.ecfg))
     monkeypatch.setenv("DEEPINFER_KERNELS", "mosaic_gpu")      # read when the step is traced
+    config = (KERNEL_CFG if cfg == "kernel dims" else ModelConfig.from_json_file(
+        REPO / "configs/tiny/tiny-mixed.json").replace(num_mtp_layers=0)).replace(
+        batch_invariant=True)
+    params = deepinfer_jax.random_params(config, 3, jnp.bfloat16)
+    ecfg = EngineConfig(batch_invariant=True, max_num_seqs=4, max_model_len=256,
+                        max_num_batched_tokens=64, token_buckets=(64,), page_size=64
+                        ).resolve(config)          # no engine: nothing compiled for the CPU
+    wire = Wire.of(build_plan(ScheduleDecision(()), 64, ecfg))
+    traced = jax.jit(lambda p, s, b: step(p, s, wire.unpack_device(b), cfg=config, ecfg=ecfg))
     with abstract_gpu():
         module = jax.export.export(traced, platforms=["cuda"])(
-            engine.params, engine.state, wire.spec()).mlir_module()
+            params, init_state(config, ecfg, jnp.bfloat16), wire.spec()).mlir_module()
     assert "mosaic_gpu" in module
