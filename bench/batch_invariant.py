@@ -28,7 +28,7 @@ from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
 from deepinfer_jax.model.invariant import default_invariant_tile, invariant_tile, untiled_segments  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
 from pallas_kernels.common import launch_bound  # noqa: E402
-from pallas_kernels.grouped_gemm import api as gemm  # noqa: E402
+from pallas_kernels.grouped_gemm import invariant as gemm  # noqa: E402
 
 
 def prefill_rate(llm: LLM, length: int) -> float:

@@ -5,7 +5,7 @@ XLA's matmul, at the row counts of a decode batch and of a prefill chunk.
     python bench/invariant_linears.py --smoke    # CPU: two small shapes, kernel interpreted
 
 Batch-invariant mode runs every bf16 projection through the invariant GEMM
-(`pallas_kernels.grouped_gemm.api.matmul`); on the H200 a V4-Flash step in that mode spent
+(`pallas_kernels.grouped_gemm.invariant.matmul`); on the H200 a V4-Flash step in that mode spent
 ~2.7 ms more in Mosaic GPU kernels than the default mode's cuBLAS calls (bench/h200.sh
 bi-profile, 2026-11-30). Per shape and M: XLA's dot, the invariant config the engine picks,
 and split-K variants (K in S ranges summed by separate programs, f32 partials added after),
@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import environment, write_results  # noqa: E402
 from bench.device_time import device_ms  # noqa: E402
-from pallas_kernels.grouped_gemm import api  # noqa: E402
+from pallas_kernels.grouped_gemm import invariant  # noqa: E402
 from pallas_kernels.grouped_gemm.mosaic_gpu import TileConfig  # noqa: E402
 
 # (name, K, N): V4-Flash's bf16 projections (configs/deepseek-v4-flash.json)
@@ -40,7 +40,7 @@ SMOKE = [("small", 256, 256), ("narrow", 512, 64)]
 
 
 def variants(m: int, k: int, n: int, smoke: bool) -> list[tuple[str, TileConfig]]:
-    engine = api.dense_invariant_config(m, n, k)
+    engine = invariant.dense_invariant_config(m, n, k)
     out = [("ours: engine's config", engine)]
     for splits in (2, 4, 8, 16):
         if n % 128 == 0 and k % (splits * 64) == 0 and k // splits >= (64 if smoke else 256):
@@ -67,7 +67,7 @@ def main() -> None:
             for label, config in variants(m, k, n, args.smoke):
                 cases.append((f"{label} ({config.block_m}x{config.block_n}"
                               f"{f', S={config.split_k}' if config.split_k > 1 else ''})",
-                              jax.jit(lambda a, b, c=config: api.matmul(a, b, impl=impl, config=c)),
+                              jax.jit(lambda a, b, c=config: invariant.matmul(a, b, impl=impl, config=c)),
                               config))
             for label, fn, config in cases:
                 row = {"shape": name, "k": k, "n": n, "rows": m, "impl": label}

@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 from bench.ceilings import measure as measure_ceilings  # noqa: E402
 from bench.ceilings import rel_err, timed_ms  # noqa: E402
 from bench.common import environment, write_results  # noqa: E402
-from pallas_kernels.grouped_gemm import api, reference  # noqa: E402
+from pallas_kernels.grouped_gemm import api, invariant, reference  # noqa: E402
 from pallas_kernels.grouped_gemm.mosaic_gpu import TileConfig  # noqa: E402
 from pallas_kernels.grouped_gemm.mosaic_gpu_ws import WarpSpecializedConfig  # noqa: E402
 
@@ -229,13 +229,13 @@ def dense_case(m: int, shapes: Shapes, impl: str) -> list[dict]:
     k = n = shapes.hidden
     x = jax.random.normal(jax.random.key(3), (m, k), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(4), (k, n), jnp.bfloat16) * k**-0.5
-    whole_k = api.default_config(api.LARGE_BATCH, n)      # the config before split K
+    whole_k = api.default_config(invariant.LARGE_BATCH, n)      # the config before split K
     variants = [("xla dot", jax.jit(jnp.dot)),
-                ("ours invariant", jax.jit(functools.partial(api.matmul, impl=impl))),
-                ("ours invariant, K whole", jax.jit(functools.partial(api.matmul, impl=impl,
+                ("ours invariant", jax.jit(functools.partial(invariant.matmul, impl=impl))),
+                ("ours invariant, K whole", jax.jit(functools.partial(invariant.matmul, impl=impl,
                                                                       config=whole_k)))]
     variants += [(f"ours invariant ws {c.block_m}x{c.block_n}x{c.block_k}/{c.max_concurrent_steps}",
-                  jax.jit(functools.partial(api.matmul, impl=impl, config=c))) for c in DENSE_SWEEP]
+                  jax.jit(functools.partial(invariant.matmul, impl=impl, config=c))) for c in DENSE_SWEEP]
     rows, reference = [], None
     for name, fn in variants:
         row = {"case": f"dense M={m}", "op": "matmul", "impl": name, "rows": m}

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.common import launch_bound
 from pallas_kernels.grouped_gemm import api as gemm
+from pallas_kernels.grouped_gemm import invariant as invariant_gemm
 
 
 def invariant_tile() -> int:
@@ -79,10 +80,10 @@ def linear(x: jax.Array, w: jax.Array, invariant: bool, out_dtype=None) -> jax.A
     if not invariant:
         return matmul(x)
     flat = x.reshape(-1, x.shape[-1])
-    config = gemm.dense_invariant_config(flat.shape[0], w.shape[1], w.shape[0])
+    config = invariant_gemm.dense_invariant_config(flat.shape[0], w.shape[1], w.shape[0])
     if x.dtype == w.dtype and out_dtype in (None, x.dtype, jnp.float32) and gemm.kernel_runs(
             flat.shape[0], w.shape[0], w.shape[1], dtype=x.dtype, config=config):
-        return gemm.matmul(flat, w, config=config, out_dtype=out_dtype).reshape(
+        return invariant_gemm.matmul(flat, w, config=config, out_dtype=out_dtype).reshape(
             *x.shape[:-1], w.shape[-1])
     return per_row_tiles(matmul, flat).reshape(*x.shape[:-1], w.shape[-1])
 
@@ -105,10 +106,10 @@ def grouped_linear(x: jax.Array, w: jax.Array, invariant: bool) -> jax.Array:
         return jnp.einsum("...gk,gkn->...gn", x, w)
     groups, k, n = w.shape
     flat = x.reshape(-1, groups, k)
-    config = gemm.dense_invariant_config(flat.shape[0] * groups, n)
+    config = invariant_gemm.dense_invariant_config(flat.shape[0] * groups, n)
     if x.dtype == w.dtype and gemm.kernel_runs(flat.shape[0] * groups, k, n, dtype=x.dtype,
                                                config=config):
-        out = gemm.batched_matmul(flat.swapaxes(0, 1), w, config=config).swapaxes(0, 1)
+        out = invariant_gemm.batched_matmul(flat.swapaxes(0, 1), w, config=config).swapaxes(0, 1)
     else:
         out = per_row_tiles(lambda t: jnp.einsum("tgk,gkn->tgn", t, w), flat)
     return out.reshape(*x.shape[:-1], n)

@@ -22,6 +22,7 @@ from deepinfer_jax.model.invariant import f32_linear, linear, ordered_sum
 from deepinfer_jax.model.params import ExpertParams, MoEParams, SharedExpertParams
 from pallas_kernels.common import settled
 from pallas_kernels.grouped_gemm import api as gemm
+from pallas_kernels.grouped_gemm import invariant as invariant_gemm
 from pallas_kernels.grouped_gemm.reference import swiglu  # the clamped SwiGLU, one definition
 
 
@@ -114,7 +115,7 @@ def _expert_configs(num_tokens: int, p: MoEParams, cfg: ModelConfig):
     follow the batch (grouped GEMM api), else its defaults (None)."""
     inter, dim = p.experts.w2.shape[1:]
     pairs = num_tokens * cfg.num_experts_per_tok
-    return gemm.expert_invariant_configs(pairs, dim, inter) if cfg.batch_invariant else None
+    return invariant_gemm.expert_invariant_configs(pairs, dim, inter) if cfg.batch_invariant else None
 
 
 def experts_on_kernel(num_tokens: int, dtype, p: MoEParams, cfg: ModelConfig) -> bool:

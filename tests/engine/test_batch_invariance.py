@@ -121,22 +121,23 @@ KERNEL_CFG = ModelConfig.from_json_file(REPO / "configs/tiny/tiny-mixed.json").r
                          ids=["tiled", "untiled", "untiled-split-k"])
 def test_rows_stay_invariant_on_the_kernels(monkeypatch, untiled, split_k):
     from pallas_kernels.grouped_gemm import api as gemm
+    from pallas_kernels.grouped_gemm import invariant as gemm_invariant
     from pallas_kernels.indexer import api as indexer
     from pallas_kernels.sink_attention import api as attention
 
     monkeypatch.setenv("DEEPINFER_KERNELS", "mosaic_gpu")
     inter, hidden = KERNEL_CFG.moe_intermediate_size, KERNEL_CFG.hidden_size
     monkeypatch.setenv("DEEPINFER_INVARIANT_UNTILED", untiled)   # invariant.untiled_segments
-    if split_k:     # the dense GEMM's K in ranges (api.invariant_split_k), small enough here
-        monkeypatch.setattr(gemm, "SPLIT_K_ON_GPU", True)
-        monkeypatch.setattr(gemm, "MIN_SPLIT_K", 64)
-        assert gemm.dense_invariant_config(64, hidden, hidden).split_k > 1
+    if split_k:     # the dense GEMM's K in ranges (invariant_split_k), small enough here
+        monkeypatch.setattr(gemm_invariant, "SPLIT_K_ON_GPU", True)
+        monkeypatch.setattr(gemm_invariant, "MIN_SPLIT_K", 64)
+        assert gemm_invariant.dense_invariant_config(64, hidden, hidden).split_k > 1
     q = jnp.zeros((1, KERNEL_CFG.num_heads, KERNEL_CFG.head_dim), jnp.bfloat16)
     assert attention.kernel_runs(q, q)                              # the kernels really run
     index_q = jnp.zeros((1, KERNEL_CFG.index_n_heads, KERNEL_CFG.index_head_dim), jnp.bfloat16)
     assert indexer.kernel_runs(index_q, index_q)
     assert gemm.kernel_runs(16, hidden, inter) and gemm.kernel_runs(16, inter, hidden)
-    assert gemm.kernel_runs(64, hidden, hidden, config=gemm.dense_invariant_config(64, hidden))
+    assert gemm.kernel_runs(64, hidden, hidden, config=gemm_invariant.dense_invariant_config(64, hidden))
     model = deepinfer_jax.Model(KERNEL_CFG, deepinfer_jax.random_params(KERNEL_CFG, 3,
                                                                         jnp.bfloat16))
     llm = deepinfer_jax.LLM(model, batch_invariant=True, max_num_seqs=8, max_model_len=320,

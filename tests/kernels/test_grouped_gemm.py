@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.common import abstract_gpu, on_hopper_or_newer
-from pallas_kernels.grouped_gemm import api, layout, reference
+from pallas_kernels.grouped_gemm import api, invariant, layout, reference
 from pallas_kernels.grouped_gemm.mosaic_gpu import TileConfig, tiled_group_matmul
 from pallas_kernels.grouped_gemm.mosaic_gpu_ws import WarpSpecializedConfig
 from pallas_kernels.grouped_gemm.mosaic_gpu_ws import tiled_group_matmul as tiled_group_matmul_ws
@@ -75,10 +75,10 @@ def test_warp_specialized_expert_mlp_and_dense_invariance():
     w2 = jnp.asarray(rng.standard_normal((len(sizes), N // 2, K)) / 8, jnp.bfloat16)
     close(api.expert_mlp(x, w13, w2, sizes, 7.0, impl=KERNEL, configs=(WS, WS)),
           api.expert_mlp(x, w13, w2, sizes, 7.0, impl="reference"))
-    full = np.asarray(api.matmul(x, w13[0], impl=KERNEL, config=WS), np.float32)
+    full = np.asarray(invariant.matmul(x, w13[0], impl=KERNEL, config=WS), np.float32)
     for m in (1, 3, 64):
         np.testing.assert_array_equal(
-            np.asarray(api.matmul(x[:m], w13[0], impl=KERNEL, config=WS), np.float32), full[:m])
+            np.asarray(invariant.matmul(x[:m], w13[0], impl=KERNEL, config=WS), np.float32), full[:m])
 
 
 @pytest.mark.parametrize("rows", [100, 5000])
@@ -183,10 +183,10 @@ def test_dense_gemm_rows_do_not_depend_on_the_number_of_rows():
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((1000, K)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((K, N)) / 8, jnp.bfloat16)
-    full = np.asarray(api.matmul(x, w, impl=KERNEL), np.float32)
-    close(full, api.matmul(x, w, impl="reference"))
+    full = np.asarray(invariant.matmul(x, w, impl=KERNEL), np.float32)
+    close(full, invariant.matmul(x, w, impl="reference"))
     for m in (1, 3, 64):
-        np.testing.assert_array_equal(np.asarray(api.matmul(x[:m], w, impl=KERNEL), np.float32),
+        np.testing.assert_array_equal(np.asarray(invariant.matmul(x[:m], w, impl=KERNEL), np.float32),
                                       full[:m])
 
 
@@ -200,25 +200,25 @@ def test_split_k_rows_do_not_depend_on_the_number_of_rows():
     rng = np.random.default_rng(6)
     x = jnp.asarray(rng.standard_normal((200, 4 * K)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((4 * K, N)) / 8, jnp.bfloat16)
-    full = np.asarray(api.matmul(x, w, impl=KERNEL, config=SPLIT), np.float32)
+    full = np.asarray(invariant.matmul(x, w, impl=KERNEL, config=SPLIT), np.float32)
     close(full, np.asarray(x, np.float64) @ np.asarray(w, np.float64))
     for m in (1, 3, 64):
         np.testing.assert_array_equal(
-            np.asarray(api.matmul(x[:m], w, impl=KERNEL, config=SPLIT), np.float32), full[:m])
+            np.asarray(invariant.matmul(x[:m], w, impl=KERNEL, config=SPLIT), np.float32), full[:m])
     # programs in groups of row tiles (the last group short): every (tile, column) once
     np.testing.assert_array_equal(
-        np.asarray(api.matmul(x, w, impl=KERNEL, config=GROUPED), np.float32), full)
+        np.asarray(invariant.matmul(x, w, impl=KERNEL, config=GROUPED), np.float32), full)
 
 
 def test_split_k_follows_the_weight_shape_only(monkeypatch):
-    monkeypatch.setattr(api, "SPLIT_K_ON_GPU", True)
-    assert api.invariant_split_k(4096, 512) == 8        # 4 column tiles: K in ranges of 512
-    assert api.invariant_split_k(4096, 64) == 8         # one 64-column tile
-    assert api.invariant_split_k(8192, 4096) == 2       # 32 column tiles
-    assert api.invariant_split_k(4096, 24) == 1         # no 64-column tile
-    assert api.invariant_split_k(1024, 32768) == 1      # 256 column tiles fill the SMs
+    monkeypatch.setattr(invariant, "SPLIT_K_ON_GPU", True)
+    assert invariant.invariant_split_k(4096, 512) == 8        # 4 column tiles: K in ranges of 512
+    assert invariant.invariant_split_k(4096, 64) == 8         # one 64-column tile
+    assert invariant.invariant_split_k(8192, 4096) == 2       # 32 column tiles
+    assert invariant.invariant_split_k(4096, 24) == 1         # no 64-column tile
+    assert invariant.invariant_split_k(1024, 32768) == 1      # 256 column tiles fill the SMs
     for rows in (1, 64, 256, 5000):
-        config = api.dense_invariant_config(rows, 1024, 4096)
+        config = invariant.dense_invariant_config(rows, 1024, 4096)
         assert config.split_k == 8 and api.kernel_fits(4096, 1024, config, False)
     with pytest.raises(ValueError, match="split K"):
         SPLIT.check(4 * K, N, fp8=False, swiglu=True)
@@ -273,7 +273,7 @@ def test_dense_fallback_equals_ragged_dot(case):
     assert not np.asarray(got[-5:], np.float32).any()
 
 
-# What api.TILE_SHAPE_FREE_ON_GPU rests on: on the H200 (where it is the real question, wgmma's
+# What invariant.TILE_SHAPE_FREE_ON_GPU rests on: on the H200 (where it is the real question, wgmma's
 # per-element sums) and in interpret mode. The SwiGLU epilogue is elementwise, so the plain
 # product is the whole question; block_k stays 64 in every config.
 TILE_SHAPES = [TileConfig(block_m=64, block_n=128), TileConfig(block_m=128, block_n=128),
@@ -285,30 +285,30 @@ def test_rows_do_not_depend_on_the_tile_shape():
     rng = np.random.default_rng(9)
     x = jnp.asarray(rng.standard_normal((130, 4 * K)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((4 * K, N)) / 8, jnp.bfloat16)
-    outs = [np.asarray(api.matmul(x, w, impl=KERNEL, config=c), np.float32) for c in TILE_SHAPES]
-    close(outs[0], api.matmul(x, w, impl="reference"))
+    outs = [np.asarray(invariant.matmul(x, w, impl=KERNEL, config=c), np.float32) for c in TILE_SHAPES]
+    close(outs[0], invariant.matmul(x, w, impl="reference"))
     for config, out in zip(TILE_SHAPES[1:], outs[1:]):
         np.testing.assert_array_equal(out, outs[0], err_msg=str(config))
 
 
 def test_invariant_configs_follow_the_batch_only_once_the_tile_shape_is_free(monkeypatch):
     dim, inter = 4096, 2048
-    monkeypatch.setattr(api, "TILE_SHAPE_FREE_ON_GPU", False)
+    monkeypatch.setattr(invariant, "TILE_SHAPE_FREE_ON_GPU", False)
     for rows in (1, 64, 5000):
-        assert api.expert_invariant_configs(rows, dim, inter) == \
-            api.expert_invariant_configs(1, dim, inter)
-        assert api.dense_invariant_config(rows, 512) == api.dense_invariant_config(1, 512)
-    monkeypatch.setattr(api, "TILE_SHAPE_FREE_ON_GPU", True)
-    small = api.dense_invariant_config(64, 512)               # a decode batch's 4096 -> 512
+        assert invariant.expert_invariant_configs(rows, dim, inter) == \
+            invariant.expert_invariant_configs(1, dim, inter)
+        assert invariant.dense_invariant_config(rows, 512) == invariant.dense_invariant_config(1, 512)
+    monkeypatch.setattr(invariant, "TILE_SHAPE_FREE_ON_GPU", True)
+    small = invariant.dense_invariant_config(64, 512)               # a decode batch's 4096 -> 512
     assert small.block_n == 16 and api.kernel_fits(4096, 512, small, False)
-    wide = api.dense_invariant_config(64, 32768)              # already 256 programs at 128
+    wide = invariant.dense_invariant_config(64, 32768)              # already 256 programs at 128
     assert wide.block_n == 128
-    assert api.dense_invariant_config(8192, 512) == api.default_config(api.LARGE_BATCH, 512)
-    assert api.expert_invariant_configs(5000, dim, inter)[0].block_m == 128
-    assert not api.kernel_runs(64, 4096, 24, config=api.dense_invariant_config(64, 24),
+    assert invariant.dense_invariant_config(8192, 512) == api.default_config(invariant.LARGE_BATCH, 512)
+    assert invariant.expert_invariant_configs(5000, dim, inter)[0].block_m == 128
+    assert not api.kernel_runs(64, 4096, 24, config=invariant.dense_invariant_config(64, 24),
                                dtype=jnp.float32)          # mHC's: float32, not a wgmma type
     # 8 columns (a tiny model's router): Mosaic GPU finds no shared-memory tiling for them
-    assert not api.kernel_fits(4096, 8, api.dense_invariant_config(64, 8, 4096), False)
+    assert not api.kernel_fits(4096, 8, invariant.dense_invariant_config(64, 8, 4096), False)
     assert not api.kernel_fits(4096, 8, api.default_config(64, 8), False)
 
 
@@ -318,11 +318,11 @@ def test_batched_matmul_is_each_groups_product_and_row_invariant():
     rng = np.random.default_rng(7)
     x = jnp.asarray(rng.standard_normal((3, 70, K)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((3, K, N)) / 8, jnp.bfloat16)
-    full = np.asarray(api.batched_matmul(x, w, impl=KERNEL), np.float32)
+    full = np.asarray(invariant.batched_matmul(x, w, impl=KERNEL), np.float32)
     close(full, np.einsum("gmk,gkn->gmn", np.asarray(x, np.float64), np.asarray(w, np.float64)))
     for m in (1, 5):
         np.testing.assert_array_equal(
-            np.asarray(api.batched_matmul(x[:, :m], w, impl=KERNEL), np.float32), full[:, :m])
+            np.asarray(invariant.batched_matmul(x[:, :m], w, impl=KERNEL), np.float32), full[:, :m])
 
 
 @pytest.mark.parametrize("config", [TileConfig(block_m=64, block_n=128), SPLIT],
@@ -334,10 +334,10 @@ def test_dense_gemm_float32_out_keeps_the_float32_sum(config):
     rng = np.random.default_rng(8)
     x = jnp.asarray(rng.standard_normal((130, 4 * K)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((4 * K, N)) / 8, jnp.bfloat16)
-    out = api.matmul(x, w, impl=KERNEL, config=config, out_dtype=jnp.float32)
+    out = invariant.matmul(x, w, impl=KERNEL, config=config, out_dtype=jnp.float32)
     assert out.dtype == jnp.float32
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     np.testing.assert_allclose(np.asarray(out), want, rtol=0, atol=1e-4 * np.abs(want).max())
     np.testing.assert_array_equal(
-        np.asarray(api.matmul(x[:3], w, impl=KERNEL, config=config, out_dtype=jnp.float32)),
+        np.asarray(invariant.matmul(x[:3], w, impl=KERNEL, config=config, out_dtype=jnp.float32)),
         np.asarray(out)[:3])
