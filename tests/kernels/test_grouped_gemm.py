@@ -224,7 +224,9 @@ def test_split_k_follows_the_weight_shape_only(monkeypatch):
         SPLIT.check(4 * K, N, fp8=False, swiglu=True)
 
 
-@pytest.mark.parametrize("config", [SPLIT, GROUPED], ids=["split", "split-grouped-tiles"])
+@pytest.mark.parametrize("config", [SPLIT, GROUPED, TileConfig(128, 128, 64, 6, split_k=4,
+                                                                 group_tiles=8)],
+                         ids=["split", "split-grouped-tiles", "split-128-rows"])
 def test_split_k_kernel_lowers_for_cuda(config):
     x = jnp.zeros((128, 4 * K), jnp.bfloat16)
     w = jnp.zeros((1, 4 * K, N), jnp.bfloat16)
