@@ -65,8 +65,9 @@ def kernel_name(kind: str, config, k: int, n_out: int, swiglu_limit: float | Non
     """The compiled kernel's symbol, so that a profile tells the GEMMs of a step apart:
     e.g. grouped_gemm_64x128x64_k4096_n1024 (tile rows x columns x K step, then the shape)."""
     tile = f"{config.block_m}x{config.block_n}x{config.block_k}"
-    splits = getattr(config, "split_k", 1)
+    splits, grouped = getattr(config, "split_k", 1), getattr(config, "group_tiles", 0)
     return "_".join([kind, tile, f"k{k}", f"n{n_out}"] + [f"split{splits}"] * (splits > 1)
+                    + [f"by{grouped}tiles"] * (grouped > 0)
                     + ["swiglu"] * (swiglu_limit is not None) + ["fp8"] * fp8)
 
 
