@@ -59,6 +59,8 @@ for name in "$@"; do
     moe-model)   step moe-model 90 python3 -m pytest -q -p no:cacheprovider \
                    tests/model/test_moe.py -k kernel ;;
     moe)         step moe 240 python3 bench/kernels_moe.py ;;
+    kernels-ws)  step kernels-ws 150 python3 -m pytest -q -p no:cacheprovider \
+                   tests/kernels/test_grouped_gemm.py -k "warp or tile_shape or layout or default_configs" ;;
     invariance)  step invariance 500 python3 -m pytest -q -p no:cacheprovider \
                    tests/engine/test_batch_invariance.py -k "not computes_the_same_model" ;;
     invariance-kernels) step invariance-kernels 300 python3 -m pytest -q -p no:cacheprovider \

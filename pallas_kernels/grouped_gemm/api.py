@@ -29,12 +29,19 @@ Config = TileConfig | WarpSpecializedConfig
 VALIDATED_ON_GPU = True
 
 
-def default_config(num_rows: int, n_out: int, fp8: bool = False,
-                   swiglu: bool = False) -> TileConfig:
+def default_config(num_rows: int, n_out: int, fp8: bool = False, swiglu: bool = False,
+                   warp_specialized: bool = True) -> Config:
     """Measured on the H200 (bench/results/kernels-moe-gpu.md). Small (decode) batches:
     64-row tiles, since a hit expert usually has one or two rows and the padded layout grows
-    with the tile. Large batches: 128-row tiles; with the SwiGLU epilogue's two accumulators
-    64 columns each (128 x 128 x 2 f32 accumulators spill: 111 vs 267 TFLOP/s)."""
+    with the tile. Large batches: 128-row tiles, bf16 ones on the warp-specialised kernel
+    (gate/up 401 vs 334 TFLOP/s at 8k tokens, down 348 vs 334); on the one-warpgroup
+    kernel the SwiGLU epilogue's two accumulators 64 columns each (128 x 128 x 2 f32
+    accumulators spill: 111 vs 267 TFLOP/s)."""
+    if num_rows >= 4096 and warp_specialized and not fp8:
+        block_n = next((b for b in ((128, 64) if swiglu else (256, 128)) if n_out % b == 0), 0)
+        if block_n:
+            return WarpSpecializedConfig(block_n=block_n, block_k=64,
+                                         max_concurrent_steps=4 if swiglu else 3)
     if num_rows < 4096:
         block_m, widths, steps = 64, (128, 64, 32, 16), 4
     else:
@@ -83,8 +90,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                                         swiglu_limit=swiglu_limit)
     with kernel_mode(impl):
         tiles = layout.tile_layout(group_sizes, lhs.shape[0], config.block_m)
-        out = _tiled(layout.to_tiles(lhs, tiles, config.block_m), rhs, tiles.tile_group,
-                     rhs_scale, swiglu_limit, config)
+        out = _tiled(layout.to_tiles(lhs, tiles, config.block_m), rhs, tiles, rhs_scale,
+                     swiglu_limit, config)
         return layout.from_tiles(out, tiles)
 
 
@@ -120,16 +127,17 @@ def expert_mlp(x: jax.Array, w13: jax.Array, w2: jax.Array, group_sizes: jax.Arr
         tiles = layout.tile_layout(group_sizes, rows, up_cfg.block_m)
         tiled = (layout.to_tiles(x, tiles, up_cfg.block_m) if source_rows is None else
                  layout.gather_to_tiles(x, source_rows, tiles, up_cfg.block_m))
-        hidden = _tiled(tiled, w13, tiles.tile_group, w13_scale, swiglu_limit, up_cfg)
-        out = _tiled(hidden, w2, tiles.tile_group, w2_scale, None, down_cfg)
+        hidden = _tiled(tiled, w13, tiles, w13_scale, swiglu_limit, up_cfg)
+        out = _tiled(hidden, w2, tiles, w2_scale, None, down_cfg)
         return layout.from_tiles(out, tiles, out_order)
 
 
-def _tiled(lhs, rhs, tile_group, rhs_scale, swiglu_limit, config: Config) -> jax.Array:
+def _tiled(lhs, rhs, tiles: layout.TileLayout, rhs_scale, swiglu_limit,
+           config: Config) -> jax.Array:
     if isinstance(config, WarpSpecializedConfig):
-        return mosaic_gpu_ws.tiled_group_matmul(lhs, rhs, tile_group, swiglu_limit=swiglu_limit,
-                                                config=config)
-    return mosaic_gpu.tiled_group_matmul(lhs, rhs, tile_group, rhs_scale,
+        return mosaic_gpu_ws.tiled_group_matmul(lhs, rhs, tiles.tile_group, tiles.tile_rows,
+                                                swiglu_limit=swiglu_limit, config=config)
+    return mosaic_gpu.tiled_group_matmul(lhs, rhs, tiles.tile_group, rhs_scale,
                                          swiglu_limit=swiglu_limit, config=config)
 
 

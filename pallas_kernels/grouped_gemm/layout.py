@@ -25,6 +25,7 @@ def max_tiles(num_rows: int, num_groups: int, block_m: int) -> int:
 class TileLayout(NamedTuple):
     padded_row: jax.Array    # i32[M]  where each sorted row sits in the tiled layout
     tile_group: jax.Array    # i32[T]  each tile's group, -1 for unused tiles
+    tile_rows: jax.Array     # i32[T]  rows of its group in each tile (the rest are padding)
 
 
 def tile_layout(group_sizes: jax.Array, num_rows: int, block_m: int) -> TileLayout:
@@ -42,8 +43,13 @@ def tile_layout(group_sizes: jax.Array, num_rows: int, block_m: int) -> TileLayo
     padded_row = tile_start[group] * block_m + row - group_start[group]
     t = jnp.arange(tiles)
     tile_group = jnp.searchsorted(tile_end, t, side="right", method="compare_all")
-    tile_group = jnp.where(t < tile_end[-1], tile_group, -1).astype(jnp.int32)
-    return TileLayout(*settled(padded_row.astype(jnp.int32), tile_group))
+    used = t < tile_end[-1]
+    tile_group = jnp.where(used, tile_group, -1).astype(jnp.int32)
+    owner = jnp.maximum(tile_group, 0)             # (unused tiles: group 0's, masked below)
+    before = (t - tile_start[owner]) * block_m             # the group's rows in earlier tiles
+    tile_rows = jnp.where(used, jnp.clip(group_sizes[owner] - before, 0, block_m), 0)
+    return TileLayout(*settled(padded_row.astype(jnp.int32), tile_group,
+                               tile_rows.astype(jnp.int32)))
 
 
 def to_tiles(rows: jax.Array, layout: TileLayout, block_m: int) -> jax.Array:

@@ -8,8 +8,15 @@ accumulator per half. Doubling the rows that share each weight block halves the 
 per FLOP of the one-warpgroup kernel, and the producer keeps copies in flight while both
 consumers compute: the structure of jax's Hopper matmul example, applied to expert tiles.
 
+A group's last tile is partly padding (a V4-Flash prefill's experts get ~192 rows each: a
+full tile and a half one). A consumer whose 64 rows are all padding (`tile_rows`) skips its
+wgmmas and its store, so the other has the tensor cores to itself: the work follows the
+rows in 64-row steps while full tiles still share each weight block between 128 rows.
+
 The sum over K runs in the same order for every row, so a row's result does not depend on
-the batch here either. Not yet timed on the H200 (bench/kernels_moe.py sweeps it).
+the batch here either. On the H200 (kernels-moe-gpu.md), the gate/up GEMM of a V4-Flash
+8k-token prefill: 334 TFLOP/s on the one-warpgroup kernel, 379 here, 401 with the padding
+skip (the whole expert MLP 347 -> 412 TFLOP/s, 54% of the dense matmul rate).
 """
 
 from __future__ import annotations
@@ -52,11 +59,13 @@ class WarpSpecializedConfig:
 # Jitted: the model calls it per layer with the same shapes, and jax lowers a jitted callee
 # once per module (Mosaic GPU lowering is ~0.1-0.5 s a kernel).
 @functools.partial(jax.jit, static_argnames=("swiglu_limit", "config"))
-def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
-                       swiglu_limit: float | None = None,
+def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
+                       tile_rows: jax.Array | None = None, *, swiglu_limit: float | None = None,
                        config: WarpSpecializedConfig = WarpSpecializedConfig()) -> jax.Array:
-    """lhs [T * 128, K] (tile t belongs to group tile_group[t]; -1: unused), rhs [G, K, N]
-    -> [T * 128, N] ([.., N/2] with the SwiGLU epilogue: rhs holds gate | up)."""
+    """lhs [T * 128, K] (tile t belongs to group tile_group[t]; -1: unused; its first
+    tile_rows[t] rows are the group's, default all), rhs [G, K, N] -> [T * 128, N] ([.., N/2]
+    with the SwiGLU epilogue: rhs holds gate | up). Rows of a 64-row half that is all padding
+    stay unwritten."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     rows, k = lhs.shape
     n = rhs.shape[2]
@@ -64,11 +73,15 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
     config.check(k, n_out, fp8=False)
     halves = 2 if swiglu_limit is not None else 1
 
-    def body(tile_group_ref, lhs_ref, rhs_ref, out_ref):
+    if tile_rows is None:
+        tile_rows = jnp.full(tile_group.shape, bm, jnp.int32)
+
+    def body(tile_group_ref, tile_rows_ref, lhs_ref, rhs_ref, out_ref):
         tile, col = lax.axis_index("tile"), lax.axis_index("col")
         group = tile_group_ref[tile]
         wg = lax.axis_index("wg")
         my_rows = pl.ds(wg * WG_ROWS, WG_ROWS)
+        mine_to_compute = tile_rows_ref[tile] > wg * WG_ROWS   # (consumers only ask)
         operands = (lhs_ref.at[pl.ds(tile * bm, bm)], *[rhs_ref.at[jnp.maximum(group, 0)]] * halves)
 
         def pipeline(mma, compute_context):
@@ -83,8 +96,11 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
 
         def mma(_, lhs_smem, *refs):
             *rhs_smems, accs = refs
-            for acc, w in zip(accs, rhs_smems, strict=True):
-                plgpu.wgmma(acc, lhs_smem.at[my_rows], w)
+
+            @pl.when(mine_to_compute)     # (all padding: the slots are released untouched)
+            def _():
+                for acc, w in zip(accs, rhs_smems, strict=True):
+                    plgpu.wgmma(acc, lhs_smem.at[my_rows], w)
             plgpu.wgmma_wait(halves)      # retire the previous step's (its slots refill next)
             return accs
 
@@ -99,13 +115,16 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
             def compute_context(eval_pipeline):
                 def accumulate(*accs):
                     accs = eval_pipeline(accs)
-                    result = epilogue(tuple(acc[...] for acc in accs), swiglu_limit)
-                    mine = out_smem.at[wg]
-                    mine[...] = result.astype(out_smem.dtype)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(mine, out_ref.at[
-                        pl.ds(tile * bm + wg * WG_ROWS, WG_ROWS), pl.ds(col * bn, bn)])
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+                    @pl.when(mine_to_compute)
+                    def _():
+                        result = epilogue(tuple(acc[...] for acc in accs), swiglu_limit)
+                        mine = out_smem.at[wg]
+                        mine[...] = result.astype(out_smem.dtype)
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(mine, out_ref.at[
+                            pl.ds(tile * bm + wg * WG_ROWS, WG_ROWS), pl.ds(col * bn, bn)])
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
                 pl.run_scoped(accumulate, *[plgpu.ACC((WG_ROWS, bn)) for _ in range(halves)])
 
@@ -119,4 +138,4 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
         kernel_name=kernel_name("grouped_gemm_ws", config, k, n_out, swiglu_limit, False),
         num_threads=CONSUMERS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-    return kernel(tile_group, lhs, rhs)
+    return kernel(tile_group, tile_rows, lhs, rhs)
