@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deepinfer_jax.model.mhc import sinkhorn
+from deepinfer_jax.model.mhc import _mixes, bf16_parts, hc_post, sinkhorn
 
 ITERS, EPS = 20, 1e-6
 
@@ -39,3 +39,46 @@ def test_unrolled_sinkhorn_is_one_fused_chain_without_loops():
     loop = jax.jit(lambda x: sinkhorn(x, ITERS, EPS, unrolled=False)).lower(logits).as_text()
     assert "stablehlo.while" in loop
 
+
+
+def test_bf16_parts_hold_a_float32_weight():
+    w = jax.random.normal(jax.random.key(1), (512, 24), jnp.float32) * 0.01
+    hi, mid, lo = bf16_parts(w)
+    rebuilt = sum(np.asarray(part, np.float64) for part in (hi, mid, lo))
+    np.testing.assert_allclose(np.asarray(rebuilt), np.asarray(w, np.float64), rtol=2**-23, atol=0)
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_mixes_are_the_normalised_float32_projection(invariant):
+    """bf16 streams: the projection of the RMS-normalised flat streams, to float32 accuracy
+    (the default mode's three bf16 parts with the norm applied after, and the invariant
+    mode's float32 form), against float64 numpy."""
+    streams = jax.random.normal(jax.random.key(2), (5, 3, 4, 256), jnp.bfloat16) * 3
+    fn = jax.random.normal(jax.random.key(3), (4 * 256, 24), jnp.float32) * 0.02
+    got = jax.jit(lambda s, f: _mixes(s, f, 1e-6, invariant))(streams, fn)
+    flat = np.asarray(streams, np.float64).reshape(5, 3, -1)
+    normed = flat / np.sqrt(np.mean(flat**2, axis=-1, keepdims=True) + 1e-6)
+    want = normed @ np.asarray(fn, np.float64)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_hc_post_is_the_oracles_arithmetic_to_bf16_rounding():
+    """X'_k = post_k f + sum_j C[j, k] X_j as the HF model computes it in bf16: the weights
+    rounded to bf16, the mix summed in float32 and rounded, then the bf16 product and add."""
+    k = jax.random.split(jax.random.key(4), 4)
+    streams = jax.random.normal(k[0], (6, 4, 128), jnp.bfloat16)
+    block_out = jax.random.normal(k[1], (6, 128), jnp.bfloat16)
+    post = 2 * jax.nn.sigmoid(jax.random.normal(k[2], (6, 4), jnp.float32))
+    comb = sinkhorn(jax.random.normal(k[3], (6, 4, 4), jnp.float32), ITERS, EPS, unrolled=False)
+    got = np.asarray(jax.jit(hc_post)(block_out, streams, post, comb), np.float32)
+    bf16 = jnp.bfloat16
+    c = np.asarray(comb.astype(bf16), np.float64)
+    mixed = np.einsum("njk,njd->nkd", c, np.asarray(streams, np.float64))
+    term = np.asarray(post.astype(bf16)[..., None] * block_out[:, None, :], np.float64)
+    want = np.asarray(jnp.asarray(term, bf16) + jnp.asarray(mixed, bf16), np.float32)
+    # float32 sums against float64 ones; and a GPU, allowed excess precision, may skip any of
+    # the bf16 roundings (of the weights, the mix, the product: seen on the H200), each a
+    # bf16 step of what it rounds, and the mix's terms may cancel: a few bf16 steps of the
+    # terms' magnitudes at most. A wrong mix is off by O(1).
+    magnitude = np.abs(term) + np.einsum("njk,njd->nkd", np.abs(c), np.abs(np.asarray(streams, np.float64)))
+    assert np.all(np.abs(got - want) <= 2**-6 * magnitude + 1e-6)
