@@ -55,6 +55,12 @@ for name in "$@"; do
                    tests/kernels -k default_configs ;;
     indexer)     step indexer-tests 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_indexer.py
                  step indexer-bench 200 python3 bench/kernels_indexer.py ;;   # kernel vs XLA path, top-k agreement
+    attention-tests) step attention-tests 200 python3 -m pytest -q -p no:cacheprovider \
+                   tests/kernels/test_sink_attention.py ;;
+    engine-kernels) step engine-kernels 200 python3 -m pytest -q -p no:cacheprovider \
+                   tests/engine/test_kernels_in_engine.py ;;   # every kernel forced in the engine
+    attention-quick) MOSAIC_GPU_DUMP_PTXAS=1 step attention-quick 200 \
+                   python3 bench/kernels_attention.py --quick ;;   # + ptxas's register counts
     attention)   step attention 420 python3 bench/kernels_attention.py ;;
     moe-model)   step moe-model 90 python3 -m pytest -q -p no:cacheprovider \
                    tests/model/test_moe.py -k kernel ;;

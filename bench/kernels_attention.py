@@ -1,7 +1,9 @@
-"""Decode/verify and prefill sink attention on DeepSeek-V4-Flash shapes: the Mosaic GPU kernel
-against the XLA (jnp) path, in one run with the ceilings.
+"""Decode/verify and prefill sink attention on DeepSeek-V4-Flash shapes: the Mosaic GPU kernels
+(the warp-specialised one, the default, and the one-warpgroup one) and their configs against
+the XLA (jnp) path, in one run with the ceilings.
 
     python bench/kernels_attention.py                 # H200
+    python bench/kernels_attention.py --quick         # H200: batch 64 at 4k and the prefill
     python bench/kernels_attention.py --smoke         # CPU: tiny shapes, kernel interpreted
 
 Each query token attends (64 heads of 512, one shared K=V head) to its own gathered rows: the
@@ -34,6 +36,7 @@ from bench.common import environment, write_results  # noqa: E402
 from bench.device_time import device_ms  # noqa: E402
 from pallas_kernels.sink_attention import api, reference  # noqa: E402
 from pallas_kernels.sink_attention.mosaic_gpu import AttentionConfig  # noqa: E402
+from pallas_kernels.sink_attention.mosaic_gpu_ws import WarpSpecializedConfig  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,12 +72,17 @@ def case(name: str, tokens: int, rows: int, shapes: Shapes, impl: str) -> list[d
     out, results = {}, []
     variants = [("xla (jnp)", reference.sink_attention),
                 ("ours", functools.partial(api.sink_attention, impl=impl))]
-    variants += [(f"ours {bd} dims/program", functools.partial(
-        api.sink_attention, impl=impl, config=AttentionConfig(block_d=bd))) for bd in (64, 128)]
-    if tokens <= 64:          # decode: rows split over programs (flash-decoding)
-        variants += [(f"ours {bd} dims x {n} row splits", functools.partial(
-            api.sink_attention, impl=impl, config=AttentionConfig(block_d=bd, num_splits=n)))
-            for bd, n in ((64, 2), (64, 5), (64, 10))]
+    variants += [("ours 1 wg, 128 dims/program", functools.partial(
+        api.sink_attention, impl=impl, config=AttentionConfig(block_d=128)))]
+    splits = (1, 2, 5) if tokens <= 64 else (1,)   # decode: rows split over programs too
+    variants += [(f"ours ws x {n} row splits", functools.partial(
+        api.sink_attention, impl=impl, config=WarpSpecializedConfig(num_splits=n)))
+        for n in splits]
+    n = splits[min(1, len(splits) - 1)]
+    variants += [(f"ours ws x {n} row splits, {label}", functools.partial(
+        api.sink_attention, impl=impl, config=WarpSpecializedConfig(num_splits=n, **change)))
+        for label, change in (("P @ V not in place", {"in_place": False}),
+                              ("ping-pong", {"ping_pong": True}))]
     for label, fn in variants:
         row = {"case": name, "tokens": tokens, "rows_per_token": rows, "impl": label}
         try:
@@ -118,8 +126,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; kernel interpreted on CPU")
     ap.add_argument("--name", default=None)
+    ap.add_argument("--quick", action="store_true",
+                    help="batch 64 at 4k context and the prefill only (comparing variants)")
     args = ap.parse_args()
     shapes = SMOKE if args.smoke else Shapes()
+    if args.quick:
+        shapes = dataclasses.replace(shapes, decode_batches=(64,), contexts=(4096,))
     impl = "interpret" if args.smoke else "mosaic_gpu"
     ceilings = measure_ceilings(small=args.smoke)
     results = []
@@ -138,8 +150,10 @@ def main() -> None:
             "gathered per token before the kernel (as the engine does); the gather is not timed. "
             "Device ms: the kernels' time in a profiler trace (the rates use it); call ms: "
             "back-to-back jitted calls, which the host's ~40 us launch cost floors. "
-            f"Command: `python bench/kernels_attention.py{' --smoke' if args.smoke else ''}`.")
-    name = args.name or ("kernels-attention-cpu-smoke" if args.smoke else "kernels-attention-gpu")
+            f"Command: `python bench/kernels_attention.py{' --smoke' if args.smoke else ''}"
+            f"{' --quick' if args.quick else ''}`.")
+    name = args.name or ("kernels-attention-cpu-smoke" if args.smoke else
+                         "kernels-attention-gpu-quick" if args.quick else "kernels-attention-gpu")
     write_results(name, {"environment": environment(), "ceilings": ceilings, "results": results},
                   text + note)
 

@@ -64,6 +64,12 @@ def on_hopper_or_newer() -> bool:
     return major >= 9
 
 
+def overridden(op: str) -> bool:
+    """Whether an env variable chooses `op`'s implementation (then every size takes it)."""
+    return bool(os.environ.get(f"DEEPINFER_KERNEL_{op.upper()}") or
+                os.environ.get("DEEPINFER_KERNELS"))
+
+
 def implementation(validated: bool, op: str) -> str:
     """The implementation of `op` to run: an env override (this op's, then every op's), else
     the kernel where it is validated."""

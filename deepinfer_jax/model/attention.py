@@ -46,11 +46,11 @@ def sink_attention(q: jax.Array, keys: jax.Array, visible: jax.Array, sinks: jax
     q [B, S, H, hd], keys [B, T, hd] (also the values), visible bool[B, S, T],
     sinks f32[H] -> [B, S, H, hd].
 
-    One query per row (the engine's decode/verify step) runs on the Pallas kernel where it
-    runs (a GPU, once validated there): one program per token reading its rows in a fixed
-    order, so it is batch-invariant too.
+    One query per row (the engine's step) runs on the Pallas kernel where it runs (a GPU, for
+    prefill-sized batches: pallas_kernels/sink_attention/api.py): one program per token
+    reading its rows in a fixed order.
     """
-    if q.shape[1] == 1 and attention_kernel.kernel_runs(q, keys):
+    if q.shape[1] == 1 and attention_kernel.kernel_runs(q[:, 0], keys, invariant=invariant):
         return attention_kernel.sink_attention(q[:, 0], keys, visible[:, 0], sinks)[:, None]
     if invariant:
         return per_row_tiles(lambda *a: sink_attention(*a, sinks), q, keys, visible)
@@ -58,7 +58,8 @@ def sink_attention(q: jax.Array, keys: jax.Array, visible: jax.Array, sinks: jax
 
 
 def sink_attention_parts(q: jax.Array, keys: tuple[jax.Array, ...],
-                         visible: tuple[jax.Array, ...], sinks: jax.Array) -> jax.Array:
+                         visible: tuple[jax.Array, ...], sinks: jax.Array,
+                         invariant: bool = False) -> jax.Array:
     """sink_attention over the concatenation of several key sets, without building it.
 
     q [B, H, hd] (one query per row), keys: [B, T_i, hd] each, visible: bool[B, T_i] each ->
@@ -66,9 +67,9 @@ def sink_attention_parts(q: jax.Array, keys: tuple[jax.Array, ...],
     rows: concatenated, that is every token's 640 rows written once more (bf16[8192, 640,
     512], 5.4 GB, 2.5 ms of an 8k prefill step on the H200). The kernel path takes them
     concatenated."""
-    if attention_kernel.kernel_runs(q, keys[0]):
+    if attention_kernel.kernel_runs(q, keys[0], invariant=invariant):
         return sink_attention(q[:, None], jnp.concatenate(keys, axis=1),
-                              jnp.concatenate(visible, axis=1)[:, None], sinks)[:, 0]
+                              jnp.concatenate(visible, axis=1)[:, None], sinks, invariant)[:, 0]
     return _attend(q[:, None], keys, tuple(v[:, None] for v in visible), sinks)[:, 0]
 
 

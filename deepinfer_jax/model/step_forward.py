@@ -99,7 +99,7 @@ def attention_outputs(p: LayerParams, kind: AttentionKind, cfg: ModelConfig, t: 
     CSA/HCA layers the compressed rows [t, R, hd]), the output projection and hc_post ->
     streams [t, hc, D] after the attention sublayer."""
     cos, sin = cos_sin(positions, layer_inv_freq(cfg, kind))
-    out = attention.sink_attention_parts(t.q, keys, visible, p.attn.sinks)
+    out = attention.sink_attention_parts(t.q, keys, visible, p.attn.sinks, cfg.batch_invariant)
     return hc_post(attention.output_projection(out, p.attn, cos, sin, cfg), streams, t.post,
                    t.comb, invariant=cfg.batch_invariant)
 
@@ -190,7 +190,7 @@ def layer_step(p: LayerParams, streams: Array, token_ids: Array, ctx: TokenConte
     else:
         keys, visible = (keys,), (visible,)
     # attention itself is row by row only on its kernel (one program per token)
-    untiled = untiled and attention_kernel.kernel_runs(t.q, keys[0])
+    untiled = untiled and attention_kernel.kernel_runs(t.q, keys[0], invariant=True)
     streams = (_apply if untiled else rowwise)(lambda *a: attention_outputs(p, kind, cfg, *a),
                                                t, keys, visible, streams, ctx.positions)
     streams = ffn_rowwise(p, cfg, streams, rowwise)(

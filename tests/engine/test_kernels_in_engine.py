@@ -33,9 +33,28 @@ def run(monkeypatch, kernels: str):
                             token_buckets=(16, 64), page_size=64, show_progress=False)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, CFG.vocab_size, n).tolist() for n in (40, 150)]
-    out = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True, logprobs=1),
+    out = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2),
                        use_tqdm=False)
-    return [o.token_ids for o in out], [[lp.logprob for lp in o.logprobs] for o in out]
+    return [o.logprobs for o in out]
+
+
+NEAR_TIE = 0.05     # a reference step whose top two logprobs are closer: either token is fine
+
+
+def compared_steps(reference, kernels):
+    """(reference, kernel) logprobs of the steps that can be compared: all, or up to where
+    the greedy tokens part. They may part only where the reference's top two are a near tie
+    (the kernel's rounding picks the other one), and the kernel's token must be that other
+    one; after it the two continuations are conditioned on different tokens."""
+    pairs = []
+    for ref_steps, kernel_steps in zip(reference, kernels, strict=True):
+        for ref, ker in zip(ref_steps, kernel_steps, strict=True):
+            if ref.token_id != ker.token_id:
+                (_, first), (runner_up, second) = ref.top[:2]
+                assert ker.token_id == runner_up and first - second < NEAR_TIE, (ref, ker)
+                break
+            pairs.append((ref.logprob, ker.logprob))
+    return np.asarray(pairs)
 
 
 def test_engine_on_kernels_matches_the_reference_path(monkeypatch):
@@ -46,12 +65,13 @@ def test_engine_on_kernels_matches_the_reference_path(monkeypatch):
     assert gemm.kernel_runs(16, hidden, inter) and gemm.kernel_runs(16, inter, hidden)
     index_q = jnp.zeros((1, CFG.index_n_heads, CFG.index_head_dim), jnp.bfloat16)
     assert indexer.kernel_runs(index_q, index_q)
-    tokens, logprobs = run(monkeypatch, "reference")
-    kernel_tokens, kernel_logprobs = run(monkeypatch, KERNELS)
-    assert kernel_tokens == tokens
-    # Within rounding, but for at most one step: the 150-token prompt's CSA layer picks its
-    # indexer top-k among near-tied scores, which the kernel rounds differently, so a step may
-    # attend to another compressed row (seen on an AMD EPYC CPU: one step of eight 0.085
-    # apart, the others within 0.012). A wrong kernel moves every step.
-    diff = np.abs(np.concatenate(kernel_logprobs) - np.concatenate(logprobs))
+    pairs = compared_steps(run(monkeypatch, "reference"), run(monkeypatch, KERNELS))
+    # Same greedy tokens up to a near tie (the 40-token prompt's first step is one: 387 at
+    # -4.238 against 270 at -4.270 on the reference path; the H200's kernels pick 270), and
+    # logprobs within rounding, but for at most one step: the 150-token prompt's CSA layer
+    # picks its indexer top-k among near-tied scores, which the kernel rounds differently, so
+    # a step may attend to another compressed row (seen on an AMD EPYC CPU: one step of eight
+    # 0.085 apart, the others within 0.012). A wrong kernel moves every step.
+    assert len(pairs) >= 4
+    diff = np.abs(pairs[:, 0] - pairs[:, 1])
     assert np.sum(diff > 0.03) <= 1 and diff.max() < 0.2, diff

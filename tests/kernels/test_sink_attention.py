@@ -15,7 +15,9 @@ from deepinfer_jax.model.attention import sink_attention as model_sink_attention
 from pallas_kernels.common import abstract_gpu, on_hopper_or_newer
 from pallas_kernels.sink_attention import api, reference
 from pallas_kernels.sink_attention.mosaic_gpu import AttentionConfig
-from pallas_kernels.sink_attention.mosaic_gpu import sink_attention as kernel
+from pallas_kernels.sink_attention.mosaic_gpu import sink_attention as kernel_one_wg
+from pallas_kernels.sink_attention.mosaic_gpu_ws import WarpSpecializedConfig
+from pallas_kernels.sink_attention.mosaic_gpu_ws import sink_attention as kernel_ws
 
 KERNEL = "mosaic_gpu" if on_hopper_or_newer() else "interpret"
 HD = 512
@@ -57,14 +59,27 @@ def test_kernel_matches_reference(rows, pattern):
           reference.sink_attention(q, kv, visible, sinks))
 
 
-def test_column_blocks_of_64_and_many_tokens():
-    """The decode-sized (64 output dims per program) and prefill-sized (128) defaults."""
+def test_one_warpgroup_kernel_column_blocks_of_64_and_many_tokens():
+    """The one-warpgroup kernel's 64 and 128 output dims per program."""
     q, kv, visible, sinks = problem(70, 64, 64, "random", seed=5)
-    assert api.default_config(70).block_d == 128 and api.default_config(3).block_d == 64
     ref = reference.sink_attention(q, kv, visible, sinks)
-    close(api.sink_attention(q, kv, visible, sinks, impl=KERNEL), ref)
+    close(api.sink_attention(q, kv, visible, sinks, impl=KERNEL,
+                             config=AttentionConfig(block_d=128)), ref)
     close(api.sink_attention(q[:3], kv[:3], visible[:3], sinks, impl=KERNEL,
                              config=AttentionConfig(block_d=64)), ref[:3])
+
+
+def test_the_model_takes_the_kernel_for_prefill_sized_batches_only(monkeypatch):
+    """On a GPU (stood in for here) the model's attention takes the kernel from MIN_TOKENS
+    tokens up and never in batch-invariant mode; an env override takes it at every size."""
+    monkeypatch.setattr(api, "implementation",
+                        lambda validated, op: "mosaic_gpu" if validated else "reference")
+    small, large = (jnp.zeros((n, 64, HD), jnp.bfloat16) for n in (api.MIN_TOKENS - 1,
+                                                                    api.MIN_TOKENS))
+    assert not api.kernel_runs(small, small) and api.kernel_runs(large, large)
+    assert not api.kernel_runs(large, large, invariant=True)
+    monkeypatch.setenv("DEEPINFER_KERNEL_SINK_ATTENTION", "mosaic_gpu")
+    assert api.kernel_runs(small, small) and api.kernel_runs(large, large, invariant=True)
 
 
 @pytest.mark.parametrize("splits", [2, 4])
@@ -75,6 +90,27 @@ def test_rows_split_over_programs(splits, pattern):
     q, kv, visible, sinks = problem(2, 64, 200, pattern, seed=splits)
     close(api.sink_attention(q, kv, visible, sinks, impl=KERNEL,
                              config=AttentionConfig(block_d=64, num_splits=splits)),
+          reference.sink_attention(q, kv, visible, sinks))
+
+
+@pytest.mark.parametrize("pattern", ["all", "random", "none", "first few"])
+@pytest.mark.parametrize("rows,splits", [(100, 1), (300, 2)])
+def test_warp_specialized_kernel_matches_reference(rows, splits, pattern):
+    """One program per token (or row range) for all 512 dims, two warpgroups sharing each
+    row block: "first few" with 2 ranges leaves the second with no visible row, "none" both."""
+    q, kv, visible, sinks = problem(3, 64, rows, pattern, seed=rows + splits)
+    close(api.sink_attention(q, kv, visible, sinks, impl=KERNEL,
+                             config=WarpSpecializedConfig(num_splits=splits)),
+          reference.sink_attention(q, kv, visible, sinks))
+
+
+@pytest.mark.parametrize("pattern", ["none", "first few"])
+def test_warp_specialized_ping_pong(pattern):
+    """The warpgroups taking turns on the tensor cores (a barrier both reach twice a block,
+    one starting a turn behind): the same result, empty ranges included."""
+    q, kv, visible, sinks = problem(2, 64, 300, pattern, seed=11)
+    close(api.sink_attention(q, kv, visible, sinks, impl=KERNEL,
+                             config=WarpSpecializedConfig(num_splits=2, ping_pong=True)),
           reference.sink_attention(q, kv, visible, sinks))
 
 
@@ -100,12 +136,18 @@ def test_reference_against_float64_and_the_model():
     np.testing.assert_array_equal(np.asarray(model, np.float32), np.asarray(out, np.float32))
 
 
+@pytest.mark.parametrize("warp_specialized", [False, True])
 @pytest.mark.parametrize("splits", [1, 2])
-def test_kernel_lowers_for_cuda(splits):
-    """Mosaic GPU's own checks (layouts, wgmma shapes, shared memory) run at lowering."""
+def test_kernel_lowers_for_cuda(splits, warp_specialized):
+    """Mosaic GPU's own checks (layouts, wgmma shapes, shared memory, contiguous copies) run
+    at lowering."""
     q, kv, visible, sinks = problem(2, 64, 128, "random")
     bias = jnp.where(visible, 0.0, -jnp.inf).astype(jnp.float32)
-    config = AttentionConfig(block_d=64 if splits > 1 else 128, num_splits=splits)
+    if warp_specialized:
+        kernel, config = kernel_ws, WarpSpecializedConfig(num_splits=splits)
+    else:
+        kernel, config = kernel_one_wg, AttentionConfig(block_d=64 if splits > 1 else 128,
+                                                        num_splits=splits)
     with abstract_gpu():
         exported = jax.export.export(jax.jit(functools.partial(kernel, config=config)),
                                      platforms=["cuda"])(q, kv, bias, sinks)
