@@ -71,6 +71,27 @@ class AttentionConfig:
 NO_PEAK = -1e30
 
 
+def range_starts(sink_logits: jax.Array, splits: int) -> jax.Array:
+    """Each row range's starting (running max, running sum) f32[splits, 2, H]: the first
+    range holds the sink's term (max at its logit, sum exp(0) = 1), the others start empty."""
+    heads = sink_logits.shape[0]
+    return jnp.stack([jnp.full((splits, heads), NO_PEAK, jnp.float32).at[0].set(sink_logits),
+                      jnp.zeros((splits, heads), jnp.float32).at[0].set(1.0)], axis=1)
+
+
+def online_softmax(s: jax.Array, bias: jax.Array, scale: float, peak: jax.Array,
+                   total: jax.Array, exp=jnp.exp):
+    """One row block's step of the online softmax: raw scores s f32[H, R] and the additive
+    mask bias f32[R] (0 or -inf), the running max and sum f32[H] -> (p f32[H, R] relative to
+    the new max, alpha f32[H] the old sums' rescale factor, the new max, the new sum). `exp`
+    is the base the scale and the maxima are in (jnp.exp2 with log2(e) folded in)."""
+    s = s * scale + lax.broadcast_in_dim(bias, s.shape, [1])
+    new_peak = jnp.maximum(peak, s.max(axis=1))
+    alpha = exp(peak - new_peak)
+    p = exp(s - lax.broadcast_in_dim(new_peak, s.shape, [0]))
+    return p, alpha, new_peak, total * alpha + p.sum(axis=1)
+
+
 def combine_splits(acc: jax.Array, stats: jax.Array) -> jax.Array:
     """Per-range results -> attention: acc f32[S, T, H, hd] (unnormalised), stats
     f32[S, T, 2, H] (running max, running sum) -> f32[T, H, hd]. Ranges are merged in index
@@ -96,9 +117,7 @@ def sink_attention(q: jax.Array, rows: jax.Array, bias: jax.Array, sinks: jax.Ar
     br, bd, splits = config.block_r, config.block_d, config.num_splits
     range_blocks = num_rows // br // splits
     scale = head_dim ** -0.5
-    # Each range's starting (running max, running sum): the first holds the sink's term.
-    start = jnp.stack([jnp.full((splits, heads), NO_PEAK, jnp.float32).at[0].set(sinks),
-                       jnp.zeros((splits, heads), jnp.float32).at[0].set(1.0)], axis=1)
+    start = range_starts(sinks, splits)
 
     def body(q_ref, rows_ref, bias_ref, start_ref, *refs):
         *out_refs, q_smem, start_smem, p_smem, out_smem, stats_smem, barriers = refs
@@ -119,12 +138,9 @@ def sink_attention(q: jax.Array, rows: jax.Array, bias: jax.Array, sinks: jax.Ar
                     plgpu.wgmma(s_ref, q_smem, k_smem.T)
                     return s_ref[...]
 
-                s = pl.run_scoped(scores, plgpu.ACC((heads, br)))
-                s = s * scale + lax.broadcast_in_dim(bias_smem[...], (heads, br), [1])
-                new_peak = jnp.maximum(peak, s.max(axis=1))
-                alpha = jnp.exp(peak - new_peak)
-                p = jnp.exp(s - lax.broadcast_in_dim(new_peak, s.shape, [0]))
-                total = total * alpha + p.sum(axis=1)
+                p, alpha, new_peak, total = online_softmax(
+                    pl.run_scoped(scores, plgpu.ACC((heads, br))), bias_smem[...], scale,
+                    peak, total)
 
                 # P goes through shared memory (wgmma could take it from registers, GPU
                 # interpret mode cannot), then this block's P @ V joins the rescaled sum.

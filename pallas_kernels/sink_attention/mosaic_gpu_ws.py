@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.sink_attention.mosaic_gpu import HEADS, NO_PEAK, SMEM_BYTES
+from pallas_kernels.sink_attention.mosaic_gpu import HEADS, SMEM_BYTES, online_softmax, range_starts
 
 COMPUTE_WGS = 2
 LOG2_E = math.log2(math.e)
@@ -110,9 +110,7 @@ def sink_attention(q: jax.Array, rows: jax.Array, bias: jax.Array, sinks: jax.Ar
     # Scores in base 2 (exp2 is the hardware's exponential): log2(e) folded into the scale,
     # the running max (and the sink logit it starts at) in base-2 units too.
     scale = head_dim ** -0.5 * LOG2_E
-    # Each range's starting (running max, running sum): the first holds the sink's term.
-    start = jnp.stack([jnp.full((splits, heads), NO_PEAK, jnp.float32).at[0].set(sinks * LOG2_E),
-                       jnp.zeros((splits, heads), jnp.float32).at[0].set(1.0)], axis=1)
+    start = range_starts(sinks * LOG2_E, splits)
 
     def body(q_ref, rows_ref, bias_ref, start_ref, *out_refs):
         token, split, wg = lax.axis_index("token"), lax.axis_index("split"), lax.axis_index("wg")
@@ -155,12 +153,9 @@ def sink_attention(q: jax.Array, rows: jax.Array, bias: jax.Array, sinks: jax.Ar
                     take_turns()       # the other warpgroup's softmax ends; its P @ V goes
                     return s_ref[...]
 
-                s = pl.run_scoped(scores, plgpu.ACC((heads, br)))
-                s = s * scale + lax.broadcast_in_dim(bias_smem[...], (heads, br), [1])
-                new_peak = jnp.maximum(peak, s.max(axis=1))
-                alpha = jnp.exp2(peak - new_peak)
-                p = jnp.exp2(s - lax.broadcast_in_dim(new_peak, s.shape, [0]))
-                total = total * alpha + p.sum(axis=1)
+                p, alpha, new_peak, total = online_softmax(
+                    pl.run_scoped(scores, plgpu.ACC((heads, br))), bias_smem[...], scale,
+                    peak, total, exp=jnp.exp2)
                 # P through shared memory (wgmma could take it from registers on the GPU;
                 # interpret mode, which CI runs, cannot).
                 mine = p_smem.at[wg]
