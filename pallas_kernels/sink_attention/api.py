@@ -40,10 +40,8 @@ def default_config(tokens: int) -> WarpSpecializedConfig:
 
 
 def kernel_fits(q: jax.Array, rows: jax.Array, config: Config) -> bool:
-    columns = (config.block_d if isinstance(config, AttentionConfig)
-               else 64 * mosaic_gpu_ws.COMPUTE_WGS)
     return (q.dtype == rows.dtype and q.dtype in (jnp.bfloat16, jnp.float16)
-            and q.shape[-1] % columns == 0 and q.shape[-1] % 64 == 0
+            and q.shape[-1] % config.columns == 0 and q.shape[-1] % 64 == 0
             and config.smem_bytes(q.shape[-1]) <= SMEM_BYTES)
 
 

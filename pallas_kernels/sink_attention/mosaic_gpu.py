@@ -54,16 +54,26 @@ class AttentionConfig:
                 + HEADS * self.block_d * out_bytes
                 + self.max_concurrent_steps * self.block_r * (head_dim * dtype_bytes + 4))
 
+    @property
+    def columns(self) -> int:       # output dims per program
+        return self.block_d
+
     def check(self, heads: int, rows: int, head_dim: int) -> None:
-        if self.smem_bytes(head_dim) > SMEM_BYTES:
-            raise ValueError(f"{self} needs {self.smem_bytes(head_dim)} bytes of shared "
-                             f"memory, more than the {SMEM_BYTES} an SM90 program has")
-        if heads != HEADS:
-            raise ValueError(f"the kernel computes {HEADS} heads per token, got {heads}")
-        if (self.block_r % 64 or rows % self.row_multiple or head_dim % self.block_d
-                or head_dim % 64):
-            raise ValueError(f"rows={rows} and head_dim={head_dim} must be multiples of "
-                             f"{self.row_multiple} and {self.block_d}")
+        check_operands(self, heads, rows, head_dim)
+
+
+def check_operands(config, heads: int, rows: int, head_dim: int) -> None:
+    """What either kernel's config needs of its operands: the program fits an SM90's shared
+    memory, 64 heads (the wgmma M), whole row blocks per range and whole column blocks."""
+    if config.smem_bytes(head_dim) > SMEM_BYTES:
+        raise ValueError(f"{config} needs {config.smem_bytes(head_dim)} bytes of shared "
+                         f"memory, more than the {SMEM_BYTES} an SM90 program has")
+    if heads != HEADS:
+        raise ValueError(f"the kernel computes {HEADS} heads per token, got {heads}")
+    if (config.block_r % 64 or rows % config.row_multiple or head_dim % config.columns
+            or head_dim % 64):
+        raise ValueError(f"rows={rows} and head_dim={head_dim} must be multiples of "
+                         f"{config.row_multiple} and {config.columns}")
 
 
 # A running max no score reaches, for the ranges without the sink: finite, so that a range

@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.sink_attention.mosaic_gpu import HEADS, SMEM_BYTES, online_softmax, range_starts
+from pallas_kernels.sink_attention.mosaic_gpu import HEADS, check_operands, online_softmax, range_starts
 
 COMPUTE_WGS = 2
 LOG2_E = math.log2(math.e)
@@ -72,15 +72,12 @@ class WarpSpecializedConfig:
                 + self.max_concurrent_steps * self.block_r * (head_dim * dtype_bytes + 4)
                 + 4 * HEADS * 4)
 
+    @property
+    def columns(self) -> int:       # output dims per compute warpgroup, times two
+        return 64 * COMPUTE_WGS
+
     def check(self, heads: int, rows: int, head_dim: int) -> None:
-        if self.smem_bytes(head_dim) > SMEM_BYTES:
-            raise ValueError(f"{self} needs {self.smem_bytes(head_dim)} bytes of shared "
-                             f"memory, more than the {SMEM_BYTES} an SM90 program has")
-        if heads != HEADS:
-            raise ValueError(f"the kernel computes {HEADS} heads per token, got {heads}")
-        if self.block_r % 64 or rows % self.row_multiple or head_dim % (64 * COMPUTE_WGS):
-            raise ValueError(f"rows={rows} and head_dim={head_dim} must be multiples of "
-                             f"{self.row_multiple} and {64 * COMPUTE_WGS}")
+        check_operands(self, heads, rows, head_dim)
 
 
 def combine_splits(out: jax.Array, stats: jax.Array) -> jax.Array:
