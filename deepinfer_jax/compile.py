@@ -7,6 +7,7 @@ instead of recompiling. The persistent compilation cache makes a second start fa
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import os
@@ -110,10 +111,47 @@ def compile_threads(jobs: int) -> int:
     return max(1, min(jobs, int(forced) if forced else default))
 
 
+# Engines of equal shapes in one process (a notebook that builds its LLM again, a test suite)
+# share their compiled steps: the persistent cache saves XLA's compile, but tracing the step
+# again still takes seconds a bucket. Bounded: the oldest entry goes first.
+_MEMO_SIZE = 32
+_memo: collections.OrderedDict[tuple, CompiledSteps] = collections.OrderedDict()
+
+
+def _trace_key(params: ModelParams, state: StateCache, cfg: ModelConfig,
+               ecfg: ResolvedEngineConfig, speculative: bool) -> tuple:
+    """What the compiled steps depend on: the configs (less the engine options the host alone
+    reads), the arguments' shapes, dtypes and shardings (not their values), and what the trace
+    reads from the process: the DEEPINFER_* switches (step formulation, kernels) and the
+    backend."""
+    host_only = dataclasses.replace(ecfg, compilation_cache_dir=None, show_progress=False,
+                                    async_scheduling=True, launch_thread=True, seed=0,
+                                    grammar_compile_timeout_s=0.0, enable_prefix_caching=False,
+                                    num_snapshots=0)
+    leaves, tree = jax.tree.flatten((params, state))
+    avals = tuple((x.shape, str(x.dtype), getattr(x, "sharding", None)) for x in leaves)
+    switches = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("DEEPINFER_")))
+    return (cfg, host_only, speculative, tree, avals, switches, jax.default_backend(),
+            jax.config.jax_enable_x64)
+
+
 def compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
                   ecfg: ResolvedEngineConfig, speculative: bool = False) -> CompiledSteps:
     """The step compiled for every token bucket (and sampler variant; state donated): the
-    plain step, or the speculative one (verify drafts, then MTP drafting)."""
+    plain step, or the speculative one (verify drafts, then MTP drafting). Memoised per
+    process (`_trace_key`)."""
+    key = _trace_key(params, state, cfg, ecfg, speculative)
+    if key in _memo:
+        _memo.move_to_end(key)
+        return _memo[key]
+    _memo[key] = steps = _compile_steps(params, state, cfg, ecfg, speculative)
+    if len(_memo) > _MEMO_SIZE:
+        _memo.popitem(last=False)
+    return steps
+
+
+def _compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
+                   ecfg: ResolvedEngineConfig, speculative: bool) -> CompiledSteps:
     enable_persistent_cache(ecfg.compilation_cache_dir)
     options = BATCH_INVARIANT_COMPILER_OPTIONS if cfg.batch_invariant else None
     truncations = (False, True) if launch_bound() else (None,)

@@ -102,3 +102,25 @@ def test_no_compilation_after_startup(llm, workload):
         jax.monitoring.unregister_event_duration_listener(listener)
     assert [o.token_ids for o in outputs] == workload.expected[:12]
     assert events == []
+
+
+def test_engines_of_equal_shapes_share_their_compiled_steps(llm, model, monkeypatch):
+    """A second engine whose steps would trace the same (the host-only options differ) reuses
+    the first one's executables; one whose trace would differ does not."""
+    from deepinfer_jax.compile import _trace_key
+    from tests.engine.conftest import ENGINE
+
+    again = deepinfer_jax.LLM(model, **{**ENGINE, "seed": 11, "async_scheduling": False})
+    assert again.engine.steps is llm.engine.steps
+    core = llm.engine
+
+    def key(ecfg=core.ecfg, state=core.state):
+        return _trace_key(core.params, state, core.cfg, ecfg, False)
+
+    assert key() == key(ecfg=again.engine.ecfg)
+    assert key() != key(ecfg=deepinfer_jax.EngineConfig(
+        **{**ENGINE, "max_logprobs": 3}).resolve(model.config))        # read by the step
+    assert key() != key(state=jax.tree.map(lambda x: x.astype("float16"), core.state))
+    before = key()
+    monkeypatch.setenv("DEEPINFER_STEP_FORMULATION", "gpu")              # read at trace time
+    assert key() != before
