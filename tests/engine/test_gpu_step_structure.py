@@ -9,13 +9,26 @@ import re
 import jax
 import pytest
 
-from deepinfer_jax import LLM
+import deepinfer_jax
+from deepinfer_jax.engine_config import EngineConfig
 from deepinfer_jax.plan import build_plan
 from deepinfer_jax.scheduler import ScheduleDecision
 from deepinfer_jax.speculative import spec_step
+from deepinfer_jax.state import init_state
 from deepinfer_jax.step import step
 from deepinfer_jax.wire import Wire
 from tests.conftest import REPO
+
+
+def traced_engine(**options):
+    """What the engine traces its steps with (cfg, ecfg, params, state) for the shipped model,
+    without compiling them: these tests read the lowered module only."""
+    model = deepinfer_jax.load(REPO / "models" / "deepinfer-tiny-v4")
+    ecfg = EngineConfig(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=16,
+                        token_buckets=(16,), speculative_config={"num_speculative_tokens": 3},
+                        **options).resolve(model.config)
+    cfg = model.config.replace(batch_invariant=ecfg.batch_invariant)
+    return cfg, ecfg, model.params, init_state(cfg, ecfg, model.params.embed.dtype)
 
 
 def loops_and_branches(module: str) -> tuple[int, int]:
@@ -34,17 +47,14 @@ def loops_and_branches(module: str) -> tuple[int, int]:
 @pytest.mark.parametrize("step_fn", [step, spec_step], ids=["plain", "speculative"])
 def test_gpu_step_has_no_conditionals_or_loops(monkeypatch, step_fn):
     monkeypatch.setenv("DEEPINFER_STEP_FORMULATION", "gpu")
-    llm = LLM(REPO / "models" / "deepinfer-tiny-v4", max_num_seqs=4, max_model_len=128,
-              max_num_batched_tokens=16, token_buckets=(16,), show_progress=False,
-              speculative_config={"num_speculative_tokens": 3})
-    engine = llm.engine
-    wire = Wire.of(build_plan(ScheduleDecision(()), 16, engine.ecfg))
+    cfg, ecfg, params, state = traced_engine()
+    wire = Wire.of(build_plan(ScheduleDecision(()), 16, ecfg))
 
     def lowered_for_cuda() -> str:      # a fresh jit each time: the formulation is read at trace
-        traced = jax.jit(lambda p, s, b: step_fn(p, s, wire.unpack_device(b), cfg=engine.cfg,
-                                                 ecfg=engine.ecfg))
+        traced = jax.jit(lambda p, s, b: step_fn(p, s, wire.unpack_device(b), cfg=cfg,
+                                                 ecfg=ecfg))
         return jax.export.export(traced, platforms=["cuda"])(
-            engine.params, engine.state, wire.spec()).mlir_module()
+            params, state, wire.spec()).mlir_module()
 
     assert loops_and_branches(lowered_for_cuda()) == (0, 0)
     monkeypatch.setenv("DEEPINFER_STEP_FORMULATION", "cpu")       # the test can fail:
@@ -96,22 +106,18 @@ def test_invariant_steps_scatter_without_order(monkeypatch):
     from deepinfer_jax import snapshots
 
     monkeypatch.setenv("DEEPINFER_STEP_FORMULATION", "gpu")
-    llm = LLM(REPO / "models" / "deepinfer-tiny-v4", max_num_seqs=4, max_model_len=128,
-              max_num_batched_tokens=16, token_buckets=(16,), show_progress=False,
-              batch_invariant=True, enable_prefix_caching=True,
-              speculative_config={"num_speculative_tokens": 3})
-    engine = llm.engine
-    wire = Wire.of(build_plan(ScheduleDecision(()), 16, engine.ecfg))
+    cfg, ecfg, params, state = traced_engine(batch_invariant=True, enable_prefix_caching=True)
+    wire = Wire.of(build_plan(ScheduleDecision(()), 16, ecfg))
     for step_fn in (step, spec_step):
-        traced = jax.jit(lambda p, s, b: step_fn(p, s, wire.unpack_device(b), cfg=engine.cfg,
-                                                 ecfg=engine.ecfg, truncation=True))
+        traced = jax.jit(lambda p, s, b: step_fn(p, s, wire.unpack_device(b), cfg=cfg,
+                                                 ecfg=ecfg, truncation=True))
         module = jax.export.export(traced, platforms=["cuda"])(
-            engine.params, engine.state, wire.spec()).mlir_module()
+            params, state, wire.spec()).mlir_module()
         assert order_dependent_scatters(module) == [], step_fn.__name__
     ids = jax.ShapeDtypeStruct((4,), "int32")
     tokens = jax.ShapeDtypeStruct((4, 128), "int32")
-    pool = engine.snapshot_pool
-    save = jax.jit(snapshots.save).lower(snapshots.slot_rings(engine.state), pool, ids, ids)
-    restore = jax.jit(snapshots.restore).lower(engine.state, pool, ids, ids, tokens, ids)
+    pool = snapshots.init_pool(state, ecfg.num_snapshots)
+    save = jax.jit(snapshots.save).lower(snapshots.slot_rings(state), pool, ids, ids)
+    restore = jax.jit(snapshots.restore).lower(state, pool, ids, ids, tokens, ids)
     assert order_dependent_scatters(save.as_text()) == []
     assert order_dependent_scatters(restore.as_text()) == []

@@ -41,9 +41,7 @@ def compare(model, prompts, params, spec):
 
 
 def test_trained_model_greedy_equals_plain_decoding():
-    llm0 = deepinfer_jax.LLM(TINY, max_num_seqs=1, max_model_len=64, max_num_batched_tokens=16,
-                             show_progress=False)
-    tok = llm0.tokenizer
+    tok = TextTokenizer.from_model_dir(TINY)
     texts = ["import os\n\n\ndef walk(top):", "class Point:\n    def __init__(self, x, y):",
              "def add(a, b):\n    return", "for line in open(path):", "x = [i * i for i in",
              "if __name__ == '__main__':"]
