@@ -12,6 +12,10 @@ VENV := .venv
 ORACLE_VENV := .venv-oracle
 ORACLE_DIR ?= .cache/oracle
 PYTEST_ARGS ?=
+# Test files run on two workers (pytest-xdist), a file's tests on one worker so that its module
+# fixtures (compiled engines) are built once: a test mostly keeps one core busy (tracing is
+# Python; a tiny model's step runs on one thread), and CI's machine has two.
+PYTEST_WORKERS ?= 2
 
 export JAX_PLATFORMS ?= cpu
 export DEEPINFER_ORACLE_DIR := $(abspath $(ORACLE_DIR))
@@ -35,7 +39,8 @@ oracle: $(ORACLE_VENV)/.installed
 	$(ORACLE_VENV)/bin/python tests/oracle/build.py --out $(ORACLE_DIR)
 
 test: $(VENV)/.installed oracle
-	$(VENV)/bin/python -m pytest -q --durations=15 $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15 \
+		$(PYTEST_ARGS)
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/python -m deepinfer_jax.demo
