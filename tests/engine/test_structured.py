@@ -20,7 +20,10 @@ from deepinfer_jax.structured import GrammarError
 from deepinfer_jax.weights import random_params
 from deepinfer_jax.weights.export import save_checkpoint
 from tests.conftest import REPO
-from tests.engine.conftest import ENGINE
+from tests.engine.conftest import ENGINE as HF_ENGINE
+
+# Short prompts and at most 8 rows a step: one token bucket to compile.
+ENGINE = {**HF_ENGINE, "max_num_batched_tokens": 16, "token_buckets": (16,)}
 
 OBJ = {"type": "object", "additionalProperties": False}
 NAME = {"type": "string", "maxLength": 8}

@@ -10,13 +10,17 @@ import pytest
 
 from deepinfer_jax.launcher import Launcher
 
+# A bound on waits, so that a broken launcher fails instead of hanging: generous, since the
+# first call compiles and the suite's other worker may hold the cores.
+WAIT = 120
+
 
 @pytest.mark.parametrize("threaded", [True, False])
 def test_calls_run_in_order_and_errors_reach_the_reader(threaded):
     launcher, seen, release = Launcher(threaded), [], threading.Event()
 
     def first():
-        release.wait(5)               # the caller submits the second call meanwhile
+        release.wait(WAIT)               # the caller submits the second call meanwhile
         seen.append(1)
         return 1
 
@@ -24,11 +28,11 @@ def test_calls_run_in_order_and_errors_reach_the_reader(threaded):
         release.set()
     futures = [launcher.submit(first), launcher.submit(lambda: seen.append(2) or 2)]
     release.set()
-    assert [f.result(5) for f in futures] == [1, 2] and seen == [1, 2]
+    assert [f.result(WAIT) for f in futures] == [1, 2] and seen == [1, 2]
     failed = launcher.submit(lambda: 1 / 0)
     with pytest.raises(ZeroDivisionError):
-        failed.result(5)
-    assert launcher.submit(lambda: 3).result(5) == 3      # the launcher keeps serving
+        failed.result(WAIT)
+    assert launcher.submit(lambda: 3).result(WAIT) == 3      # the launcher keeps serving
 
 
 @pytest.mark.parametrize("threaded", [True, False])
@@ -39,6 +43,6 @@ def test_the_callers_transfer_guard_covers_the_call(threaded):
         implicit = launcher.submit(lambda: add(host))
         explicit = launcher.submit(lambda: add(jax.device_put(host)))
     with pytest.raises(Exception, match="[Dd]isallowed"):
-        implicit.result(5)
-    np.testing.assert_array_equal(np.asarray(explicit.result(5)), host + 1)
-    assert launcher.submit(lambda: add(host)).result(5).dtype == jnp.float32   # no guard now
+        implicit.result(WAIT)
+    np.testing.assert_array_equal(np.asarray(explicit.result(WAIT)), host + 1)
+    assert launcher.submit(lambda: add(host)).result(WAIT).dtype == jnp.float32   # no guard now

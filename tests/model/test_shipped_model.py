@@ -40,18 +40,18 @@ def test_hf_loads_it_and_agrees():
 
 def test_beats_the_bigram_and_the_mtp_block_drafts():
     """Held-out CE >= 30% below a bigram on the same tokens; MTP draft accuracy >= 40%
-    (every 6th held-out window, to keep the suite fast; eval_metrics.json has all of them)."""
+    (every 12th held-out window, to keep the suite fast; eval_metrics.json has all of them)."""
     from eval_tiny import evaluate
 
-    metrics = evaluate(MODEL, stride=6)
-    assert metrics["held_out_tokens_scored"] > 50_000
+    metrics = evaluate(MODEL, stride=12)
+    assert metrics["held_out_tokens_scored"] > 25_000
     assert metrics["reduction_vs_bigram"] >= 0.30, metrics
     assert metrics["mtp_draft_accuracy"] >= 0.40, metrics
 
 
 def test_default_llm_completes_a_python_prompt():
-    llm = deepinfer_jax.LLM(max_num_seqs=4, max_model_len=512, max_num_batched_tokens=64,
-                            show_progress=False)
+    llm = deepinfer_jax.LLM(max_num_seqs=4, max_model_len=512, max_num_batched_tokens=16,
+                            show_progress=False)          # one token bucket to compile
     [out] = llm.generate(["def add(a, b):"], SamplingParams(max_tokens=24), use_tqdm=False)
     assert out.error is None and out.prompt_token_ids[0] == 0      # BOS from the tokenizer
     assert out.text == llm.tokenizer.decode(out.token_ids) and "\n" in out.text
