@@ -77,81 +77,19 @@ class CompiledStep:
 
 
 @dataclasses.dataclass(frozen=True)
-class StepBuilder:
-    """Traces, lowers and compiles the steps of one engine shape. It holds the arguments as
-    shapes only (jax.ShapeDtypeStruct): the live state is donated to the steps it builds."""
-
-    params: ModelParams                 # of ShapeDtypeStructs
-    state: StateCache                   # of ShapeDtypeStructs
-    cfg: ModelConfig
-    ecfg: ResolvedEngineConfig
-    speculative: bool
-
-    def build(self, keys: list[tuple[int, bool | None]], show_progress: bool
-              ) -> dict[tuple[int, bool | None], CompiledStep]:
-        enable_persistent_cache(self.ecfg.compilation_cache_dir)
-        options = BATCH_INVARIANT_COMPILER_OPTIONS if self.cfg.batch_invariant else None
-        # Tracing and lowering is Python (one at a time); XLA's compile releases the GIL and
-        # is mostly single-threaded per module, so on the CPU the buckets compile side by side.
-        lowered, wires = {}, {}
-        kind = "speculative steps" if self.speculative else "steps"
-        for key in tqdm(keys, unit="step", disable=not show_progress, desc=f"tracing {kind}"):
-            lowered[key], wires[key] = self._lower(*key)
-        progress = tqdm(total=len(keys), unit="step", disable=not show_progress,
-                        desc=f"compiling {kind}")
-        compiled = {}
-        with ThreadPoolExecutor(compile_threads(len(keys))) as pool:
-            futures = {pool.submit(lowered[key].compile, compiler_options=options): key
-                       for key in keys}
-            for future in as_completed(futures):
-                key = futures[future]
-                compiled[key] = CompiledStep(future.result(), *wires[key], launch_bound())
-                progress.set_postfix(tokens=key[0])
-                progress.update()
-        progress.close()
-        return compiled
-
-    def _lower(self, tokens: int, truncation: bool | None):
-        step_fn = functools.partial(spec_step if self.speculative else step, cfg=self.cfg,
-                                    ecfg=self.ecfg, truncation=truncation)
-        plan_wire = Wire.of(build_plan(ScheduleDecision(()), tokens, self.ecfg))  # fixed shapes
-        output_wire = []            # the output's layout, read while the step is traced
-
-        def wired_step(params, state, buffer):
-            state, output = step_fn(params, state, plan_wire.unpack_device(buffer))
-            output_wire.append(Wire.of(output))
-            return state, output_wire[-1].pack_device(output)
-
-        lowered = jax.jit(wired_step, donate_argnums=(1,)).lower(self.params, self.state,
-                                                                 plan_wire.spec())
-        return lowered, (plan_wire, output_wire[-1])
-
-
-@dataclasses.dataclass(frozen=True)
 class CompiledSteps:
     """Every bucket's compiled step. Where a branch on the device would stall the host
     (`launch_bound`), each bucket has two, the sampler with and without truncation (top-k/p,
     min-p: a sort over the vocabulary), and the host picks one from the plan; elsewhere one,
-    which branches on the device (key None). All are compiled at start-up (`complete`), or
-    with lazy compilation each at its first use."""
+    which branches on the device (key None)."""
 
-    keys: tuple[tuple[int, bool | None], ...]
-    builder: StepBuilder
-    by_key: dict[tuple[int, bool | None], CompiledStep] = dataclasses.field(default_factory=dict)
+    by_key: dict[tuple[int, bool | None], CompiledStep]
 
     def for_plan(self, bucket: int, plan: BatchPlan) -> CompiledStep:
-        key = (bucket, None)
-        if key not in self.keys:
-            key = (bucket, host_truncates(plan.temperature, plan.top_k, plan.top_p, plan.min_p))
-        if key not in self.by_key:
-            self.by_key.update(self.builder.build([key], show_progress=False))
-        return self.by_key[key]
-
-    def complete(self, show_progress: bool) -> None:
-        """Compile every step not compiled yet."""
-        missing = [key for key in self.keys if key not in self.by_key]
-        if missing:
-            self.by_key.update(self.builder.build(missing, show_progress))
+        if (bucket, None) in self.by_key:
+            return self.by_key[bucket, None]
+        return self.by_key[bucket, host_truncates(plan.temperature, plan.top_k, plan.top_p,
+                                                  plan.min_p)]
 
 
 # Batch-invariant mode: XLA may otherwise keep bf16 intermediates in higher precision inside
@@ -187,7 +125,6 @@ def _trace_key(params: ModelParams, state: StateCache, cfg: ModelConfig,
     reads from the process: the DEEPINFER_* switches (step formulation, kernels) and the
     backend."""
     host_only = dataclasses.replace(ecfg, compilation_cache_dir=None, show_progress=False,
-                                    lazy_compile=False,
                                     async_scheduling=True, launch_thread=True, seed=0,
                                     grammar_compile_timeout_s=0.0, enable_prefix_caching=False,
                                     num_snapshots=0)
@@ -200,23 +137,55 @@ def _trace_key(params: ModelParams, state: StateCache, cfg: ModelConfig,
 
 def compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
                   ecfg: ResolvedEngineConfig, speculative: bool = False) -> CompiledSteps:
-    """The step for every token bucket (and sampler variant; state donated), compiled now or,
-    with `ecfg.lazy_compile`, each at its first use: the plain step, or the speculative one
-    (verify drafts, then MTP drafting). Memoised per process (`_trace_key`)."""
+    """The step compiled for every token bucket (and sampler variant; state donated): the
+    plain step, or the speculative one (verify drafts, then MTP drafting). Memoised per
+    process (`_trace_key`)."""
     key = _trace_key(params, state, cfg, ecfg, speculative)
     if key in _memo:
         _memo.move_to_end(key)
-        steps = _memo[key]
-    else:
-        truncations = (False, True) if launch_bound() else (None,)
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-            x.shape, x.dtype, sharding=x.sharding, weak_type=x.aval.weak_type), (params, state))
-        steps = CompiledSteps(tuple((t, truncation) for t in ecfg.token_buckets
-                                    for truncation in truncations),
-                              StepBuilder(*shapes, cfg, ecfg, speculative))
-        _memo[key] = steps
-        if len(_memo) > _MEMO_SIZE:
-            _memo.popitem(last=False)
-    if not ecfg.lazy_compile:
-        steps.complete(ecfg.show_progress)
+        return _memo[key]
+    _memo[key] = steps = _compile_steps(params, state, cfg, ecfg, speculative)
+    if len(_memo) > _MEMO_SIZE:
+        _memo.popitem(last=False)
     return steps
+
+
+def _compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
+                   ecfg: ResolvedEngineConfig, speculative: bool) -> CompiledSteps:
+    enable_persistent_cache(ecfg.compilation_cache_dir)
+    options = BATCH_INVARIANT_COMPILER_OPTIONS if cfg.batch_invariant else None
+    truncations = (False, True) if launch_bound() else (None,)
+    keys = [(t, truncation) for t in ecfg.token_buckets for truncation in truncations]
+    # Tracing and lowering is Python (one at a time); XLA's compile releases the GIL and is
+    # mostly single-threaded per module, so on the CPU the buckets compile side by side.
+    lowered, wires = {}, {}
+    kind = "speculative steps" if speculative else "steps"
+    for t, truncation in tqdm(keys, unit="step", disable=not ecfg.show_progress,
+                              desc=f"tracing {kind}"):
+        step_fn = functools.partial(spec_step if speculative else step, cfg=cfg, ecfg=ecfg,
+                                    truncation=truncation)
+        plan_wire = Wire.of(build_plan(ScheduleDecision(()), t, ecfg))   # shapes are fixed
+        output_wire = []            # the output's layout, read while the step is traced
+
+        def wired_step(params, state, buffer, step_fn=step_fn, plan_wire=plan_wire,
+                       output_wire=output_wire):
+            state, output = step_fn(params, state, plan_wire.unpack_device(buffer))
+            output_wire.append(Wire.of(output))
+            return state, output_wire[-1].pack_device(output)
+
+        lowered[t, truncation] = jax.jit(wired_step, donate_argnums=(1,)).lower(
+            params, state, plan_wire.spec())
+        wires[t, truncation] = (plan_wire, output_wire[-1])
+    progress = tqdm(total=len(keys), unit="step", disable=not ecfg.show_progress,
+                    desc=f"compiling {kind}")
+    compiled = {}
+    with ThreadPoolExecutor(compile_threads(len(keys))) as pool:
+        futures = {pool.submit(lowered[key].compile, compiler_options=options): key
+                   for key in keys}
+        for future in as_completed(futures):
+            key = futures[future]
+            compiled[key] = CompiledStep(future.result(), *wires[key], launch_bound())
+            progress.set_postfix(tokens=key[0])
+            progress.update()
+    progress.close()
+    return CompiledSteps(compiled)

@@ -82,10 +82,6 @@ class EngineConfig:
     token_buckets: tuple[int, ...] | None = None   # None: powers of two up to the budget
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_cache_dir)
     show_progress: bool = True
-    # Compile each bucket's step at its first use instead of all at start-up (a notebook, a
-    # test suite: buckets a workload never reaches cost nothing). The loop then waits on each
-    # first use. None: the DEEPINFER_LAZY_COMPILE environment variable (1 = on).
-    lazy_compile: bool | None = None
     async_scheduling: bool = True        # plan step N+1 while step N runs
     # with async scheduling: each step's device calls on a worker thread (launcher.py), so
     # XLA's kernel launches overlap the loop's reading and planning
@@ -108,10 +104,9 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise EngineConfigError("max_num_batched_tokens must be >= max_num_seqs "
                                     "(every running sequence decodes one token per step)")
-        for name in ("batch_invariant", "lazy_compile"):
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, os.environ.get(f"DEEPINFER_{name.upper()}", "0")
-                                   not in ("", "0"))
+        if self.batch_invariant is None:
+            object.__setattr__(self, "batch_invariant",
+                               os.environ.get("DEEPINFER_BATCH_INVARIANT", "0") not in ("", "0"))
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.from_options(self.speculative_config))
         if self.token_buckets is not None:
@@ -140,7 +135,6 @@ class ResolvedEngineConfig:
     token_buckets: tuple[int, ...]
     compilation_cache_dir: str | None
     show_progress: bool
-    lazy_compile: bool
     async_scheduling: bool
     launch_thread: bool
     seed: int
@@ -190,7 +184,6 @@ class ResolvedEngineConfig:
                    page_size=page_size, num_pages=num_pages, max_blocks_per_seq=blocks,
                    max_num_batched_tokens=ec.max_num_batched_tokens, token_buckets=buckets,
                    compilation_cache_dir=ec.compilation_cache_dir, show_progress=ec.show_progress,
-                   lazy_compile=ec.lazy_compile,
                    # speculation reads each step's accepted counts before planning the next
                    async_scheduling=ec.async_scheduling and ec.speculative_config is None,
                    launch_thread=ec.launch_thread,

@@ -11,10 +11,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 # Compiled steps persist across test runs (and are shared by every engine with equal shapes).
 os.environ.setdefault("XDG_CACHE_HOME", str(REPO / ".cache" / "xdg"))
-# Test engines compile each bucket's step at its first use (EngineConfig.lazy_compile): most
-# reach only some of their buckets. The start-up compilation, the default, has its own tests
-# (test_engine_api.py).
-os.environ.setdefault("DEEPINFER_LAZY_COMPILE", "1")
 ORACLE_DIR = Path(os.environ.get("DEEPINFER_ORACLE_DIR", REPO / ".cache" / "oracle"))
 ORACLE_CASES = ("tiny-mixed", "tiny-sigmoid", "tiny-legacy")
 

@@ -85,51 +85,23 @@ def test_abort_one_request_while_streaming(llm, workload):
     assert llm.engine.scheduler.pages.num_free == llm.engine_config.num_pages
 
 
-class CompileEvents:
-    """jax's compile events while inside the `with`."""
+def test_no_compilation_after_startup(llm, workload):
+    events = []
 
-    def __enter__(self):
-        self.events = []
-        jax.monitoring.register_event_duration_secs_listener(self.listener)
-        return self.events
-
-    def listener(self, name, *args, **kwargs):
+    def listener(name, *args, **kwargs):
         if name.startswith("/jax/core/compile"):
-            self.events.append(name)
+            events.append(name)
 
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self.listener)
-
-
-def test_no_compilation_after_startup(model, workload):
-    from tests.engine.conftest import ENGINE
-
-    llm = deepinfer_jax.LLM(model, **ENGINE, lazy_compile=False)      # the default
-    assert set(llm.engine.steps.by_key) == set(llm.engine.steps.keys)
-    with CompileEvents() as events:
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
         prompts = workload.prompts[:12]
         params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in workload.max_new[:12]]
         outputs = llm.generate(prompts, params, use_tqdm=False)    # prefill, mixed and decode
         list(llm.stream([[3, 4, 5]], SamplingParams(max_tokens=5)))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
     assert [o.token_ids for o in outputs] == workload.expected[:12]
     assert events == []
-
-
-def test_lazy_compilation_compiles_a_bucket_at_its_first_use(model):
-    from tests.engine.conftest import ENGINE
-
-    # a shape no other engine of the suite has, so that nothing is compiled yet
-    llm = deepinfer_jax.LLM(model, **{**ENGINE, "max_num_seqs": 3}, lazy_compile=True)
-    steps = llm.engine.steps
-    assert steps.by_key == {} and len(steps.keys) == 4
-    with CompileEvents() as events:
-        [out] = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, ignore_eos=True),
-                             use_tqdm=False)                    # decode only: the 16 bucket
-    assert len(out.token_ids) == 4 and events
-    assert [key[0] for key in steps.by_key] == [16]
-    with CompileEvents() as events:
-        llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    assert events == []                                          # compiled once
 
 
 def test_engines_of_equal_shapes_share_their_compiled_steps(llm, model, monkeypatch):
