@@ -102,8 +102,7 @@ def test_invariant_mode_computes_the_same_model(workload):
     from tests.engine.conftest import ENGINE as HF_ENGINE
     from tests.engine.test_engine_vs_hf import check_outputs, sampling
 
-    llm = deepinfer_jax.LLM(oracle_case("tiny-mixed").model, batch_invariant=True,
-                            **{**HF_ENGINE, "token_buckets": (16, 128)})   # 2 buckets to compile
+    llm = deepinfer_jax.LLM(oracle_case("tiny-mixed").model, batch_invariant=True, **HF_ENGINE)
     check_outputs(llm.generate(workload.prompts, sampling(workload), use_tqdm=False), workload)
 
 

@@ -18,7 +18,7 @@ from tests.conftest import REPO
 
 BUDGET, BLOCK = 128, 64
 ENGINE = dict(max_num_seqs=8, max_model_len=1024, max_num_batched_tokens=BUDGET,
-              token_buckets=(16, BUDGET), page_size=BLOCK, show_progress=False,
+              token_buckets=(16, 32, 64, 128), page_size=BLOCK, show_progress=False,
               batch_invariant=True)
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
 TINY = REPO / "models" / "deepinfer-tiny-v4"      # the shipped trained model
@@ -128,7 +128,7 @@ def test_with_mtp_speculation_a_warm_cache_equals_a_cold_run():
     shares the first 256 tokens but not the token after them, so its lookup falls back to the
     snapshot before."""
     spec = {"method": "mtp", "num_speculative_tokens": 3, "varlen": False}
-    engine = {**ENGINE, "token_buckets": (32, BUDGET)}
+    engine = {**ENGINE, "token_buckets": (32, BUDGET)}    # half the speculative steps to compile
     cold_spec = deepinfer_jax.LLM(TINY, speculative_config=spec, **engine)
     source = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()
     ids = cold_spec.tokenizer.encode(source)
