@@ -136,7 +136,8 @@ def moe_case(name: str, tokens: int, shapes: Shapes, experts: Experts, impl: str
     def ours(weights):
         def op(name, a, s, w13, s13, w2, s2, cfg=None):
             k, n_out = (d, i) if name == "gate_up" else (i, d)
-            if cfg is not None and not api.kernel_fits(k, n_out, cfg, s13 is not None):
+            if name != "mlp" and cfg is not None and not api.kernel_fits(k, n_out, cfg,
+                                                                         s13 is not None):
                 raise ValueError(f"{cfg} does not fit K={k}, N={n_out} (it would time the "
                                  "reference path)")
             if name == "gate_up":
@@ -144,7 +145,11 @@ def moe_case(name: str, tokens: int, shapes: Shapes, experts: Experts, impl: str
                                           impl=impl, config=cfg)
             if name == "down":
                 return api.grouped_matmul(a, w2, s, rhs_scale=s2, impl=impl, config=cfg)
-            return api.expert_mlp(a, w13, w2, s, LIMIT, w13_scale=s13, w2_scale=s2, impl=impl)
+            if cfg is not None and not all(api.kernel_fits(kk, nn, c, s13 is not None) for kk, nn, c
+                                           in ((d, i, cfg[0]), (i, d, cfg[1]))):
+                raise ValueError(f"{cfg} does not fit (it would time the reference path)")
+            return api.expert_mlp(a, w13, w2, s, LIMIT, w13_scale=s13, w2_scale=s2, impl=impl,
+                                  configs=cfg)
         return op, weights
 
     def via(dot):
@@ -202,10 +207,14 @@ def moe_case(name: str, tokens: int, shapes: Shapes, experts: Experts, impl: str
 
 
 def label(cfg) -> str:
+    """A swept config's row name; a pair (gate/up, down) for the whole MLP."""
+    if isinstance(cfg, tuple):
+        return "ours bf16 " + " + ".join(label(c).removeprefix("ours bf16 ") for c in cfg)
     kind = "ws " if isinstance(cfg, WarpSpecializedConfig) else ""
     grouped = f" by {cfg.group_tiles} tiles" if getattr(cfg, "group_tiles", 0) else ""
+    persistent = " persistent" if getattr(cfg, "persistent", False) else ""
     return (f"ours bf16 {kind}{cfg.block_m}x{cfg.block_n}x{cfg.block_k}/"
-            f"{cfg.max_concurrent_steps}{grouped}")
+            f"{cfg.max_concurrent_steps}{grouped}{persistent}")
 
 
 def tile_sweep(name, op, tokens, rows, hit, flops, weight_bytes, fn, args, sweep) -> list[dict]:
@@ -224,10 +233,12 @@ def tile_sweep(name, op, tokens, rows, hit, flops, weight_bytes, fn, args, sweep
 
 
 DENSE_SWEEP = (WarpSpecializedConfig(256, 64, 3), WarpSpecializedConfig(128, 64, 4),
-               WarpSpecializedConfig(128, 64, 5))   # (N = 4096: block_n divides it)
+               WarpSpecializedConfig(128, 64, 5),   # (N = 4096: block_n divides it)
+               WarpSpecializedConfig(256, 64, 3, persistent=True),
+               WarpSpecializedConfig(128, 64, 4, persistent=True))
 
 
-def dense_case(m: int, shapes: Shapes, impl: str) -> list[dict]:
+def dense_case(m: int, shapes: Shapes, impl: str, sweep=DENSE_SWEEP) -> list[dict]:
     """The batch-invariant dense GEMM (default tiles, then warp-specialised ones) against XLA's
     dot; for each of ours, which row prefixes (M = 1, 3, 64, 1000) give bitwise the same rows."""
     k = n = shapes.hidden
@@ -238,8 +249,8 @@ def dense_case(m: int, shapes: Shapes, impl: str) -> list[dict]:
                 ("ours invariant", jax.jit(functools.partial(invariant.matmul, impl=impl))),
                 ("ours invariant, K whole", jax.jit(functools.partial(invariant.matmul, impl=impl,
                                                                       config=whole_k)))]
-    variants += [(f"ours invariant ws {c.block_m}x{c.block_n}x{c.block_k}/{c.max_concurrent_steps}",
-                  jax.jit(functools.partial(invariant.matmul, impl=impl, config=c))) for c in DENSE_SWEEP]
+    variants += [(f"ours invariant {label(c).removeprefix('ours bf16 ')}",
+                  jax.jit(functools.partial(invariant.matmul, impl=impl, config=c))) for c in sweep]
     rows, reference = [], None
     for name, fn in variants:
         row = {"case": f"dense M={m}", "op": "matmul", "impl": name, "rows": m}
@@ -294,6 +305,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; kernel interpreted on CPU")
     ap.add_argument("--name", default=None)
     ap.add_argument("--dense-only", action="store_true", help="only the batch-invariant GEMM")
+    ap.add_argument("--persistent", action="store_true",
+                    help="the prefill case and the dense GEMM, programs per tile vs persistent")
     args = ap.parse_args()
     shapes = SMOKE if args.smoke else Shapes()
     impl = "interpret" if args.smoke else "mosaic_gpu"
@@ -316,6 +329,13 @@ def main() -> None:
                                 ws(128, 64, 4)],
                     "down": [TileConfig(64, 128, 64, 4), TileConfig(64, 256, 64, 3),
                              ws(256, 64, 3)]}
+    if args.persistent:   # the warp-specialised defaults, then as persistent programs
+        up, down = ws(128, 64, 4), ws(256, 64, 3)
+        up_p, down_p = (dataclasses.replace(c, persistent=True) for c in (up, down))
+        prefill_sweep = {"gate_up": [up, up_p, ws(128, 64, 3, persistent=True)],
+                         "down": [down, down_p, ws(128, 64, 4, persistent=True)],
+                         "mlp": [(up_p, down_p), (up_p, down)]}
+        tokamax_dot = None
     results = []
     if args.dense_only:
         for m in shapes.dense_rows:
@@ -329,6 +349,15 @@ def main() -> None:
     results += moe_case("prefill", shapes.prefill_tokens, shapes, experts, impl, tokamax_dot,
                         prefill_sweep)
     print(table(results, ceilings), flush=True)
+    if args.persistent:
+        for m in shapes.dense_rows:
+            results += dense_case(m, shapes, impl, DENSE_SWEEP[:1] + DENSE_SWEEP[3:])
+        text = table(results, ceilings)
+        print(text)
+        write_results(args.name or "kernels-moe-persistent-gpu", {
+            "environment": environment(), "ceilings": ceilings, "results": results},
+            text + "\n\nCommand: `python bench/kernels_moe.py --persistent`.")
+        return
     for tokens in shapes.decode_tokens:
         results += moe_case(f"decode {tokens}", tokens, shapes, experts, impl, tokamax_dot,
                             decode_sweep)

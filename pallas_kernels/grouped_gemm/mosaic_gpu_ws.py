@@ -41,6 +41,7 @@ class WarpSpecializedConfig:
     block_n: int = 128            # output columns per program (per SwiGLU half)
     block_k: int = 64
     max_concurrent_steps: int = 3
+    persistent: bool = False      # one program per SM, each looping over tiles (see below)
 
     @property
     def block_m(self) -> int:     # the tile rows layout.py must use
@@ -77,14 +78,12 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
         tile_rows = jnp.full(tile_group.shape, bm, jnp.int32)
 
     def body(tile_group_ref, tile_rows_ref, lhs_ref, rhs_ref, out_ref):
-        tile, col = lax.axis_index("tile"), lax.axis_index("col")
-        group = tile_group_ref[tile]
         wg = lax.axis_index("wg")
         my_rows = pl.ds(wg * WG_ROWS, WG_ROWS)
-        mine_to_compute = tile_rows_ref[tile] > wg * WG_ROWS   # (consumers only ask)
-        operands = (lhs_ref.at[pl.ds(tile * bm, bm)], *[rhs_ref.at[jnp.maximum(group, 0)]] * halves)
+        operands = lambda tile, group: (   # noqa: E731
+            lhs_ref.at[pl.ds(tile * bm, bm)], *[rhs_ref.at[jnp.maximum(group, 0)]] * halves)
 
-        def pipeline(mma, compute_context):
+        def pipeline(mma, compute_context, col=0):
             specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), delay_release=1)]
             specs += [plgpu.BlockSpec((bk, bn), functools.partial(
                 lambda kk, half: (kk, col + half * (n_out // bn)), half=half), delay_release=1)
@@ -94,48 +93,77 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
                 num_compute_wgs=CONSUMERS, max_concurrent_steps=config.max_concurrent_steps,
                 compute_context=compute_context)
 
-        def mma(_, lhs_smem, *refs):
-            *rhs_smems, accs = refs
-
-            @pl.when(mine_to_compute)     # (all padding: the slots are released untouched)
-            def _():
-                for acc, w in zip(accs, rhs_smems, strict=True):
-                    plgpu.wgmma(acc, lhs_smem.at[my_rows], w)
-            plgpu.wgmma_wait(halves)      # retire the previous step's (its slots refill next)
-            return accs
-
         # Shared memory of a multi-warpgroup kernel is allocated for all warpgroups at once:
         # the pipeline's buffers (sized with a placeholder body) and one output tile per
         # consumer.
         ignore = lambda *_, **__: None  # noqa: E731
         @functools.partial(
-            pl.run_scoped, allocations=pipeline(ignore, ignore).get_allocations(*operands),
+            pl.run_scoped, allocations=pipeline(ignore, ignore).get_allocations(*operands(0, 0)),
             out_smem=plgpu.SMEM((CONSUMERS, WG_ROWS, bn), out_ref.dtype), collective_axes="wg")
         def scope(allocations, out_smem):
-            def compute_context(eval_pipeline):
-                def accumulate(*accs):
-                    accs = eval_pipeline(accs)
+            def program(tile, col):
+                group = tile_group_ref[tile]
+                mine_to_compute = tile_rows_ref[tile] > wg * WG_ROWS   # (consumers only ask)
 
-                    @pl.when(mine_to_compute)
+                def mma(_, lhs_smem, *refs):
+                    *rhs_smems, accs = refs
+
+                    @pl.when(mine_to_compute)     # (all padding: the slots are released untouched)
                     def _():
-                        result = epilogue(tuple(acc[...] for acc in accs), swiglu_limit)
-                        mine = out_smem.at[wg]
-                        mine[...] = result.astype(out_smem.dtype)
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(mine, out_ref.at[
-                            pl.ds(tile * bm + wg * WG_ROWS, WG_ROWS), pl.ds(col * bn, bn)])
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        for acc, w in zip(accs, rhs_smems, strict=True):
+                            plgpu.wgmma(acc, lhs_smem.at[my_rows], w)
+                    plgpu.wgmma_wait(halves)      # retire the previous step's (its slots refill next)
+                    return accs
 
-                pl.run_scoped(accumulate, *[plgpu.ACC((WG_ROWS, bn)) for _ in range(halves)])
+                def compute_context(eval_pipeline):
+                    def accumulate(*accs):
+                        accs = eval_pipeline(accs)
 
-            @pl.when(group >= 0)
-            def _():
-                pipeline(mma, compute_context)(*operands, allocations=allocations)
+                        @pl.when(mine_to_compute)
+                        def _():
+                            result = epilogue(tuple(acc[...] for acc in accs), swiglu_limit)
+                            mine = out_smem.at[wg]
+                            # The previous tile's store may still be reading this buffer: the
+                            # store is waited for here, not after it was issued, so that in a
+                            # persistent program it overlaps the next tile's main loop.
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                            mine[...] = result.astype(out_smem.dtype)
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(mine, out_ref.at[
+                                pl.ds(tile * bm + wg * WG_ROWS, WG_ROWS), pl.ds(col * bn, bn)])
+
+                    pl.run_scoped(accumulate, *[plgpu.ACC((WG_ROWS, bn)) for _ in range(halves)])
+
+                @pl.when(group >= 0)
+                def _():
+                    pipeline(mma, compute_context, col)(*operands(tile, group),
+                                                        allocations=allocations)
+
+            if config.persistent:
+                # Programs take (tile, column) pairs in turn, the column fastest (as the
+                # hardware orders a grid's blocks), so a tile's rows stay in L2 for all its
+                # columns. The producer starts the next pair's copies while the consumers
+                # still run this pair's epilogue and store.
+                @plgpu.nd_loop((rows // bm, n_out // bn), collective_axes="program")
+                def _(loop):
+                    program(*loop.index)
+            else:
+                program(lax.axis_index("tile"), lax.axis_index("col"))
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # before the buffers go
 
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((rows, n_out), lhs.dtype),
-        grid=(rows // bm, n_out // bn), grid_names=("tile", "col"),
+        **(dict(grid=(min(streaming_multiprocessors(), rows // bm * (n_out // bn)),),
+                grid_names=("program",)) if config.persistent else
+           dict(grid=(rows // bm, n_out // bn), grid_names=("tile", "col"))),
         kernel_name=kernel_name("grouped_gemm_ws", config, k, n_out, swiglu_limit, False),
         num_threads=CONSUMERS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
     return kernel(tile_group, tile_rows, lhs, rhs)
+
+
+def streaming_multiprocessors() -> int:
+    """A persistent kernel's program count: the GPU's SMs (132 on the H200). Elsewhere (the
+    CPU's interpret mode, lowering for CUDA on a CPU) a few, so that each program loops."""
+    device = jax.devices()[0]
+    return device.core_count if device.platform == "gpu" else 4

@@ -4,6 +4,7 @@ computation and the kernel's lowering for CUDA."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -81,6 +82,17 @@ def test_warp_specialized_kernel_matches_reference(case, swiglu):
     lhs, rhs, sizes, _ = problem(WS_SIZES[case], fp8=False)
     ref = reference.grouped_matmul(lhs, rhs, sizes, swiglu_limit=swiglu)
     close(api.grouped_matmul(lhs, rhs, sizes, swiglu_limit=swiglu, impl=KERNEL, config=WS), ref)
+
+
+@pytest.mark.parametrize("case", ["empty experts", "halves at the edge"])
+@pytest.mark.parametrize("swiglu", [None, 7.0])
+def test_persistent_warp_specialized_kernel_matches_reference(case, swiglu):
+    """Four programs looping over the (tile, column) pairs (interpret mode; an SM each on a
+    GPU): unused tiles skipped, half tiles, each consumer's stores in flight across pairs."""
+    lhs, rhs, sizes, _ = problem(WS_SIZES[case], fp8=False)
+    ref = reference.grouped_matmul(lhs, rhs, sizes, swiglu_limit=swiglu)
+    config = dataclasses.replace(WS, persistent=True)
+    close(api.grouped_matmul(lhs, rhs, sizes, swiglu_limit=swiglu, impl=KERNEL, config=config), ref)
 
 
 def test_warp_specialized_expert_mlp_and_dense_invariance():
@@ -254,10 +266,12 @@ def test_split_k_kernel_lowers_for_cuda(config):
     assert exported.out_avals[0].shape == (4, 128, N)
 
 
-def test_warp_specialized_kernel_lowers_for_cuda():
+@pytest.mark.parametrize("persistent", [False, True])
+def test_warp_specialized_kernel_lowers_for_cuda(persistent):
     lhs, rhs, sizes, _ = problem(SIZES["balanced"], fp8=False)
     tiles = layout.tile_layout(sizes, lhs.shape[0], WS.block_m)
-    fn = jax.jit(functools.partial(tiled_group_matmul_ws, swiglu_limit=7.0, config=WS))
+    config = dataclasses.replace(WS, persistent=persistent)
+    fn = jax.jit(functools.partial(tiled_group_matmul_ws, swiglu_limit=7.0, config=config))
     with abstract_gpu():
         exported = jax.export.export(fn, platforms=["cuda"])(
             layout.to_tiles(lhs, tiles, WS.block_m), rhs, tiles.tile_group, tiles.tile_rows)
