@@ -13,6 +13,13 @@ full tile and a half one). A consumer whose 64 rows are all padding (`tile_rows`
 wgmmas and its store, so the other has the tensor cores to itself: the work follows the
 rows in 64-row steps while full tiles still share each weight block between 128 rows.
 
+The tile's rows are read again from L2 by every program of its row (16 column blocks at
+V4-Flash's shapes), and L2-to-SM traffic is what an expert of ~192 rows runs into: with
+`cluster_cols=2` the two CTAs of a cluster take adjacent column blocks of one tile and TMA
+multicasts each K block of its rows to both (each CTA copies half), so the rows cross from
+L2 once for two programs: 40 KB per K step instead of 48 for a SwiGLU tile. A slot refills
+only once both CTAs' consumers released it (a cluster barrier).
+
 The sum over K runs in the same order for every row, so a row's result does not depend on
 the batch here either. On the H200 (kernels-moe-gpu.md), the gate/up GEMM of a V4-Flash
 8k-token prefill: 334 TFLOP/s on the one-warpgroup kernel, 379 here, 401 with the padding
@@ -41,7 +48,7 @@ class WarpSpecializedConfig:
     block_n: int = 128            # output columns per program (per SwiGLU half)
     block_k: int = 64
     max_concurrent_steps: int = 3
-    persistent: bool = False      # one program per SM, each looping over tiles (see below)
+    cluster_cols: int = 1         # 2: CTA pairs share their tile's rows (TMA multicast; below)
 
     @property
     def block_m(self) -> int:     # the tile rows layout.py must use
@@ -52,9 +59,11 @@ class WarpSpecializedConfig:
             raise ValueError("the warp-specialised kernel takes bf16 weights only")
         if self.block_n % 16 or not 0 < self.block_n <= 256:   # see TileConfig.check
             raise ValueError(f"wgmma: 0 < block_n <= 256, a multiple of 16 ({self})")
-        if k % self.block_k or n_out % self.block_n:
+        if k % self.block_k or n_out % (self.block_n * self.cluster_cols):
             raise ValueError(f"K={k} and N={n_out} must be multiples of {self.block_k} and "
-                             f"{self.block_n}")
+                             f"{self.block_n} x {self.cluster_cols}")
+        if self.cluster_cols not in (1, 2):
+            raise ValueError(f"cluster_cols: 1 or 2 ({self})")
 
 
 # Jitted: the model calls it per layer with the same shapes, and jax lowers a jitted callee
@@ -76,15 +85,21 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
 
     if tile_rows is None:
         tile_rows = jnp.full(tile_group.shape, bm, jnp.int32)
+    clustered = config.cluster_cols > 1
 
     def body(tile_group_ref, tile_rows_ref, lhs_ref, rhs_ref, out_ref):
+        tile, col = lax.axis_index("tile"), lax.axis_index("col")
+        if clustered:
+            col = col * config.cluster_cols + lax.axis_index("cluster")
+        group = tile_group_ref[tile]
         wg = lax.axis_index("wg")
         my_rows = pl.ds(wg * WG_ROWS, WG_ROWS)
-        operands = lambda tile, group: (   # noqa: E731
-            lhs_ref.at[pl.ds(tile * bm, bm)], *[rhs_ref.at[jnp.maximum(group, 0)]] * halves)
+        mine_to_compute = tile_rows_ref[tile] > wg * WG_ROWS   # (consumers only ask)
+        operands = (lhs_ref.at[pl.ds(tile * bm, bm)], *[rhs_ref.at[jnp.maximum(group, 0)]] * halves)
 
-        def pipeline(mma, compute_context, col=0):
-            specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), delay_release=1)]
+        def pipeline(mma, compute_context):
+            specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), delay_release=1,
+                                     collective_axes=("cluster",) if clustered else ())]
             specs += [plgpu.BlockSpec((bk, bn), functools.partial(
                 lambda kk, half: (kk, col + half * (n_out // bn)), half=half), delay_release=1)
                 for half in range(halves)]
@@ -93,77 +108,49 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
                 num_compute_wgs=CONSUMERS, max_concurrent_steps=config.max_concurrent_steps,
                 compute_context=compute_context)
 
+        def mma(_, lhs_smem, *refs):
+            *rhs_smems, accs = refs
+
+            @pl.when(mine_to_compute)     # (all padding: the slots are released untouched)
+            def _():
+                for acc, w in zip(accs, rhs_smems, strict=True):
+                    plgpu.wgmma(acc, lhs_smem.at[my_rows], w)
+            plgpu.wgmma_wait(halves)      # retire the previous step's (its slots refill next)
+            return accs
+
         # Shared memory of a multi-warpgroup kernel is allocated for all warpgroups at once:
         # the pipeline's buffers (sized with a placeholder body) and one output tile per
         # consumer.
         ignore = lambda *_, **__: None  # noqa: E731
         @functools.partial(
-            pl.run_scoped, allocations=pipeline(ignore, ignore).get_allocations(*operands(0, 0)),
+            pl.run_scoped, allocations=pipeline(ignore, ignore).get_allocations(*operands),
             out_smem=plgpu.SMEM((CONSUMERS, WG_ROWS, bn), out_ref.dtype), collective_axes="wg")
         def scope(allocations, out_smem):
-            def program(tile, col):
-                group = tile_group_ref[tile]
-                mine_to_compute = tile_rows_ref[tile] > wg * WG_ROWS   # (consumers only ask)
+            def compute_context(eval_pipeline):
+                def accumulate(*accs):
+                    accs = eval_pipeline(accs)
 
-                def mma(_, lhs_smem, *refs):
-                    *rhs_smems, accs = refs
-
-                    @pl.when(mine_to_compute)     # (all padding: the slots are released untouched)
+                    @pl.when(mine_to_compute)
                     def _():
-                        for acc, w in zip(accs, rhs_smems, strict=True):
-                            plgpu.wgmma(acc, lhs_smem.at[my_rows], w)
-                    plgpu.wgmma_wait(halves)      # retire the previous step's (its slots refill next)
-                    return accs
+                        result = epilogue(tuple(acc[...] for acc in accs), swiglu_limit)
+                        mine = out_smem.at[wg]
+                        mine[...] = result.astype(out_smem.dtype)
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(mine, out_ref.at[
+                            pl.ds(tile * bm + wg * WG_ROWS, WG_ROWS), pl.ds(col * bn, bn)])
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-                def compute_context(eval_pipeline):
-                    def accumulate(*accs):
-                        accs = eval_pipeline(accs)
+                pl.run_scoped(accumulate, *[plgpu.ACC((WG_ROWS, bn)) for _ in range(halves)])
 
-                        @pl.when(mine_to_compute)
-                        def _():
-                            result = epilogue(tuple(acc[...] for acc in accs), swiglu_limit)
-                            mine = out_smem.at[wg]
-                            # The previous tile's store may still be reading this buffer: the
-                            # store is waited for here, not after it was issued, so that in a
-                            # persistent program it overlaps the next tile's main loop.
-                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                            mine[...] = result.astype(out_smem.dtype)
-                            plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(mine, out_ref.at[
-                                pl.ds(tile * bm + wg * WG_ROWS, WG_ROWS), pl.ds(col * bn, bn)])
-
-                    pl.run_scoped(accumulate, *[plgpu.ACC((WG_ROWS, bn)) for _ in range(halves)])
-
-                @pl.when(group >= 0)
-                def _():
-                    pipeline(mma, compute_context, col)(*operands(tile, group),
-                                                        allocations=allocations)
-
-            if config.persistent:
-                # Programs take (tile, column) pairs in turn, the column fastest (as the
-                # hardware orders a grid's blocks), so a tile's rows stay in L2 for all its
-                # columns. The producer starts the next pair's copies while the consumers
-                # still run this pair's epilogue and store.
-                @plgpu.nd_loop((rows // bm, n_out // bn), collective_axes="program")
-                def _(loop):
-                    program(*loop.index)
-            else:
-                program(lax.axis_index("tile"), lax.axis_index("col"))
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # before the buffers go
+            @pl.when(group >= 0)
+            def _():
+                pipeline(mma, compute_context)(*operands, allocations=allocations)
 
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((rows, n_out), lhs.dtype),
-        **(dict(grid=(min(streaming_multiprocessors(), rows // bm * (n_out // bn)),),
-                grid_names=("program",)) if config.persistent else
-           dict(grid=(rows // bm, n_out // bn), grid_names=("tile", "col"))),
+        grid=(rows // bm, n_out // bn // config.cluster_cols), grid_names=("tile", "col"),
+        **(dict(cluster=(config.cluster_cols,), cluster_names=("cluster",)) if clustered else {}),
         kernel_name=kernel_name("grouped_gemm_ws", config, k, n_out, swiglu_limit, False),
         num_threads=CONSUMERS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
     return kernel(tile_group, tile_rows, lhs, rhs)
-
-
-def streaming_multiprocessors() -> int:
-    """A persistent kernel's program count: the GPU's SMs (132 on the H200). Elsewhere (the
-    CPU's interpret mode, lowering for CUDA on a CPU) a few, so that each program loops."""
-    device = jax.devices()[0]
-    return device.core_count if device.platform == "gpu" else 4
