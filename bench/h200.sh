@@ -65,8 +65,6 @@ for name in "$@"; do
     moe-model)   step moe-model 90 python3 -m pytest -q -p no:cacheprovider \
                    tests/model/test_moe.py -k kernel ;;
     moe)         step moe 240 python3 bench/kernels_moe.py ;;
-    moe-clusters) step moe-clusters 300 python3 bench/kernels_moe.py --clusters ;;  # CTA pairs
-                   # sharing their tile's rows (TMA multicast) or not, prefill + dense
     invariance-31) step invariance-31 200 python3 -m pytest -q -p no:cacheprovider \
                    tests/engine/test_batch_invariance.py -k 7_and_31 ;;
     mhc)         step mhc 90 python3 -m pytest -q -p no:cacheprovider tests/model/test_mhc.py ;;

@@ -212,10 +212,8 @@ def label(cfg) -> str:
         return "ours bf16 " + " + ".join(label(c).removeprefix("ours bf16 ") for c in cfg)
     kind = "ws " if isinstance(cfg, WarpSpecializedConfig) else ""
     grouped = f" by {cfg.group_tiles} tiles" if getattr(cfg, "group_tiles", 0) else ""
-    clustered = (f" cluster x{cfg.cluster_cols}" if getattr(cfg, "cluster_cols", 1) > 1
-                 else "")
     return (f"ours bf16 {kind}{cfg.block_m}x{cfg.block_n}x{cfg.block_k}/"
-            f"{cfg.max_concurrent_steps}{grouped}{clustered}")
+            f"{cfg.max_concurrent_steps}{grouped}")
 
 
 def tile_sweep(name, op, tokens, rows, hit, flops, weight_bytes, fn, args, sweep) -> list[dict]:
@@ -234,9 +232,7 @@ def tile_sweep(name, op, tokens, rows, hit, flops, weight_bytes, fn, args, sweep
 
 
 DENSE_SWEEP = (WarpSpecializedConfig(256, 64, 3), WarpSpecializedConfig(128, 64, 4),
-               WarpSpecializedConfig(128, 64, 5),   # (N = 4096: block_n divides it)
-               WarpSpecializedConfig(256, 64, 3, cluster_cols=2),
-               WarpSpecializedConfig(128, 64, 4, cluster_cols=2))
+               WarpSpecializedConfig(128, 64, 5))   # (N = 4096: block_n divides it)
 
 
 def dense_case(m: int, shapes: Shapes, impl: str, sweep=DENSE_SWEEP) -> list[dict]:
@@ -306,8 +302,6 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; kernel interpreted on CPU")
     ap.add_argument("--name", default=None)
     ap.add_argument("--dense-only", action="store_true", help="only the batch-invariant GEMM")
-    ap.add_argument("--clusters", action="store_true",
-                    help="the prefill case and the dense GEMM, CTA pairs sharing rows or not")
     args = ap.parse_args()
     shapes = SMOKE if args.smoke else Shapes()
     impl = "interpret" if args.smoke else "mosaic_gpu"
@@ -330,13 +324,6 @@ def main() -> None:
                                 ws(128, 64, 4)],
                     "down": [TileConfig(64, 128, 64, 4), TileConfig(64, 256, 64, 3),
                              ws(256, 64, 3)]}
-    if args.clusters:   # the warp-specialised defaults, then in CTA pairs sharing the rows
-        up, down = ws(128, 64, 4), ws(256, 64, 3)
-        up_c, down_c = (dataclasses.replace(c, cluster_cols=2) for c in (up, down))
-        prefill_sweep = {"gate_up": [up, up_c, ws(128, 64, 3, cluster_cols=2)],
-                         "down": [down, down_c, ws(128, 64, 4, cluster_cols=2)],
-                         "mlp": [(up_c, down_c), (up_c, down)]}
-        tokamax_dot = None
     results = []
     if args.dense_only:
         for m in shapes.dense_rows:
@@ -350,15 +337,6 @@ def main() -> None:
     results += moe_case("prefill", shapes.prefill_tokens, shapes, experts, impl, tokamax_dot,
                         prefill_sweep)
     print(table(results, ceilings), flush=True)
-    if args.clusters:
-        for m in shapes.dense_rows:
-            results += dense_case(m, shapes, impl, DENSE_SWEEP[:1] + DENSE_SWEEP[3:])
-        text = table(results, ceilings)
-        print(text)
-        write_results(args.name or "kernels-moe-clusters-gpu", {
-            "environment": environment(), "ceilings": ceilings, "results": results},
-            text + "\n\nCommand: `python bench/kernels_moe.py --clusters`.")
-        return
     for tokens in shapes.decode_tokens:
         results += moe_case(f"decode {tokens}", tokens, shapes, experts, impl, tokamax_dot,
                             decode_sweep)

@@ -69,8 +69,6 @@ def kernel_name(kind: str, config, k: int, n_out: int, swiglu_limit: float | Non
     splits, grouped = getattr(config, "split_k", 1), getattr(config, "group_tiles", 0)
     return "_".join([kind, tile, f"k{k}", f"n{n_out}"] + [f"split{splits}"] * (splits > 1)
                     + [f"by{grouped}tiles"] * (grouped > 0)
-                    + [f"cluster{getattr(config, 'cluster_cols', 1)}"]
-                    * (getattr(config, "cluster_cols", 1) > 1)
                     + ["swiglu"] * (swiglu_limit is not None) + ["fp8"] * fp8)
 
 

@@ -13,13 +13,6 @@ full tile and a half one). A consumer whose 64 rows are all padding (`tile_rows`
 wgmmas and its store, so the other has the tensor cores to itself: the work follows the
 rows in 64-row steps while full tiles still share each weight block between 128 rows.
 
-The tile's rows are read again from L2 by every program of its row (16 column blocks at
-V4-Flash's shapes), and L2-to-SM traffic is what an expert of ~192 rows runs into: with
-`cluster_cols=2` the two CTAs of a cluster take adjacent column blocks of one tile and TMA
-multicasts each K block of its rows to both (each CTA copies half), so the rows cross from
-L2 once for two programs: 40 KB per K step instead of 48 for a SwiGLU tile. A slot refills
-only once both CTAs' consumers released it (a cluster barrier).
-
 The sum over K runs in the same order for every row, so a row's result does not depend on
 the batch here either. On the H200 (kernels-moe-gpu.md), the gate/up GEMM of a V4-Flash
 8k-token prefill: 334 TFLOP/s on the one-warpgroup kernel, 379 here, 401 with the padding
@@ -48,7 +41,6 @@ class WarpSpecializedConfig:
     block_n: int = 128            # output columns per program (per SwiGLU half)
     block_k: int = 64
     max_concurrent_steps: int = 3
-    cluster_cols: int = 1         # 2: CTA pairs share their tile's rows (TMA multicast; below)
 
     @property
     def block_m(self) -> int:     # the tile rows layout.py must use
@@ -59,11 +51,9 @@ class WarpSpecializedConfig:
             raise ValueError("the warp-specialised kernel takes bf16 weights only")
         if self.block_n % 16 or not 0 < self.block_n <= 256:   # see TileConfig.check
             raise ValueError(f"wgmma: 0 < block_n <= 256, a multiple of 16 ({self})")
-        if k % self.block_k or n_out % (self.block_n * self.cluster_cols):
+        if k % self.block_k or n_out % self.block_n:
             raise ValueError(f"K={k} and N={n_out} must be multiples of {self.block_k} and "
-                             f"{self.block_n} x {self.cluster_cols}")
-        if self.cluster_cols not in (1, 2):
-            raise ValueError(f"cluster_cols: 1 or 2 ({self})")
+                             f"{self.block_n}")
 
 
 # Jitted: the model calls it per layer with the same shapes, and jax lowers a jitted callee
@@ -85,12 +75,9 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
 
     if tile_rows is None:
         tile_rows = jnp.full(tile_group.shape, bm, jnp.int32)
-    clustered = config.cluster_cols > 1
 
     def body(tile_group_ref, tile_rows_ref, lhs_ref, rhs_ref, out_ref):
         tile, col = lax.axis_index("tile"), lax.axis_index("col")
-        if clustered:
-            col = col * config.cluster_cols + lax.axis_index("cluster")
         group = tile_group_ref[tile]
         wg = lax.axis_index("wg")
         my_rows = pl.ds(wg * WG_ROWS, WG_ROWS)
@@ -98,8 +85,7 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
         operands = (lhs_ref.at[pl.ds(tile * bm, bm)], *[rhs_ref.at[jnp.maximum(group, 0)]] * halves)
 
         def pipeline(mma, compute_context):
-            specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), delay_release=1,
-                                     collective_axes=("cluster",) if clustered else ())]
+            specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), delay_release=1)]
             specs += [plgpu.BlockSpec((bk, bn), functools.partial(
                 lambda kk, half: (kk, col + half * (n_out // bn)), half=half), delay_release=1)
                 for half in range(halves)]
@@ -148,8 +134,7 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
 
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((rows, n_out), lhs.dtype),
-        grid=(rows // bm, n_out // bn // config.cluster_cols), grid_names=("tile", "col"),
-        **(dict(cluster=(config.cluster_cols,), cluster_names=("cluster",)) if clustered else {}),
+        grid=(rows // bm, n_out // bn), grid_names=("tile", "col"),
         kernel_name=kernel_name("grouped_gemm_ws", config, k, n_out, swiglu_limit, False),
         num_threads=CONSUMERS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
