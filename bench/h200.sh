@@ -122,6 +122,8 @@ for name in "$@"; do
                    --out /tmp/pp-indexer ;;   # the 8k prefill step with the indexer kernel
     e2e-indexer) DEEPINFER_KERNEL_INDEXER=mosaic_gpu step e2e-indexer 300 python3 bench/e2e.py \
                    --peer-python "" --name e2e-gpu-indexer-kernel ;;   # after the indexer step passes
+    e2e-check)   step e2e-check 420 python3 bench/e2e.py --peer-python "" \
+                   --name e2e-gpu-check ;;   # the engine alone (no HF peer): a regression check
     e2e-quick)   step e2e 260 python3 bench/e2e.py --peer-timeout 100 ;;   # warm autotune cache
     profile-prefill) step profile-prefill 300 python3 bench/step_profile.py --v4-flash-layers 2 \
                    --prefill 8192 --steps 5 --out /tmp/profile-prefill ;;   # issue 11's 8k prefill
