@@ -65,13 +65,11 @@ for name in "$@"; do
     moe-model)   step moe-model 90 python3 -m pytest -q -p no:cacheprovider \
                    tests/model/test_moe.py -k kernel ;;
     moe)         step moe 240 python3 bench/kernels_moe.py ;;
-    moe-split)   step moe-split 240 python3 bench/kernels_moe.py --split-half-tiles ;;  # half
-                   # tiles on one consumer or split between both
     invariance-31) step invariance-31 200 python3 -m pytest -q -p no:cacheprovider \
                    tests/engine/test_batch_invariance.py -k 7_and_31 ;;
     mhc)         step mhc 90 python3 -m pytest -q -p no:cacheprovider tests/model/test_mhc.py ;;
     kernels-ws)  step kernels-ws 150 python3 -m pytest -q -p no:cacheprovider \
-                   tests/kernels/test_grouped_gemm.py -k "warp or tile_shape or layout or default_configs or split_between" ;;
+                   tests/kernels/test_grouped_gemm.py -k "warp or tile_shape or layout or default_configs" ;;
     invariance)  step invariance 500 python3 -m pytest -q -p no:cacheprovider \
                    tests/engine/test_batch_invariance.py -k "not computes_the_same_model" ;;
     invariance-kernels) step invariance-kernels 300 python3 -m pytest -q -p no:cacheprovider \

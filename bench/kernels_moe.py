@@ -212,9 +212,8 @@ def label(cfg) -> str:
         return "ours bf16 " + " + ".join(label(c).removeprefix("ours bf16 ") for c in cfg)
     kind = "ws " if isinstance(cfg, WarpSpecializedConfig) else ""
     grouped = f" by {cfg.group_tiles} tiles" if getattr(cfg, "group_tiles", 0) else ""
-    split = " split half tiles" if getattr(cfg, "split_half_tiles", False) else ""
     return (f"ours bf16 {kind}{cfg.block_m}x{cfg.block_n}x{cfg.block_k}/"
-            f"{cfg.max_concurrent_steps}{grouped}{split}")
+            f"{cfg.max_concurrent_steps}{grouped}")
 
 
 def tile_sweep(name, op, tokens, rows, hit, flops, weight_bytes, fn, args, sweep) -> list[dict]:
@@ -303,8 +302,6 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; kernel interpreted on CPU")
     ap.add_argument("--name", default=None)
     ap.add_argument("--dense-only", action="store_true", help="only the batch-invariant GEMM")
-    ap.add_argument("--split-half-tiles", action="store_true",
-                    help="the prefill case: half tiles on one consumer or split between both")
     args = ap.parse_args()
     shapes = SMOKE if args.smoke else Shapes()
     impl = "interpret" if args.smoke else "mosaic_gpu"
@@ -327,12 +324,6 @@ def main() -> None:
                                 ws(128, 64, 4)],
                     "down": [TileConfig(64, 128, 64, 4), TileConfig(64, 256, 64, 3),
                              ws(256, 64, 3)]}
-    if args.split_half_tiles:   # the warp-specialised defaults, then with split half tiles
-        up, down = ws(128, 64, 4), ws(256, 64, 3)
-        up_s, down_s = (dataclasses.replace(c, split_half_tiles=True) for c in (up, down))
-        prefill_sweep = {"gate_up": [up, up_s, dataclasses.replace(up_s, max_concurrent_steps=3)],
-                         "down": [down, down_s], "mlp": [(up, down), (up_s, down_s), (up_s, down)]}
-        tokamax_dot = None
     results = []
     if args.dense_only:
         for m in shapes.dense_rows:
@@ -346,12 +337,6 @@ def main() -> None:
     results += moe_case("prefill", shapes.prefill_tokens, shapes, experts, impl, tokamax_dot,
                         prefill_sweep)
     print(table(results, ceilings), flush=True)
-    if args.split_half_tiles:
-        text = table(results, ceilings)
-        write_results(args.name or "kernels-moe-split-gpu", {
-            "environment": environment(), "ceilings": ceilings, "results": results},
-            text + "\n\nCommand: `python bench/kernels_moe.py --split-half-tiles`.")
-        return
     for tokens in shapes.decode_tokens:
         results += moe_case(f"decode {tokens}", tokens, shapes, experts, impl, tokamax_dot,
                             decode_sweep)

@@ -41,7 +41,6 @@ class WarpSpecializedConfig:
     block_n: int = 128            # output columns per program (per SwiGLU half)
     block_k: int = 64
     max_concurrent_steps: int = 3
-    split_half_tiles: bool = False   # a tile of <= 64 rows: both consumers, half the columns each
 
     @property
     def block_m(self) -> int:     # the tile rows layout.py must use
@@ -52,8 +51,6 @@ class WarpSpecializedConfig:
             raise ValueError("the warp-specialised kernel takes bf16 weights only")
         if self.block_n % 16 or not 0 < self.block_n <= 256:   # see TileConfig.check
             raise ValueError(f"wgmma: 0 < block_n <= 256, a multiple of 16 ({self})")
-        if self.split_half_tiles and (self.block_n // CONSUMERS) % 64:
-            raise ValueError(f"split half tiles: a consumer's columns a multiple of 64 ({self})")
         if k % self.block_k or n_out % self.block_n:
             raise ValueError(f"K={k} and N={n_out} must be multiples of {self.block_k} and "
                              f"{self.block_n}")
@@ -79,16 +76,12 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
     if tile_rows is None:
         tile_rows = jnp.full(tile_group.shape, bm, jnp.int32)
 
-    narrow = bn // CONSUMERS       # a consumer's columns in a split half tile
-
     def body(tile_group_ref, tile_rows_ref, lhs_ref, rhs_ref, out_ref):
         tile, col = lax.axis_index("tile"), lax.axis_index("col")
         group = tile_group_ref[tile]
         wg = lax.axis_index("wg")
         my_rows = pl.ds(wg * WG_ROWS, WG_ROWS)
         mine_to_compute = tile_rows_ref[tile] > wg * WG_ROWS   # (consumers only ask)
-        runs = group >= 0
-        split = tile_rows_ref[tile] <= WG_ROWS if config.split_half_tiles else None
         operands = (lhs_ref.at[pl.ds(tile * bm, bm)], *[rhs_ref.at[jnp.maximum(group, 0)]] * halves)
 
         def pipeline(mma, compute_context):
@@ -111,62 +104,33 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
             plgpu.wgmma_wait(halves)      # retire the previous step's (its slots refill next)
             return accs
 
-        def mma_split(_, lhs_smem, *refs):  # a half tile: its 64 rows, this consumer's columns
-            *rhs_smems, accs = refs
-            for acc, w in zip(accs, rhs_smems, strict=True):
-                plgpu.wgmma(acc, lhs_smem.at[pl.ds(0, WG_ROWS)], w.at[:, pl.ds(wg * narrow, narrow)])
-            plgpu.wgmma_wait(halves)
-            return accs
-
         # Shared memory of a multi-warpgroup kernel is allocated for all warpgroups at once:
         # the pipeline's buffers (sized with a placeholder body) and one output tile per
-        # consumer (a split half tile's narrower one in the same bytes).
+        # consumer.
         ignore = lambda *_, **__: None  # noqa: E731
-        out_tiles = plgpu.SMEM((CONSUMERS, WG_ROWS, bn), out_ref.dtype)
-        if config.split_half_tiles:
-            out_tiles = plgpu.RefUnion(out_tiles, plgpu.SMEM((CONSUMERS, WG_ROWS, narrow),
-                                                             out_ref.dtype))
         @functools.partial(
             pl.run_scoped, allocations=pipeline(ignore, ignore).get_allocations(*operands),
-            out_smem=out_tiles, collective_axes="wg")
+            out_smem=plgpu.SMEM((CONSUMERS, WG_ROWS, bn), out_ref.dtype), collective_axes="wg")
         def scope(allocations, out_smem):
-            full_out, split_out = out_smem if config.split_half_tiles else (out_smem, None)
-
-            def store(result, smem, rows, cols):
-                smem[...] = result.astype(smem.dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(smem, out_ref.at[rows, cols])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
             def compute_context(eval_pipeline):
                 def accumulate(*accs):
                     accs = eval_pipeline(accs)
 
                     @pl.when(mine_to_compute)
                     def _():
-                        store(epilogue(tuple(acc[...] for acc in accs), swiglu_limit),
-                              full_out.at[wg], pl.ds(tile * bm + wg * WG_ROWS, WG_ROWS),
-                              pl.ds(col * bn, bn))
+                        result = epilogue(tuple(acc[...] for acc in accs), swiglu_limit)
+                        mine = out_smem.at[wg]
+                        mine[...] = result.astype(out_smem.dtype)
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(mine, out_ref.at[
+                            pl.ds(tile * bm + wg * WG_ROWS, WG_ROWS), pl.ds(col * bn, bn)])
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
                 pl.run_scoped(accumulate, *[plgpu.ACC((WG_ROWS, bn)) for _ in range(halves)])
 
-            def split_context(eval_pipeline):
-                def accumulate(*accs):
-                    accs = eval_pipeline(accs)
-                    store(epilogue(tuple(acc[...] for acc in accs), swiglu_limit),
-                          split_out.at[wg], pl.ds(tile * bm, WG_ROWS),
-                          pl.ds(col * bn + wg * narrow, narrow))
-
-                pl.run_scoped(accumulate, *[plgpu.ACC((WG_ROWS, narrow)) for _ in range(halves)])
-
-            @pl.when(runs if split is None else runs & ~split)
+            @pl.when(group >= 0)
             def _():
                 pipeline(mma, compute_context)(*operands, allocations=allocations)
-
-            if split is not None:
-                @pl.when(runs & split)
-                def _():
-                    pipeline(mma_split, split_context)(*operands, allocations=allocations)
 
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((rows, n_out), lhs.dtype),

@@ -83,17 +83,6 @@ def test_warp_specialized_kernel_matches_reference(case, swiglu):
     close(api.grouped_matmul(lhs, rhs, sizes, swiglu_limit=swiglu, impl=KERNEL, config=WS), ref)
 
 
-@pytest.mark.parametrize("case", ["empty experts", "halves at the edge"])
-@pytest.mark.parametrize("swiglu", [None, 7.0])
-def test_half_tiles_split_between_the_consumers_match_reference(case, swiglu):
-    """split_half_tiles: a tile of at most 64 rows runs on both consumers, each with half of
-    the columns; the other tiles as before."""
-    lhs, rhs, sizes, _ = problem(WS_SIZES[case], fp8=False)
-    ref = reference.grouped_matmul(lhs, rhs, sizes, swiglu_limit=swiglu)
-    config = WarpSpecializedConfig(block_n=128, split_half_tiles=True)
-    close(api.grouped_matmul(lhs, rhs, sizes, swiglu_limit=swiglu, impl=KERNEL, config=config), ref)
-
-
 def test_warp_specialized_expert_mlp_and_dense_invariance():
     rng = np.random.default_rng(8)
     sizes = jnp.asarray(SIZES["one hot expert"], jnp.int32)
@@ -265,12 +254,10 @@ def test_split_k_kernel_lowers_for_cuda(config):
     assert exported.out_avals[0].shape == (4, 128, N)
 
 
-@pytest.mark.parametrize("config", [WS, WarpSpecializedConfig(block_n=128, split_half_tiles=True)],
-                         ids=["64-columns", "split-half-tiles"])
-def test_warp_specialized_kernel_lowers_for_cuda(config):
+def test_warp_specialized_kernel_lowers_for_cuda():
     lhs, rhs, sizes, _ = problem(SIZES["balanced"], fp8=False)
     tiles = layout.tile_layout(sizes, lhs.shape[0], WS.block_m)
-    fn = jax.jit(functools.partial(tiled_group_matmul_ws, swiglu_limit=7.0, config=config))
+    fn = jax.jit(functools.partial(tiled_group_matmul_ws, swiglu_limit=7.0, config=WS))
     with abstract_gpu():
         exported = jax.export.export(fn, platforms=["cuda"])(
             layout.to_tiles(lhs, tiles, WS.block_m), rhs, tiles.tile_group, tiles.tile_rows)
@@ -311,8 +298,7 @@ def test_dense_fallback_equals_ragged_dot(case):
 TILE_SHAPES = [TileConfig(block_m=64, block_n=128), TileConfig(block_m=128, block_n=128),
                TileConfig(block_m=64, block_n=64), TileConfig(block_m=64, block_n=16),
                TileConfig(block_m=128, block_n=64),
-               WarpSpecializedConfig(block_n=128), WarpSpecializedConfig(block_n=256),
-               WarpSpecializedConfig(block_n=128, split_half_tiles=True)]   # (130 rows: a 2-row tile)
+               WarpSpecializedConfig(block_n=128), WarpSpecializedConfig(block_n=256)]
 
 
 def test_rows_do_not_depend_on_the_tile_shape():
