@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import threading
 
 import jax.numpy as jnp
 import jsonschema
@@ -16,7 +17,7 @@ import pytest
 import deepinfer_jax
 from deepinfer_jax import FinishReason, SamplingParams
 from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.structured import GrammarError
+from deepinfer_jax.structured import GrammarError, StructuredOutputs
 from deepinfer_jax.weights import random_params
 from deepinfer_jax.weights.export import save_checkpoint
 from tests.conftest import REPO
@@ -122,12 +123,30 @@ def test_bad_grammars_fail_alone(llm):
     assert re.fullmatch("[0-9]{2}", outputs[3].text)
 
 
-def test_grammar_compile_timeout_fails_the_request(llm):
+def test_grammar_compile_timeout_fails_the_request(llm, monkeypatch):
+    """A grammar still compiling at the time limit fails its request alone. The compile is
+    held until the request has failed: a real regex compiles in about a millisecond, which a
+    loaded machine's submitting thread could miss even under a 1e-9 s limit (seen in CI)."""
+    release = threading.Event()
+    compile_now = StructuredOutputs._compile
+
+    def held_compile(self, kind, text):
+        release.wait(timeout=60)
+        return compile_now(self, kind, text)
+
+    monkeypatch.setattr(StructuredOutputs, "_compile", held_compile)
     # the module's engine again, with another timeout (a host option: the steps are shared)
     llm = deepinfer_jax.LLM(llm.model, tokenizer=llm.tokenizer.path,
-                            **{**ENGINE, "grammar_compile_timeout_s": 1e-9})
-    [out] = llm.generate(["p"], constrained(regex="[a-z]{1,40}@[a-z]{1,40}"), use_tqdm=False)
-    assert isinstance(out.error, GrammarError) and "did not compile" in str(out.error)
+                            **{**ENGINE, "grammar_compile_timeout_s": 0.05})
+    try:
+        timed_out, free = llm.generate(
+            ["p", "q"], [constrained(regex="[a-z]{1,40}@[a-z]{1,40}"),
+                         SamplingParams(max_tokens=4, ignore_eos=True)], use_tqdm=False)
+    finally:
+        release.set()
+    assert isinstance(timed_out.error, GrammarError) and "did not compile" in str(timed_out.error)
+    assert timed_out.finish_reason is FinishReason.ERROR
+    assert free.error is None and len(free.token_ids) == 4
 
 
 def test_stop_strings_end_the_output_before_the_string(llm):
