@@ -19,6 +19,9 @@ from tests.engine.test_speculative import ENGINE, TINY, compare, mixed_params
 # tests then share (compile.py: engines of equal shapes share their compiled steps).
 SHIPPED = {**ENGINE, "max_model_len": 1024, "max_num_batched_tokens": 128,
            "token_buckets": (16, 128)}
+# Five drafts, their count per request scheduled by confidence (varlen); both trained-model
+# tests use it, so the speculative engine's steps compile once for the file.
+GREEDY_SPEC = {"num_speculative_tokens": 5}
 
 
 def test_trained_model_greedy_equals_plain_decoding():
@@ -30,7 +33,7 @@ def test_trained_model_greedy_equals_plain_decoding():
     params = mixed_params(len(prompts))
     stop = SamplingParams(max_tokens=30, stop_token_ids=[tok.token_to_id("Ċ") or 1])
     llm, outputs = compare(str(TINY), prompts + [prompts[0]], params + [stop],
-                           {"num_speculative_tokens": 5}, SHIPPED)
+                           GREEDY_SPEC, SHIPPED)
     spec = llm.spec_metrics
     assert spec.accepted > 0 and spec.mean_accepted_length > 1.3      # the MTP block helps
     # drafts were accepted across compressed-block boundaries (CSA rate 4): a row closed
@@ -46,8 +49,7 @@ def test_trained_model_logprobs_equal_plain_decoding_bitwise():
     source = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()
     prompt = plain.tokenizer.encode(source)[:310]
     params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=1)
-    spec = deepinfer_jax.LLM(TINY, speculative_config={"num_speculative_tokens": 3,
-                                                       "varlen": False}, **SHIPPED)
+    spec = deepinfer_jax.LLM(TINY, speculative_config=GREEDY_SPEC, **SHIPPED)
     ref, out = (llm.generate([prompt], params, use_tqdm=False)[0] for llm in (plain, spec))
     assert out.token_ids == ref.token_ids and spec.spec_metrics.accepted > 0
     np.testing.assert_array_equal([lp.logprob for lp in out.logprobs],
