@@ -40,11 +40,13 @@ def test_hf_loads_it_and_agrees():
 
 def test_beats_the_bigram_and_the_mtp_block_drafts():
     """Held-out CE >= 30% below a bigram on the same tokens; MTP draft accuracy >= 40%
-    (every 12th held-out window, to keep the suite fast; eval_metrics.json has all of them)."""
+    (every 24th held-out window, 14k tokens, to keep the suite fast: CE reduction 0.357 and
+    draft accuracy 0.547 there, against 0.352 and 0.551 over all 342k tokens in
+    eval_metrics.json)."""
     from eval_tiny import evaluate
 
-    metrics = evaluate(MODEL, stride=12)
-    assert metrics["held_out_tokens_scored"] > 25_000
+    metrics = evaluate(MODEL, stride=24)
+    assert metrics["held_out_tokens_scored"] > 12_000
     assert metrics["reduction_vs_bigram"] >= 0.30, metrics
     assert metrics["mtp_draft_accuracy"] >= 0.40, metrics
 
