@@ -5,12 +5,27 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # Compiled steps persist across test runs (and are shared by every engine with equal shapes).
 os.environ.setdefault("XDG_CACHE_HOME", str(REPO / ".cache" / "xdg"))
+# Every CPU computation runs to its end in the call that dispatches it. The kernels' GPU
+# interpret mode runs jax computations inside io_callbacks; with async dispatch, a test that
+# dispatched its next computation (the reference) while an interpreted kernel still ran left
+# the callback's nested computation queued behind it: a deadlock, both threads on a futex
+# (a CI run here, in tests/kernels/test_sink_attention.py; an earlier run's hang in a test
+# not identified was likely the same).
+jax.config.update("jax_cpu_enable_async_dispatch", False)   # (before the CPU client exists)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Under `make test`'s workers (one per core) each compiles one step at a time. Side by
+    # side they added nothing the other worker was not already using, and one CI run had a
+    # worker die with a segfault in XLA's executable serialization (jax's persistent-cache
+    # write, compilation_cache.put_executable_and_time) after compiling steps side by side:
+    # not reproduced, one source of concurrency fewer.
+    os.environ.setdefault("DEEPINFER_COMPILE_THREADS", "1")
 ORACLE_DIR = Path(os.environ.get("DEEPINFER_ORACLE_DIR", REPO / ".cache" / "oracle"))
 ORACLE_CASES = ("tiny-mixed", "tiny-sigmoid", "tiny-legacy")
 

@@ -7,6 +7,7 @@ from deepinfer_jax.compile import compile_threads
 
 
 def test_compile_threads(monkeypatch):
+    monkeypatch.delenv("DEEPINFER_COMPILE_THREADS", raising=False)   # (set under xdist)
     monkeypatch.setenv("DEEPINFER_STEP_FORMULATION", "gpu")
     assert compile_threads(8) == 1
     monkeypatch.setenv("DEEPINFER_STEP_FORMULATION", "cpu")
