@@ -156,10 +156,12 @@ for name in "$@"; do
                    --steps 30 --launch-ab; done' ;;   # thread on vs off (64 x 4k context: 1,024 prefill steps)
     ring-writes) step ring-writes 150 python3 bench/ring_writes.py ;;   # the cache writes' forms
     dense)       step dense 200 python3 bench/kernels_moe.py --dense-only ;;  # invariant GEMM sweep
-    cmdbuf)      step cmdbuf 300 sh -c 'for flags in "" "--xla_gpu_graph_min_graph_size=1" \
-                   "--xla_gpu_enable_command_buffer="; do echo "XLA_FLAGS=$flags"; \
-                   XLA_FLAGS="$flags" python3 bench/step_profile.py --v4-flash-layers 4 \
-                   --context 4096 --batch 1 --steps 30; done' ;;   # batch 1 is launch-bound
+    cmdbuf)      step cmdbuf 360 sh -c 'for flags in "" "--xla_gpu_graph_min_graph_size=1 \
+                   --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"; \
+                   do echo "XLA_FLAGS=$flags"; XLA_FLAGS="$XLA_FLAGS $flags" python3 bench/step_profile.py \
+                   --v4-flash-layers 4 --context 4096 --batch 1 --steps 30 --out /tmp/cmdbuf; \
+                   done' ;;   # batch 1 is launch-bound: its kernels ranked, and XLA's CUDA graphs
+                   # over the whole step (default: fusions, cuBLAS, custom calls; graphs of >= 5)
     hlo)         step hlo 200 sh -c 'XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text \
                    --xla_dump_hlo_module_re=.*wired_step.*" python3 bench/step_profile.py \
                    --batch 1 --budget 16 --context 128 --steps 5; \

@@ -240,6 +240,7 @@ def dense_case(m: int, shapes: Shapes, impl: str) -> list[dict]:
                                                                       config=whole_k)))]
     variants += [(f"ours invariant ws {c.block_m}x{c.block_n}x{c.block_k}/{c.max_concurrent_steps}",
                   jax.jit(functools.partial(invariant.matmul, impl=impl, config=c))) for c in DENSE_SWEEP]
+    variants += stock_hopper_matmuls(m, n)
     rows, reference = [], None
     for name, fn in variants:
         row = {"case": f"dense M={m}", "op": "matmul", "impl": name, "rows": m}
@@ -255,11 +256,42 @@ def dense_case(m: int, shapes: Shapes, impl: str) -> list[dict]:
             reference = full
         else:
             row["rel_err_vs_peer"] = rel_err(full, reference)
+        if name.startswith("ours"):
             row["rows_bitwise_equal_for_m"] = [
                 sub for sub in (1, 3, 64, min(1000, m)) if sub <= m
                 and np.array_equal(np.asarray(fn(x[:sub], w), np.float32), full[:sub])]
         rows.append(row)
     return rows
+
+
+def stock_hopper_matmuls(m: int, n: int) -> list[tuple[str, object]]:
+    """jax's own Mosaic GPU Hopper matmul (jax.experimental.pallas.ops.gpu, an example op
+    beside the Pallas sources: persistent programs, warp-specialised, a snake over tiles) in
+    a few configs: what Pallas reaches on these shapes, a bound for our dense GEMM. Only
+    called, never copied. Empty where it does not import (CPU smoke runs)."""
+    try:
+        from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hopper
+    except ImportError as error:
+        print(f"jax's hopper_matmul_mgpu unavailable: {error}", file=sys.stderr)
+        return []
+    if jax.default_backend() != "gpu":
+        return []
+    dim = hopper.MatmulDimension
+    configs = {   # per compute warpgroup tile_m x tile_n; the CTA doubles it along wg_dimension
+        "wg 128x128, CTA 128x256": dict(tile_m=128, tile_n=128, wg_dimension=dim.N),
+        "wg 128x128, CTA 256x128": dict(tile_m=128, tile_n=128, wg_dimension=dim.M),
+        "wg 64x256, CTA 128x256": dict(tile_m=64, tile_n=256, wg_dimension=dim.M),
+        "wg 128x128, CTA 128x256, cluster M": dict(tile_m=128, tile_n=128, wg_dimension=dim.N,
+                                                   cluster_dimension=dim.M),
+    }
+    out = []
+    for label, kw in configs.items():
+        for width in (4, 8):
+            cfg = hopper.TuningConfig(tile_k=64, max_concurrent_steps=4, grid_minor_dim=dim.M,
+                                      grid_tile_width=width, **kw)
+            out.append((f"jax example hopper_matmul {label}, snake {width}",
+                        jax.jit(functools.partial(hopper.matmul, c=None, config=cfg))))
+    return out
 
 
 def equal_rows(r: dict) -> str:

@@ -25,6 +25,8 @@ from pallas_kernels.grouped_gemm import api as gemm
 from pallas_kernels.grouped_gemm import invariant as invariant_gemm
 from pallas_kernels.grouped_gemm.reference import swiglu  # the clamped SwiGLU, one definition
 
+NO_EXPERT = -1      # a (token, slot) pair routed nowhere: a padding row's
+
 
 def score(logits: jax.Array, func: ScoringFunc) -> jax.Array:
     match func:
@@ -58,7 +60,7 @@ def sort_by_expert(flat_expert: jax.Array, n_experts: int) -> jax.Array:
     top-k (the next profile names it). Falls back to argsort where the keys would not fit
     in int32."""
     pairs = flat_expert.shape[0]
-    if n_experts * pairs >= 2**31:
+    if (n_experts + 1) * pairs >= 2**31:      # (+1: NO_EXPERT, the padding rows')
         return jnp.argsort(flat_expert, stable=True)
     keys = flat_expert.astype(jnp.int32) * pairs + jnp.arange(pairs, dtype=jnp.int32)
     return jnp.sort(keys) % pairs
@@ -66,11 +68,14 @@ def sort_by_expert(flat_expert: jax.Array, n_experts: int) -> jax.Array:
 
 def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, p: ExpertParams,
                    limit: float, configs=None, invariant: bool = False) -> jax.Array:
-    """x [N, D], experts i32[N, K], weights f32[N, K] -> [N, D]. configs: the grouped GEMM's
-    (gate/up, down) tile configs, its defaults for this batch if None."""
+    """x [N, D], experts i32[N, K] (NO_EXPERT: the pair is skipped), weights f32[N, K] ->
+    [N, D]. configs: the grouped GEMM's (gate/up, down) tile configs, its defaults for this
+    batch if None."""
     n_tokens, top_k = experts.shape
     n_experts = p.w13.shape[0]
-    flat_expert = experts.reshape(-1)                                    # [N*K]
+    flat_expert = jnp.where(experts == NO_EXPERT, n_experts, experts).reshape(-1)   # [N*K]
+    # Skipped pairs sort last, past every group (group_sizes does not count them): the grouped
+    # GEMM gives them no tile, and their rows of its result are undefined (masked below).
     order = sort_by_expert(flat_expert, n_experts)                       # pairs sorted by expert
     # each pair's place in that order (a permutation's inverse: unique indices)
     rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
@@ -78,7 +83,8 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, p: Expe
     group_sizes = jnp.bincount(flat_expert, length=n_experts).astype(jnp.int32)
     out = gemm.expert_mlp(x, p.w13, p.w2, group_sizes, limit, configs=configs,
                           source_rows=settled(order // top_k), out_order=settled(rank))
-    out = out * weights.reshape(-1)[:, None].astype(out.dtype)           # [N*K, D], pair order
+    routed = (flat_expert < n_experts)[:, None]
+    out = jnp.where(routed, out * weights.reshape(-1)[:, None].astype(out.dtype), 0)  # [N*K, D]
     # Each weighted output rounded to the activations' type before the sum over the K slots,
     # whatever XLA fuses (it may otherwise keep the products in float32 inside the fused sum).
     finfo = jnp.finfo(out.dtype)
@@ -128,10 +134,19 @@ def experts_on_kernel(num_tokens: int, dtype, p: MoEParams, cfg: ModelConfig) ->
             and gemm.kernel_runs(pairs, inter, dim, dtype=dtype, config=down_cfg))
 
 
-def moe(x: jax.Array, token_ids: jax.Array, p: MoEParams, kind: MlpKind, cfg: ModelConfig) -> jax.Array:
-    """x [..., D], token_ids i32[...] -> [..., D]."""
+def moe(x: jax.Array, token_ids: jax.Array, p: MoEParams, kind: MlpKind, cfg: ModelConfig,
+        valid: jax.Array | None = None) -> jax.Array:
+    """x [..., D], token_ids i32[...], valid bool[...] (False: a padding row of the step's
+    bucket) -> [..., D] (the shared expert's output alone in padding rows).
+
+    Padding rows are routed to no expert: they would read experts of their own otherwise (a
+    decode step of one request in a 16-token bucket read ~12 experts' weights a layer instead
+    of 6 on the H200; step-profile-gpu.md)."""
     flat = x.reshape(-1, x.shape[-1])
     experts, weights = route(flat, token_ids.reshape(-1), p, kind, cfg)
+    if valid is not None:
+        keep = valid.reshape(-1, 1)
+        experts, weights = jnp.where(keep, experts, NO_EXPERT), jnp.where(keep, weights, 0.0)
     on_kernel = experts_on_kernel(flat.shape[0], flat.dtype, p, cfg)
     if cfg.batch_invariant and not on_kernel:
         out = routed_experts_invariant(flat, experts, weights, p.experts, cfg.swiglu_limit)

@@ -105,12 +105,14 @@ def attention_outputs(p: LayerParams, kind: AttentionKind, cfg: ModelConfig, t: 
 
 
 def ffn_outputs(p: LayerParams, mlp_kind: MlpKind, cfg: ModelConfig, streams: Array,
-                token_ids: Array) -> Array:
-    """Rows of tokens: the MoE sublayer -> new streams [t, hc, D]."""
+                token_ids: Array, valid: Array | None = None) -> Array:
+    """Rows of tokens: the MoE sublayer -> new streams [t, hc, D] (valid bool[t]: False for
+    the bucket's padding rows, which then read no routed expert)."""
     inv = cfg.batch_invariant
     collapsed, post, comb = hc_pre(streams, p.ffn_hc, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
                                    sinkhorn_iters=cfg.hc_sinkhorn_iters, invariant=inv)
-    f = moe(rms_norm(collapsed, p.ffn_norm, cfg.rms_norm_eps), token_ids, p.moe, mlp_kind, cfg)
+    f = moe(rms_norm(collapsed, p.ffn_norm, cfg.rms_norm_eps), token_ids, p.moe, mlp_kind, cfg,
+            valid)
     return hc_post(f, streams, post, comb, invariant=inv)
 
 
@@ -194,7 +196,8 @@ def layer_step(p: LayerParams, streams: Array, token_ids: Array, ctx: TokenConte
     streams = (_apply if untiled else rowwise)(lambda *a: attention_outputs(p, kind, cfg, *a),
                                                t, keys, visible, streams, ctx.positions)
     streams = ffn_rowwise(p, cfg, streams, rowwise)(
-        lambda s, ids: ffn_outputs(p, mlp_kind, cfg, s, ids), streams, token_ids)
+        lambda s, ids, ok: ffn_outputs(p, mlp_kind, cfg, s, ids, ok), streams, token_ids,
+        ctx.valid)
     return streams, ls
 
 

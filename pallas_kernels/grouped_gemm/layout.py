@@ -3,7 +3,8 @@
 The kernel works on tiles of `block_m` rows that all belong to one group, so each group's
 rows are padded up to whole tiles: M rows in G groups need at most cdiv(M, block_m) + G - 1
 tiles, and never more tiles than rows. Computed with jnp in fixed shapes (inside the jitted
-step, from device-side sizes).
+step, from device-side sizes). Rows past the groups' total (in no group, as in `ragged_dot`)
+are in no tile: dropped on the way in, undefined on the way out.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def tile_layout(group_sizes: jax.Array, num_rows: int, block_m: int) -> TileLayo
     # a few launches per step of it on a GPU, for at most a few hundred groups.
     group = jnp.searchsorted(group_end, row, side="right", method="compare_all")
     padded_row = tile_start[group] * block_m + row - group_start[group]
+    padded_row = jnp.where(row < group_end[-1], padded_row, tiles * block_m)   # (out of range)
     t = jnp.arange(tiles)
     tile_group = jnp.searchsorted(tile_end, t, side="right", method="compare_all")
     used = t < tile_end[-1]

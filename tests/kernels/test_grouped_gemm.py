@@ -198,6 +198,36 @@ def test_tile_layout_gives_every_row_one_slot_in_its_groups_tile():
     assert np.asarray(tiles.tile_rows).tolist() == expected_rows
 
 
+def test_rows_past_the_groups_total_are_in_no_tile():
+    """ragged_dot's rows in no group (the MoE's padding pairs, sorted last): no tile slot, so
+    they neither take a tile nor overwrite a group's row; the rows in groups keep their slots."""
+    sizes = jnp.asarray([0, 70, 0, 3], jnp.int32)
+    bm, total = 64, 73
+    alone = layout.tile_layout(sizes, total, bm)
+    with_extra = layout.tile_layout(sizes, total + 40, bm)
+    tiles = with_extra.tile_group.shape[0]
+    padded = np.asarray(with_extra.padded_row)
+    np.testing.assert_array_equal(padded[:total], np.asarray(alone.padded_row))
+    assert (padded[total:] >= tiles * bm).all()
+    assert (np.asarray(with_extra.tile_group)[:2] == [1, 1]).all()
+    assert int((np.asarray(with_extra.tile_group) >= 0).sum()) == 3        # 70 -> 2 tiles, 3 -> 1
+
+
+def test_expert_mlp_rows_in_groups_ignore_rows_past_the_total():
+    """The kernel path's rows in groups are those of the reference (which gives the rows past
+    the total zeros; the kernel leaves them undefined), however many rows follow."""
+    rng = np.random.default_rng(9)
+    sizes = jnp.asarray(SIZES["empty experts"], jnp.int32)
+    total = int(sizes.sum())
+    x = jnp.asarray(rng.standard_normal((total + 30, K)), jnp.bfloat16)
+    w13 = jnp.asarray(rng.standard_normal((len(sizes), K, N)) / 8, jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((len(sizes), N // 2, K)) / 8, jnp.bfloat16)
+    ref = api.expert_mlp(x[:total], w13, w2, sizes, 7.0, impl="reference")
+    close(api.expert_mlp(x, w13, w2, sizes, 7.0, impl=KERNEL)[:total], ref)
+    np.testing.assert_array_equal(
+        np.asarray(api.expert_mlp(x, w13, w2, sizes, 7.0, impl="reference")[total:]), 0)
+
+
 def test_dense_gemm_rows_do_not_depend_on_the_number_of_rows():
     rng = np.random.default_rng(5)
     x, w = bitwise_operands(rng, (1000, K), (K, N))

@@ -108,6 +108,39 @@ def test_moe_through_the_grouped_gemm_kernel(monkeypatch):
     np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("impl", ["reference", "kernel"])
+def test_padding_rows_reach_no_routed_expert(monkeypatch, impl):
+    """A step's padding rows (valid False) are routed nowhere: the grouped GEMM's groups count
+    the real rows' pairs only (so no expert is read for padding), the real rows' outputs are
+    those of the real rows alone, and a padding row gets the shared expert's output only."""
+    from deepinfer_jax.model.moe import shared_expert
+    from pallas_kernels.grouped_gemm import api as gemm
+
+    if impl == "kernel":
+        monkeypatch.setenv("DEEPINFER_KERNELS", "interpret" if jax.default_backend() == "cpu"
+                           else "mosaic_gpu")
+    cfg = BASE.replace(hidden_size=128, moe_intermediate_size=64, swiglu_limit=1.5)
+    p = random_params(cfg, 6, jnp.bfloat16).layers[ROUTED_LAYER].moe
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((16, cfg.hidden_size)), jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, 16))
+    valid = jnp.arange(16) < 3                       # one 3-token chunk in a 16-token bucket
+    seen = []
+    real_expert_mlp = gemm.expert_mlp
+
+    def counting(x, w13, w2, group_sizes, *args, **kwargs):
+        seen.append(int(np.asarray(group_sizes).sum()))
+        return real_expert_mlp(x, w13, w2, group_sizes, *args, **kwargs)
+
+    monkeypatch.setattr(gemm, "expert_mlp", counting)
+    got = np.asarray(moe(x, ids, p, MlpKind.MOE, cfg, valid), np.float32)
+    alone = np.asarray(moe(x[:3], ids[:3], p, MlpKind.MOE, cfg), np.float32)
+    assert seen == [3 * cfg.num_experts_per_tok, 3 * cfg.num_experts_per_tok]
+    np.testing.assert_array_equal(got[:3], alone)
+    shared = np.asarray(shared_expert(x[3:], p.shared, cfg.swiglu_limit), np.float32)
+    np.testing.assert_array_equal(got[3:], shared)
+
+
 def test_invariant_ffn_on_the_kernel_runs_untiled_and_row_by_row(monkeypatch):
     """Batch-invariant mode runs the MoE sublayer over the whole batch at once where the routed
     experts are on the grouped-GEMM kernel (one read of the expert weights per step, not one per
