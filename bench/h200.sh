@@ -162,6 +162,11 @@ for name in "$@"; do
                    --v4-flash-layers 4 --context 4096 --batch 1 --steps 30 --out /tmp/cmdbuf; \
                    done' ;;   # batch 1 is launch-bound: its kernels ranked, and XLA's CUDA graphs
                    # over the whole step (default: fusions, cuBLAS, custom calls; graphs of >= 5)
+    b1-v4)       step b1-v4 200 python3 bench/step_profile.py --v4-flash-layers 4 --context 4096 \
+                   --batch 1 --steps 30 --out /tmp/b1-v4 ;;   # issue 11's batch 1, kernels ranked
+    dense-tests) step dense-tests 240 python3 -m pytest -q -p no:cacheprovider \
+                   tests/kernels/test_grouped_gemm.py tests/model/test_moe.py \
+                   -k "persistent or padding or past or dense or split or tile_shape or kernel" ;;
     hlo)         step hlo 200 sh -c 'XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text \
                    --xla_dump_hlo_module_re=.*wired_step.*" python3 bench/step_profile.py \
                    --batch 1 --budget 16 --context 128 --steps 5; \

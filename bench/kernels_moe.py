@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 from bench.ceilings import measure as measure_ceilings  # noqa: E402
 from bench.ceilings import rel_err, timed_ms  # noqa: E402
 from bench.common import environment, write_results  # noqa: E402
-from pallas_kernels.grouped_gemm import api, invariant, reference  # noqa: E402
+from pallas_kernels.grouped_gemm import api, dense_persistent, invariant, reference  # noqa: E402
 from pallas_kernels.grouped_gemm.mosaic_gpu import TileConfig  # noqa: E402
 from pallas_kernels.grouped_gemm.mosaic_gpu_ws import WarpSpecializedConfig  # noqa: E402
 
@@ -223,26 +223,47 @@ def tile_sweep(name, op, tokens, rows, hit, flops, weight_bytes, fn, args, sweep
     return out
 
 
-DENSE_SWEEP = (WarpSpecializedConfig(256, 64, 3), WarpSpecializedConfig(128, 64, 4),
-               WarpSpecializedConfig(128, 64, 5))   # (N = 4096: block_n divides it)
-
-
 def dense_case(m: int, shapes: Shapes, impl: str) -> list[dict]:
-    """The batch-invariant dense GEMM (default tiles, then warp-specialised ones) against XLA's
-    dot; for each of ours, which row prefixes (M = 1, 3, 64, 1000) give bitwise the same rows."""
+    """The batch-invariant dense GEMM against XLA's dot: the engine's default (at M >= 4096
+    the persistent kernel chaining the weight's K ranges), the per-tile kernels with K whole,
+    the persistent kernel with K whole (the issue's form) and in other tiles. For each of
+    ours, which row prefixes (M = 1, 3, 64, 1000) give bitwise the rows of the whole batch
+    when computed as the engine computes them at that M."""
     k = n = shapes.hidden
     x = jax.random.normal(jax.random.key(3), (m, k), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(4), (k, n), jnp.bfloat16) * k**-0.5
     whole_k = api.default_config(invariant.LARGE_BATCH, n)      # the config before split K
-    variants = [("xla dot", jax.jit(jnp.dot)),
-                ("ours invariant", jax.jit(functools.partial(invariant.matmul, impl=impl))),
-                ("ours invariant, K whole", jax.jit(functools.partial(invariant.matmul, impl=impl,
-                                                                      config=whole_k)))]
-    variants += [(f"ours invariant ws {c.block_m}x{c.block_n}x{c.block_k}/{c.max_concurrent_steps}",
-                  jax.jit(functools.partial(invariant.matmul, impl=impl, config=c))) for c in DENSE_SWEEP]
-    variants += stock_hopper_matmuls(m, n)
+    splits = invariant.invariant_split_k(k, n)
+
+    def ours(config=None):
+        return jax.jit(functools.partial(invariant.matmul, impl=impl, config=config))
+
+    def persistent(splits, **kw):
+        def run(x, w):
+            with api.kernel_mode(impl):
+                return dense_persistent.chained_matmul(
+                    x, w, splits=splits, config=dense_persistent.PersistentConfig(**kw))
+        return jax.jit(run)
+
+    engine = ours()                       # whatever config the engine takes at each M
+    variants = [("xla dot", jax.jit(jnp.dot), None),
+                (f"ours invariant (engine: {type(invariant.dense_invariant_config(m, n, k)).__name__}, "
+                 f"K in {splits} ranges)", engine, engine),
+                ("ours invariant per-tile, K whole", ours(whole_k), ours(whole_k)),
+                ("ours persistent 128x256x64/4, K whole", persistent(1), ours(whole_k)),
+                ("ours persistent 128x128x64/4, K whole", persistent(1, block_n=128), ours(whole_k)),
+                ("ours persistent 128x256x64/4, K whole, snake 8", persistent(1, snake_width=8),
+                 ours(whole_k))]
+    if splits > 1:
+        split_tiles = api.TileConfig(block_m=64, block_n=128, split_k=splits)
+        variants += [(f"ours persistent 128x256x64/4 store 16, K in {splits} ranges",
+                      persistent(splits, store_n=16), ours(split_tiles)),
+                     (f"ours per-tile 128x128 split K {splits} (partials summed after)",
+                      ours(api.TileConfig(block_m=128, block_n=128, max_concurrent_steps=6,
+                                          split_k=splits, group_tiles=8)), ours(split_tiles))]
+    variants += [(name, fn, None) for name, fn in stock_hopper_matmuls(m, n)]
     rows, reference = [], None
-    for name, fn in variants:
+    for name, fn, small in variants:
         row = {"case": f"dense M={m}", "op": "matmul", "impl": name, "rows": m}
         try:
             row["ms"] = timed_ms(fn, x, w)
@@ -256,19 +277,19 @@ def dense_case(m: int, shapes: Shapes, impl: str) -> list[dict]:
             reference = full
         else:
             row["rel_err_vs_peer"] = rel_err(full, reference)
-        if name.startswith("ours"):
+        if small is not None:
             row["rows_bitwise_equal_for_m"] = [
                 sub for sub in (1, 3, 64, min(1000, m)) if sub <= m
-                and np.array_equal(np.asarray(fn(x[:sub], w), np.float32), full[:sub])]
+                and np.array_equal(np.asarray(small(x[:sub], w), np.float32), full[:sub])]
         rows.append(row)
     return rows
 
 
 def stock_hopper_matmuls(m: int, n: int) -> list[tuple[str, object]]:
     """jax's own Mosaic GPU Hopper matmul (jax.experimental.pallas.ops.gpu, an example op
-    beside the Pallas sources: persistent programs, warp-specialised, a snake over tiles) in
-    a few configs: what Pallas reaches on these shapes, a bound for our dense GEMM. Only
-    called, never copied. Empty where it does not import (CPU smoke runs)."""
+    beside the Pallas sources: persistent programs, warp-specialised, a snake over tiles), its
+    two best configs of the first run (kernels-dense-gpu.md): what Pallas reaches on these
+    shapes, a bound for ours. Only called, never copied. Empty off the GPU."""
     try:
         from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hopper
     except ImportError as error:
@@ -278,20 +299,16 @@ def stock_hopper_matmuls(m: int, n: int) -> list[tuple[str, object]]:
         return []
     dim = hopper.MatmulDimension
     configs = {   # per compute warpgroup tile_m x tile_n; the CTA doubles it along wg_dimension
-        "wg 128x128, CTA 128x256": dict(tile_m=128, tile_n=128, wg_dimension=dim.N),
-        "wg 128x128, CTA 256x128": dict(tile_m=128, tile_n=128, wg_dimension=dim.M),
-        "wg 64x256, CTA 128x256": dict(tile_m=64, tile_n=256, wg_dimension=dim.M),
-        "wg 128x128, CTA 128x256, cluster M": dict(tile_m=128, tile_n=128, wg_dimension=dim.N,
-                                                   cluster_dimension=dim.M),
+        "wg 64x256, CTA 128x256, snake 4": dict(tile_m=64, tile_n=256, wg_dimension=dim.M,
+                                                grid_tile_width=4),
+        "wg 128x128, CTA 128x256, cluster M, snake 8": dict(
+            tile_m=128, tile_n=128, wg_dimension=dim.N, cluster_dimension=dim.M,
+            grid_tile_width=8),
     }
-    out = []
-    for label, kw in configs.items():
-        for width in (4, 8):
-            cfg = hopper.TuningConfig(tile_k=64, max_concurrent_steps=4, grid_minor_dim=dim.M,
-                                      grid_tile_width=width, **kw)
-            out.append((f"jax example hopper_matmul {label}, snake {width}",
-                        jax.jit(functools.partial(hopper.matmul, c=None, config=cfg))))
-    return out
+    return [(f"jax example hopper_matmul {label}",
+             jax.jit(functools.partial(hopper.matmul, c=None, config=hopper.TuningConfig(
+                 tile_k=64, max_concurrent_steps=4, grid_minor_dim=dim.M, **kw))))
+            for label, kw in configs.items()]
 
 
 def equal_rows(r: dict) -> str:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common import implementation
-from pallas_kernels.grouped_gemm import mosaic_gpu
+from pallas_kernels.grouped_gemm import dense_persistent, mosaic_gpu
 from pallas_kernels.grouped_gemm.api import (
     VALIDATED_ON_GPU,
     Config,
@@ -24,6 +24,7 @@ from pallas_kernels.grouped_gemm.api import (
     kernel_fits,
     kernel_mode,
 )
+from pallas_kernels.grouped_gemm.dense_persistent import PersistentConfig
 from pallas_kernels.grouped_gemm.mosaic_gpu import TileConfig
 from pallas_kernels.grouped_gemm.mosaic_gpu_ws import WarpSpecializedConfig
 
@@ -58,6 +59,13 @@ GROUP_TILES = 8                 # row tiles per sweep of the column blocks (grou
 # over the same 64-wide K steps): test_rows_do_not_depend_on_the_tile_shape passed on the
 # H200 with it (2026-11-30), so this mode's large MoE batches may take it too.
 WS_INVARIANT = True
+# Large batches (a prefill chunk of 4096+ rows) take the persistent kernel, chaining the same
+# K ranges (dense_persistent.py: the same bits as the split-K kernel's partials summed after):
+# on the H200 the per-tile kernels reached 56-66% of the bf16 matmul ceiling there and jax's
+# example of the persistent form 88-91% (kernels-dense-gpu.md).
+# DEEPINFER_INVARIANT_PERSISTENT=0 keeps the per-tile kernels (for comparison).
+PERSISTENT_ON_GPU = os.environ.get("DEEPINFER_INVARIANT_PERSISTENT", "1") == "1"
+PERSISTENT_MIN_ROWS = 4096
 
 
 def split_block_n(n_out: int) -> int:
@@ -80,10 +88,24 @@ def invariant_split_k(k: int, n_out: int) -> int:
     return splits
 
 
-def dense_invariant_config(num_rows: int, n_out: int, k: int | None = None) -> TileConfig:
+def persistent_config(n_out: int, splits: int) -> PersistentConfig:
+    """The persistent kernel's tiles: 256 columns where N allows (as jax's example's best on
+    the H200). A chain's float32 slots and carry piece take the shared memory of a stage."""
+    block_n = 256 if n_out % 256 == 0 else 128
+    if splits == 1:
+        return PersistentConfig(block_n=block_n)
+    return PersistentConfig(block_n=block_n, max_concurrent_steps=3, store_n=32)
+
+
+def dense_invariant_config(num_rows: int, n_out: int, k: int | None = None
+                           ) -> TileConfig | PersistentConfig:
     """matmul's config for M = num_rows in batch-invariant mode (k: the weight's rows, for
     the K split)."""
     splits = invariant_split_k(k, n_out) if k else 1
+    if k and PERSISTENT_ON_GPU and num_rows >= PERSISTENT_MIN_ROWS and n_out % 128 == 0:
+        config = persistent_config(n_out, splits)
+        if k % (splits * config.block_k) == 0:
+            return config
     if splits > 1:      # (any tile shape sums a row the same way: TILE_SHAPE_FREE_ON_GPU)
         block_m, steps = (128, 6) if num_rows >= 4096 else (64, 4)
         return TileConfig(block_m=block_m, block_n=split_block_n(n_out),
@@ -116,6 +138,13 @@ def matmul(x: jax.Array, w: jax.Array, *, impl: str | None = None,
     impl = impl or implementation(VALIDATED_ON_GPU, "grouped_gemm")
     config = config or dense_invariant_config(x.shape[0], w.shape[1], w.shape[0])
     out_dtype = out_dtype or x.dtype
+    if isinstance(config, PersistentConfig):   # the same K ranges as every other M's
+        splits = invariant_split_k(w.shape[0], w.shape[1])
+        if impl != "reference" and kernel_fits(w.shape[0], w.shape[1], config, False, x.dtype):
+            with kernel_mode(impl):
+                return dense_persistent.chained_matmul(x, w, splits=splits, out_dtype=out_dtype,
+                                                       config=config)
+        config = dense_invariant_config(1, w.shape[1], w.shape[0])   # (the reference path)
     if (impl == "reference" or isinstance(config, WarpSpecializedConfig)
             or not kernel_fits(w.shape[0], w.shape[1], config, False, x.dtype)):
         if out_dtype != x.dtype:

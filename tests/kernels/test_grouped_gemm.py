@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.common import abstract_gpu, on_hopper_or_newer
-from pallas_kernels.grouped_gemm import api, invariant, layout, reference
+from pallas_kernels.grouped_gemm import api, dense_persistent, invariant, layout, reference
 from pallas_kernels.grouped_gemm.mosaic_gpu import TileConfig, tiled_group_matmul
 from pallas_kernels.grouped_gemm.mosaic_gpu_ws import WarpSpecializedConfig
 from pallas_kernels.grouped_gemm.mosaic_gpu_ws import tiled_group_matmul as tiled_group_matmul_ws
@@ -236,6 +236,56 @@ def test_dense_gemm_rows_do_not_depend_on_the_number_of_rows():
     for m in (1, 3, 64):
         np.testing.assert_array_equal(np.asarray(invariant.matmul(x[:m], w, impl=KERNEL), np.float32),
                                       full[:m])
+
+
+PERSISTENT = dense_persistent.PersistentConfig(block_n=128, store_n=64, programs=3)   # (loops)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_persistent_dense_gemm_gives_the_split_k_kernels_bits(splits):
+    """The persistent kernel chains the K ranges (each call adds the ranges before it): the
+    same bits as the one-warpgroup kernel's per-range partials summed after it, so a large
+    batch on it gets the rows a small batch gets from the other (M = 200: padded tiles)."""
+    rng = np.random.default_rng(11)
+    x, w = bitwise_operands(rng, (200, 4 * K), (4 * K, N))
+    per_tile = invariant.matmul(x, w, impl=KERNEL, config=TileConfig(64, 128, split_k=splits))
+    with api.kernel_mode(KERNEL):
+        chained = dense_persistent.chained_matmul(x, w, splits=splits, config=PERSISTENT)
+    np.testing.assert_array_equal(np.asarray(chained, np.float32),
+                                  np.asarray(per_tile, np.float32))
+    close(chained, invariant.matmul(x, w, impl="reference"))
+
+
+def test_large_batches_take_the_persistent_kernel_with_the_weights_k_ranges(monkeypatch):
+    monkeypatch.setattr(invariant, "SPLIT_K_ON_GPU", True)
+    for k, n in ((4096, 4096), (4096, 1024), (1024, 32768)):
+        small = invariant.dense_invariant_config(64, n, k)
+        large = invariant.dense_invariant_config(8192, n, k)
+        assert isinstance(small, TileConfig) and isinstance(large, dense_persistent.PersistentConfig)
+        assert small.split_k == invariant.invariant_split_k(k, n)
+        large.check(k, n, splits=small.split_k)
+    # and through invariant.matmul: the rows of a large batch's config are the small one's
+    rng = np.random.default_rng(12)
+    x, w = bitwise_operands(rng, (130, 4 * K), (4 * K, N))
+    monkeypatch.setattr(invariant, "MIN_SPLIT_K", 128)       # (K = 512 splits at this size)
+    monkeypatch.setattr(invariant, "SPLIT_PROGRAMS", 4)
+    assert invariant.invariant_split_k(4 * K, N) == 2
+    big = np.asarray(invariant.matmul(x, w, impl=KERNEL, config=PERSISTENT), np.float32)
+    np.testing.assert_array_equal(np.asarray(invariant.matmul(x[:3], w, impl=KERNEL), np.float32),
+                                  big[:3])
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_persistent_dense_kernel_lowers_for_cuda(splits):
+    """At V4-Flash's 4096 x 4096 with the configs the engine picks (shared memory is checked
+    at lowering)."""
+    config = invariant.persistent_config(4096, splits)
+    x = jnp.zeros((8192, 4096), jnp.bfloat16)
+    w = jnp.zeros((4096, 4096), jnp.bfloat16)
+    fn = jax.jit(functools.partial(dense_persistent.chained_matmul, splits=splits, config=config))
+    with abstract_gpu():
+        exported = jax.export.export(fn, platforms=["cuda"])(x, w)
+    assert exported.mlir_module().count("mosaic_gpu") >= splits
 
 
 SPLIT = TileConfig(block_m=64, block_n=128, split_k=4)     # K = 4 x 128: ranges of 2 steps
