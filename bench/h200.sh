@@ -64,7 +64,7 @@ for name in "$@"; do
     attention)   step attention 420 python3 bench/kernels_attention.py ;;
     moe-model)   step moe-model 90 python3 -m pytest -q -p no:cacheprovider \
                    tests/model/test_moe.py -k kernel ;;
-    moe)         step moe 240 python3 bench/kernels_moe.py ;;
+    moe)         step moe 330 python3 bench/kernels_moe.py ;;
     invariance-31) step invariance-31 200 python3 -m pytest -q -p no:cacheprovider \
                    tests/engine/test_batch_invariance.py -k 7_and_31 ;;
     mhc)         step mhc 90 python3 -m pytest -q -p no:cacheprovider tests/model/test_mhc.py ;;
@@ -167,6 +167,9 @@ for name in "$@"; do
     dense-tests) step dense-tests 240 python3 -m pytest -q -p no:cacheprovider \
                    tests/kernels/test_grouped_gemm.py tests/model/test_moe.py \
                    -k "persistent or padding or past or dense or split or tile_shape or kernel" ;;
+    ws-tests)    step ws-tests 200 python3 -m pytest -q -p no:cacheprovider \
+                   tests/kernels/test_grouped_gemm.py tests/model/test_moe.py -k \
+                   "warp_specialized or tile_shape or persistent or split_k_follows or padding or untiled" ;;
     hlo)         step hlo 200 sh -c 'XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text \
                    --xla_dump_hlo_module_re=.*wired_step.*" python3 bench/step_profile.py \
                    --batch 1 --budget 16 --context 128 --steps 5; \

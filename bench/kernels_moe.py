@@ -136,7 +136,8 @@ def moe_case(name: str, tokens: int, shapes: Shapes, experts: Experts, impl: str
     def ours(weights):
         def op(name, a, s, w13, s13, w2, s2, cfg=None):
             k, n_out = (d, i) if name == "gate_up" else (i, d)
-            if cfg is not None and not api.kernel_fits(k, n_out, cfg, s13 is not None):
+            if name != "mlp" and cfg is not None and not api.kernel_fits(k, n_out, cfg,
+                                                                         s13 is not None):
                 raise ValueError(f"{cfg} does not fit K={k}, N={n_out} (it would time the "
                                  "reference path)")
             if name == "gate_up":
@@ -144,7 +145,8 @@ def moe_case(name: str, tokens: int, shapes: Shapes, experts: Experts, impl: str
                                           impl=impl, config=cfg)
             if name == "down":
                 return api.grouped_matmul(a, w2, s, rhs_scale=s2, impl=impl, config=cfg)
-            return api.expert_mlp(a, w13, w2, s, LIMIT, w13_scale=s13, w2_scale=s2, impl=impl)
+            return api.expert_mlp(a, w13, w2, s, LIMIT, w13_scale=s13, w2_scale=s2, impl=impl,
+                                  configs=cfg)   # (gate/up, down) or None: the defaults
         return op, weights
 
     def via(dot):
@@ -202,6 +204,13 @@ def moe_case(name: str, tokens: int, shapes: Shapes, experts: Experts, impl: str
 
 
 def label(cfg) -> str:
+    if isinstance(cfg, tuple):
+        return " + ".join(label(c) for c in cfg).replace(" + ours bf16", " +")
+    rows = f" by {cfg.consumer_rows} rows" if getattr(cfg, "consumer_rows", 64) != 64 else ""
+    return _label(cfg) + rows
+
+
+def _label(cfg) -> str:
     kind = "ws " if isinstance(cfg, WarpSpecializedConfig) else ""
     grouped = f" by {cfg.group_tiles} tiles" if getattr(cfg, "group_tiles", 0) else ""
     return (f"ours bf16 {kind}{cfg.block_m}x{cfg.block_n}x{cfg.block_k}/"
@@ -258,6 +267,8 @@ def dense_case(m: int, shapes: Shapes, impl: str) -> list[dict]:
         split_tiles = api.TileConfig(block_m=64, block_n=128, split_k=splits)
         variants += [(f"ours persistent 128x256x64/4 store 16, K in {splits} ranges",
                       persistent(splits, store_n=16), ours(split_tiles)),
+                     (f"ours persistent 128x256x64/4 store 32, K in {splits} ranges",
+                      persistent(splits, store_n=32), ours(split_tiles)),
                      (f"ours per-tile 128x128 split K {splits} (partials summed after)",
                       ours(api.TileConfig(block_m=128, block_n=128, max_concurrent_steps=6,
                                           split_k=splits, group_tiles=8)), ours(split_tiles))]
@@ -357,10 +368,14 @@ def main() -> None:
     # ~192-row expert than 128-row ones (3 tiles exactly vs 2 = 256 rows)
     # (the one-warpgroup kernel's 128 x 64 / 128 x 128 were the defaults before the
     # warp-specialised one's)
-    prefill_sweep = {"gate_up": [TileConfig(128, 64, 64, 6), TileConfig(64, 128, 64, 4, group_tiles=8),
-                                 ws(64, 64, 4), ws(128, 64, 3), ws(128, 128, 2)],
-                     "down": [TileConfig(128, 128, 64, 6), TileConfig(64, 256, 64, 3, group_tiles=8),
-                              ws(128, 64, 4), ws(128, 64, 5), ws(128, 128, 3)]}
+    # 256-row tiles (consumer_rows=128): a ~192-row expert's weight blocks read once, not
+    # once per 128-row tile
+    prefill_sweep = {"gate_up": [TileConfig(128, 64, 64, 6), ws(64, 64, 4), ws(128, 64, 3),
+                                 ws(64, 64, 4, 128), ws(64, 64, 3, 128)],
+                     "down": [TileConfig(128, 128, 64, 6), ws(128, 64, 4), ws(128, 64, 3, 128),
+                              ws(64, 64, 4, 128)],
+                     "mlp": [(ws(64, 64, 4, 128), ws(128, 64, 3, 128)),
+                             (ws(64, 64, 4, 128), ws(64, 64, 4, 128))]}
     decode_sweep = {"gate_up": [TileConfig(64, 128, 64, 4), TileConfig(64, 64, 64, 8),
                                 ws(128, 64, 4)],
                     "down": [TileConfig(64, 128, 64, 4), TileConfig(64, 256, 64, 3),

@@ -71,16 +71,20 @@ def test_kernel_matches_reference_bf16(case, swiglu):
 
 
 WS = WarpSpecializedConfig(block_n=64)
-# Tiles whose second 64-row half is all padding (its consumer skips) or holds one row.
-WS_SIZES = SIZES | {"halves at the edge": [64, 65, 0, 129, 128]}
+WS_256 = WarpSpecializedConfig(block_n=64, consumer_rows=128)   # 256-row tiles, 2 blocks each
+# Tiles whose 64-row blocks at the end are all padding (skipped) or hold one row.
+WS_SIZES = SIZES | {"halves at the edge": [64, 65, 0, 129, 128],
+                    "blocks at the edge": [192, 193, 0, 257, 255]}
 
 
 @pytest.mark.parametrize("case", WS_SIZES)
 @pytest.mark.parametrize("swiglu", [None, 7.0])
-def test_warp_specialized_kernel_matches_reference(case, swiglu):
+@pytest.mark.parametrize("config", [WS, WS_256], ids=["128-row tiles", "256-row tiles"])
+def test_warp_specialized_kernel_matches_reference(case, swiglu, config):
     lhs, rhs, sizes, _ = problem(WS_SIZES[case], fp8=False)
     ref = reference.grouped_matmul(lhs, rhs, sizes, swiglu_limit=swiglu)
-    close(api.grouped_matmul(lhs, rhs, sizes, swiglu_limit=swiglu, impl=KERNEL, config=WS), ref)
+    close(api.grouped_matmul(lhs, rhs, sizes, swiglu_limit=swiglu, impl=KERNEL, config=config),
+          ref)
 
 
 def test_warp_specialized_expert_mlp_and_dense_invariance():
@@ -314,9 +318,12 @@ def test_split_k_follows_the_weight_shape_only(monkeypatch):
     assert invariant.invariant_split_k(8192, 4096) == 2       # 32 column tiles
     assert invariant.invariant_split_k(4096, 24) == 1         # no 64-column tile
     assert invariant.invariant_split_k(1024, 32768) == 1      # 256 column tiles fill the SMs
-    for rows in (1, 64, 256, 5000):
+    for rows in (1, 64, 256):
         config = invariant.dense_invariant_config(rows, 1024, 4096)
         assert config.split_k == 8 and api.kernel_fits(4096, 1024, config, False)
+    large = invariant.dense_invariant_config(5000, 1024, 4096)   # the persistent kernel's chain
+    assert isinstance(large, dense_persistent.PersistentConfig)
+    large.check(4096, 1024, splits=8)
     with pytest.raises(ValueError, match="split K"):
         SPLIT.check(4 * K, N, fp8=False, swiglu=True)
 
@@ -378,7 +385,8 @@ def test_dense_fallback_equals_ragged_dot(case):
 TILE_SHAPES = [TileConfig(block_m=64, block_n=128), TileConfig(block_m=128, block_n=128),
                TileConfig(block_m=64, block_n=64), TileConfig(block_m=64, block_n=16),
                TileConfig(block_m=128, block_n=64),
-               WarpSpecializedConfig(block_n=128), WarpSpecializedConfig(block_n=256)]
+               WarpSpecializedConfig(block_n=128), WarpSpecializedConfig(block_n=256),
+               WarpSpecializedConfig(block_n=128, consumer_rows=128)]
 
 
 def test_rows_do_not_depend_on_the_tile_shape():

@@ -145,7 +145,8 @@ def test_invariant_ffn_on_the_kernel_runs_untiled_and_row_by_row(monkeypatch):
     """Batch-invariant mode runs the MoE sublayer over the whole batch at once where the routed
     experts are on the grouped-GEMM kernel (one read of the expert weights per step, not one per
     row tile): a token's new streams are then bitwise the same among few tokens as among many,
-    whatever rows share its experts' tiles. The default mode's are not (the control)."""
+    whatever rows share its experts' tiles. The default mode's are not on the CPU (the
+    control; on the H200 XLA's kernels for the other ops happened to keep these rows too)."""
     from deepinfer_jax.model import step_forward
 
     monkeypatch.setenv("DEEPINFER_KERNELS", "interpret" if jax.default_backend() == "cpu"
@@ -162,7 +163,8 @@ def test_invariant_ffn_on_the_kernel_runs_untiled_and_row_by_row(monkeypatch):
         ffn = jax.jit(lambda s, i: step_forward.ffn_outputs(layer, MlpKind.MOE, cfg, s, i))
         alone = np.asarray(ffn(streams[few], ids[few]), np.float32)
         among_all = np.asarray(ffn(streams, ids), np.float32)[few]
-        assert np.array_equal(alone, among_all) == invariant
+        if invariant or jax.default_backend() == "cpu":
+            assert np.array_equal(alone, among_all) == invariant
 
 
 def test_sort_by_expert_is_the_stable_argsort():
