@@ -206,11 +206,6 @@ def moe_case(name: str, tokens: int, shapes: Shapes, experts: Experts, impl: str
 def label(cfg) -> str:
     if isinstance(cfg, tuple):
         return " + ".join(label(c) for c in cfg).replace(" + ours bf16", " +")
-    rows = f" by {cfg.consumer_rows} rows" if getattr(cfg, "consumer_rows", 64) != 64 else ""
-    return _label(cfg) + rows
-
-
-def _label(cfg) -> str:
     kind = "ws " if isinstance(cfg, WarpSpecializedConfig) else ""
     grouped = f" by {cfg.group_tiles} tiles" if getattr(cfg, "group_tiles", 0) else ""
     return (f"ours bf16 {kind}{cfg.block_m}x{cfg.block_n}x{cfg.block_k}/"
@@ -368,14 +363,8 @@ def main() -> None:
     # ~192-row expert than 128-row ones (3 tiles exactly vs 2 = 256 rows)
     # (the one-warpgroup kernel's 128 x 64 / 128 x 128 were the defaults before the
     # warp-specialised one's)
-    # 256-row tiles (consumer_rows=128): a ~192-row expert's weight blocks read once, not
-    # once per 128-row tile
-    prefill_sweep = {"gate_up": [TileConfig(128, 64, 64, 6), ws(64, 64, 4), ws(128, 64, 3),
-                                 ws(64, 64, 4, 128), ws(64, 64, 3, 128)],
-                     "down": [TileConfig(128, 128, 64, 6), ws(128, 64, 4), ws(128, 64, 3, 128),
-                              ws(64, 64, 4, 128)],
-                     "mlp": [(ws(64, 64, 4, 128), ws(128, 64, 3, 128)),
-                             (ws(64, 64, 4, 128), ws(64, 64, 4, 128))]}
+    prefill_sweep = {"gate_up": [TileConfig(128, 64, 64, 6), ws(64, 64, 4), ws(128, 64, 3)],
+                     "down": [TileConfig(128, 128, 64, 6), ws(128, 64, 4), ws(128, 64, 5)]}
     decode_sweep = {"gate_up": [TileConfig(64, 128, 64, 4), TileConfig(64, 64, 64, 8),
                                 ws(128, 64, 4)],
                     "down": [TileConfig(64, 128, 64, 4), TileConfig(64, 256, 64, 3),

@@ -1,19 +1,17 @@
 """The grouped GEMM, warp-specialised (SM90): a producer warpgroup and two consumer warpgroups.
 
 Same contract as mosaic_gpu.tiled_group_matmul (bf16 weights only). A program computes a tile
-of 2 x `consumer_rows` rows (one group, as laid out by layout.py) by `block_n` columns (each
-SwiGLU half): a memory warpgroup streams the rows' K blocks and the group's weight blocks
-through shared memory, and each of two compute warpgroups runs wgmma on its rows of the tile
-in 64-row blocks, one accumulator per block and half. More rows sharing each weight block
-means fewer weight bytes per FLOP than the one-warpgroup kernel's, and the producer keeps
-copies in flight while both consumers compute: the structure of jax's Hopper matmul example,
-applied to expert tiles.
+of 128 rows (one group, as laid out by layout.py) by `block_n` columns (each SwiGLU half): a
+memory warpgroup streams the rows' K blocks and the group's weight blocks through shared
+memory, and each of two compute warpgroups runs wgmma on its 64 rows of the tile, with one
+accumulator per half. Doubling the rows that share each weight block halves the weight bytes
+per FLOP of the one-warpgroup kernel, and the producer keeps copies in flight while both
+consumers compute: the structure of jax's Hopper matmul example, applied to expert tiles.
 
-Tile rows: a V4-Flash prefill's experts get ~192 rows each (8192 tokens x 6 / 256). In
-128-row tiles that is a full tile and a half one, and every weight block is read once per
-tile; in 256-row tiles (consumer_rows=128) once per expert, for the cost of 64 more padding
-rows per expert in the layout. A 64-row block that is all padding (`tile_rows`) skips its
-wgmmas and its store, so the work follows the rows in 64-row steps either way.
+A group's last tile is partly padding (a V4-Flash prefill's experts get ~192 rows each: a
+full tile and a half one). A consumer whose 64 rows are all padding (`tile_rows`) skips its
+wgmmas and its store, so the other has the tensor cores to itself: the work follows the
+rows in 64-row steps while full tiles still share each weight block between 128 rows.
 
 The sum over K runs in the same order for every row, so a row's result does not depend on
 the batch here either. On the H200 (kernels-moe-gpu.md), the gate/up GEMM of a V4-Flash
@@ -34,7 +32,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.grouped_gemm.mosaic_gpu import epilogue, kernel_name
 
-WG_ROWS = 64          # rows per wgmma (its M): a consumer's rows come in blocks of these
+WG_ROWS = 64          # rows per consumer warpgroup (the wgmma M)
 CONSUMERS = 2
 
 
@@ -43,23 +41,16 @@ class WarpSpecializedConfig:
     block_n: int = 128            # output columns per program (per SwiGLU half)
     block_k: int = 64
     max_concurrent_steps: int = 3
-    consumer_rows: int = 64       # rows per consumer warpgroup: 64, or 128 (two row blocks)
 
     @property
     def block_m(self) -> int:     # the tile rows layout.py must use
-        return self.consumer_rows * CONSUMERS
-
-    @property
-    def row_blocks(self) -> int:  # 64-row blocks per consumer, each skipped if all padding
-        return self.consumer_rows // WG_ROWS
+        return WG_ROWS * CONSUMERS
 
     def check(self, k: int, n_out: int, fp8: bool) -> None:
         if fp8:
             raise ValueError("the warp-specialised kernel takes bf16 weights only")
         if self.block_n % 16 or not 0 < self.block_n <= 256:   # see TileConfig.check
             raise ValueError(f"wgmma: 0 < block_n <= 256, a multiple of 16 ({self})")
-        if self.consumer_rows not in (64, 128):
-            raise ValueError(f"consumer_rows: 64 or 128 ({self})")
         if k % self.block_k or n_out % self.block_n:
             raise ValueError(f"K={k} and N={n_out} must be multiples of {self.block_k} and "
                              f"{self.block_n}")
@@ -85,16 +76,12 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
     if tile_rows is None:
         tile_rows = jnp.full(tile_group.shape, bm, jnp.int32)
 
-    blocks, cr = config.row_blocks, config.consumer_rows
-
     def body(tile_group_ref, tile_rows_ref, lhs_ref, rhs_ref, out_ref):
         tile, col = lax.axis_index("tile"), lax.axis_index("col")
         group = tile_group_ref[tile]
         wg = lax.axis_index("wg")
-        # this consumer's 64-row blocks: (first row in the tile, whether any row is real);
-        # padding is a suffix of the tile, so the skipped blocks are the last ones
-        my_blocks = [(wg * cr + b * WG_ROWS, tile_rows_ref[tile] > wg * cr + b * WG_ROWS)
-                     for b in range(blocks)]
+        my_rows = pl.ds(wg * WG_ROWS, WG_ROWS)
+        mine_to_compute = tile_rows_ref[tile] > wg * WG_ROWS   # (consumers only ask)
         operands = (lhs_ref.at[pl.ds(tile * bm, bm)], *[rhs_ref.at[jnp.maximum(group, 0)]] * halves)
 
         def pipeline(mma, compute_context):
@@ -108,44 +95,38 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
                 compute_context=compute_context)
 
         def mma(_, lhs_smem, *refs):
-            *rhs_smems, accs = refs       # accs: per row block, per half
-            for b, (first, real) in enumerate(my_blocks):
-                @pl.when(real)            # (all padding: no wgmma; the slots are released)
-                def _():
-                    for acc, w in zip(accs[b * halves:(b + 1) * halves], rhs_smems, strict=True):
-                        plgpu.wgmma(acc, lhs_smem.at[pl.ds(first, WG_ROWS)], w)
-            # Retire all but the last `halves` groups: every one of the previous step's (its
-            # slots refill next) whichever blocks ran.
-            plgpu.wgmma_wait(halves)
+            *rhs_smems, accs = refs
+
+            @pl.when(mine_to_compute)     # (all padding: the slots are released untouched)
+            def _():
+                for acc, w in zip(accs, rhs_smems, strict=True):
+                    plgpu.wgmma(acc, lhs_smem.at[my_rows], w)
+            plgpu.wgmma_wait(halves)      # retire the previous step's (its slots refill next)
             return accs
 
         # Shared memory of a multi-warpgroup kernel is allocated for all warpgroups at once:
-        # the pipeline's buffers (sized with a placeholder body) and an output block per
-        # consumer row block.
+        # the pipeline's buffers (sized with a placeholder body) and one output tile per
+        # consumer.
         ignore = lambda *_, **__: None  # noqa: E731
         @functools.partial(
             pl.run_scoped, allocations=pipeline(ignore, ignore).get_allocations(*operands),
-            out_smem=plgpu.SMEM((CONSUMERS, blocks, WG_ROWS, bn), out_ref.dtype),
-            collective_axes="wg")
+            out_smem=plgpu.SMEM((CONSUMERS, WG_ROWS, bn), out_ref.dtype), collective_axes="wg")
         def scope(allocations, out_smem):
             def compute_context(eval_pipeline):
                 def accumulate(*accs):
                     accs = eval_pipeline(accs)
-                    for b, (first, real) in enumerate(my_blocks):
-                        @pl.when(real)
-                        def _():
-                            result = epilogue(tuple(acc[...] for acc in
-                                                    accs[b * halves:(b + 1) * halves]),
-                                              swiglu_limit)
-                            mine = out_smem.at[wg, b]
-                            mine[...] = result.astype(out_smem.dtype)
-                            plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(mine, out_ref.at[
-                                pl.ds(tile * bm + first, WG_ROWS), pl.ds(col * bn, bn)])
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-                pl.run_scoped(accumulate, *[plgpu.ACC((WG_ROWS, bn))
-                                            for _ in range(blocks * halves)])
+                    @pl.when(mine_to_compute)
+                    def _():
+                        result = epilogue(tuple(acc[...] for acc in accs), swiglu_limit)
+                        mine = out_smem.at[wg]
+                        mine[...] = result.astype(out_smem.dtype)
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(mine, out_ref.at[
+                            pl.ds(tile * bm + wg * WG_ROWS, WG_ROWS), pl.ds(col * bn, bn)])
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+                pl.run_scoped(accumulate, *[plgpu.ACC((WG_ROWS, bn)) for _ in range(halves)])
 
             @pl.when(group >= 0)
             def _():
