@@ -164,6 +164,12 @@ for name in "$@"; do
                    # over the whole step (default: fusions, cuBLAS, custom calls; graphs of >= 5)
     b1-v4)       step b1-v4 200 python3 bench/step_profile.py --v4-flash-layers 4 --context 4096 \
                    --batch 1 --steps 30 --out /tmp/b1-v4 ;;   # issue 11's batch 1, kernels ranked
+    b1-ab)       step b1-ab 220 sh -c 'for flags in "" "--xla_gpu_enable_command_buffer="; do \
+                   echo "XLA_FLAGS=$flags"; XLA_FLAGS="$XLA_FLAGS $flags" python3 \
+                   bench/step_profile.py --v4-flash-layers 4 --context 4096 --batch 1 --steps 30; \
+                   done' ;;   # batch 1's host-bound call: a reused plan buffer; no CUDA graphs
+    persistent-tests) step persistent-tests 90 python3 -m pytest -q -p no:cacheprovider \
+                   tests/kernels/test_grouped_gemm.py -k persistent ;;
     dense-tests) step dense-tests 240 python3 -m pytest -q -p no:cacheprovider \
                    tests/kernels/test_grouped_gemm.py tests/model/test_moe.py \
                    -k "persistent or padding or past or dense or split or tile_shape or kernel" ;;

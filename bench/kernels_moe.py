@@ -260,11 +260,13 @@ def dense_case(m: int, shapes: Shapes, impl: str) -> list[dict]:
                  ours(whole_k))]
     if splits > 1:
         split_tiles = api.TileConfig(block_m=64, block_n=128, split_k=splits)
-        variants += [(f"ours persistent 128x256x64/4 store 16, K in {splits} ranges",
-                      persistent(splits, store_n=16), ours(split_tiles)),
-                     (f"ours persistent 128x256x64/4 store 32, K in {splits} ranges",
-                      persistent(splits, store_n=32), ours(split_tiles)),
-                     (f"ours per-tile 128x128 split K {splits} (partials summed after)",
+        variants += [(f"ours persistent 128x256x64/3 store 32, K in {splits} ranges, a call each",
+                      persistent(splits, max_concurrent_steps=3, store_n=32), ours(split_tiles))]
+        if splits == 2:
+            variants += [(f"ours persistent 128x128x64/{steps}, both K ranges in one call",
+                          persistent(2, block_n=128, ranges=2, max_concurrent_steps=steps),
+                          ours(split_tiles)) for steps in (4, 6)]
+        variants += [(f"ours per-tile 128x128 split K {splits} (partials summed after)",
                       ours(api.TileConfig(block_m=128, block_n=128, max_concurrent_steps=6,
                                           split_k=splits, group_tiles=8)), ours(split_tiles))]
     variants += [(name, fn, None) for name, fn in stock_hopper_matmuls(m, n)]

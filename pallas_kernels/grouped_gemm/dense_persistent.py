@@ -46,6 +46,7 @@ class PersistentConfig:
     snake_width: int = 4          # row tiles per band of the tile order
     store_n: int = 64             # output columns per epilogue piece
     programs: int = 0             # 0: one per SM
+    ranges: int = 1               # K ranges per call, one accumulator each (see matmul)
 
     @property
     def block_m(self) -> int:
@@ -59,6 +60,11 @@ class PersistentConfig:
         if self.block_n % 16 or not 0 < self.block_n <= 256 or self.block_n % self.store_n:
             raise ValueError(f"wgmma: 0 < block_n <= 256, a multiple of 16 and of store_n "
                              f"({self})")
+        if self.ranges * self.block_n > 256:    # accumulators: 64 x block_n f32 per range
+            raise ValueError(f"{self.ranges} accumulators of 64 x {self.block_n} overflow the "
+                             f"registers (ranges x block_n <= 256)")
+        if splits % self.ranges:
+            raise ValueError(f"{splits} K ranges are not whole calls of {self.ranges}")
         if k % (splits * self.block_k) or n_out % self.block_n:
             raise ValueError(f"K={k} in {splits} ranges and N={n_out} must be multiples of "
                              f"{self.block_k} and {self.block_n}")
@@ -77,12 +83,16 @@ def matmul(x: jax.Array, w: jax.Array, carry: jax.Array | None = None, *, k_star
            k_size: int | None = None, out_dtype=None,
            config: PersistentConfig = PersistentConfig()) -> jax.Array:
     """x [M, K], w [K, N], carry f32[M, N] or None -> carry + x[:, ks] @ w[ks] in out_dtype
-    (default x's), ks = k_start : k_start + k_size (default all of K), summed in float32."""
+    (default x's), ks = k_start : k_start + k_size (default all of K), summed in float32.
+
+    With config.ranges = R > 1, ks is R equal ranges summed apart in R accumulators and added
+    first to last in the epilogue (after the carry): R ranges of the split without a float32
+    round trip through memory between them."""
     m, k = x.shape
     n = w.shape[1]
     k_size = k - k_start if k_size is None else k_size
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    config.check(k_size, n)
+    config.check(k_size, n, splits=config.ranges)
     if m % config.block_m:
         raise ValueError(f"M={m} must be a multiple of {config.block_m} (pad it: chained_matmul)")
     bm, bn, bk, store_n = config.block_m, config.block_n, config.block_k, config.store_n
@@ -105,10 +115,16 @@ def matmul(x: jax.Array, w: jax.Array, carry: jax.Array | None = None, *, k_star
             return (x_ref.at[pl.ds(row_tile * bm, bm), pl.ds(k_start, k_size)],
                     w_ref.at[pl.ds(k_start, k_size), pl.ds(col_block * bn, bn)])
 
-        def mma(_, x_smem, w_smem, acc):
-            plgpu.wgmma(acc, x_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)], w_smem)
+        steps_per_range = k_size // bk // config.ranges
+
+        def mma(index, x_smem, w_smem, accs):
+            mine = x_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)]
+            for r, acc in enumerate(accs):       # the step's range's accumulator
+                @pl.when(index[0] // steps_per_range == r)
+                def _():
+                    plgpu.wgmma(acc, mine, w_smem)
             plgpu.wgmma_wait(1)           # retire the previous step's (its slots refill next)
-            return acc
+            return accs
 
         # Shared memory of a multi-warpgroup kernel is allocated for all warpgroups at once:
         # the pipeline's buffers (sized with a placeholder body), each consumer's two output
@@ -129,24 +145,29 @@ def matmul(x: jax.Array, w: jax.Array, carry: jax.Array | None = None, *, k_star
                 my_rows = pl.ds(row_tile * bm + wg * WG_ROWS, WG_ROWS)
 
                 def compute_context(eval_pipeline):
-                    @functools.partial(pl.run_scoped, acc=plgpu.ACC((WG_ROWS, bn)))
-                    def _(acc):
-                        result = eval_pipeline(acc)[...]
+                    def store(*accs):
+                        sums = [acc[...] for acc in eval_pipeline(accs)]
                         # the previous tile's last copies may still read the slots
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         for piece in range(bn // store_n):
                             cols = pl.ds(col_block * bn + piece * store_n, store_n)
-                            values = result[:, piece * store_n:(piece + 1) * store_n]
+                            parts = [part[:, piece * store_n:(piece + 1) * store_n]
+                                     for part in sums]
                             if carry_ref is not None:
                                 plgpu.copy_gmem_to_smem(carry_ref.at[my_rows, cols],
                                                         carry_smem.at[wg], carry_barrier.at[wg])
                                 plgpu.barrier_wait(carry_barrier.at[wg])
-                                values = carry_smem.at[wg][...] + values
+                                parts.insert(0, carry_smem.at[wg][...])
+                            values = parts[0]
+                            for part in parts[1:]:           # first to last
+                                values = values + part
                             slot = out_smem.at[wg, piece % 2]
                             plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # its last copy
                             slot[...] = values.astype(out_dtype)
                             plgpu.commit_smem()
                             plgpu.copy_smem_to_gmem(slot, out_ref.at[my_rows, cols])
+
+                    pl.run_scoped(store, *[plgpu.ACC((WG_ROWS, bn)) for _ in range(config.ranges)])
 
                 pipeline(mma, compute_context)(*operands(row_tile, col_block),
                                                allocations=allocations)
@@ -157,6 +178,7 @@ def matmul(x: jax.Array, w: jax.Array, carry: jax.Array | None = None, *, k_star
         body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(programs,), grid_names=("program",), num_threads=CONSUMERS + 1, thread_name="wg",
         kernel_name=f"dense_persistent_{bm}x{bn}x{bk}_k{k_size}_n{n}"
+                    f"{f'_{config.ranges}ranges' if config.ranges > 1 else ''}"
                     f"{'_carry' if carry is not None else ''}_{out_dtype.name}",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
     return kernel(x, w) if carry is None else kernel(x, w, carry)
@@ -165,15 +187,16 @@ def matmul(x: jax.Array, w: jax.Array, carry: jax.Array | None = None, *, k_star
 def chained_matmul(x: jax.Array, w: jax.Array, *, splits: int = 1, out_dtype=None,
                    config: PersistentConfig = PersistentConfig()) -> jax.Array:
     """x [M, K] @ w [K, N] -> [M, N] in out_dtype (default x's): K in `splits` equal ranges,
-    one call each, every call adding the float32 sum of the ranges before it (the split-K
-    kernel's bits, see the module doc). M is padded to whole tiles here."""
+    config.ranges of them per call, every call adding the float32 sum of the ranges before it
+    (the split-K kernel's bits, see the module doc). M is padded to whole tiles here."""
     rows, k = x.shape
     config.check(k, w.shape[1], splits=splits)
     padded = jnp.pad(x, ((0, -rows % config.block_m), (0, 0)))
-    k_size = k // splits
+    calls = splits // config.ranges
+    k_size = k // calls
     total = None
-    for s in range(splits):
-        last = s == splits - 1
-        total = matmul(padded, w, total, k_start=s * k_size, k_size=k_size,
+    for call in range(calls):
+        last = call == calls - 1
+        total = matmul(padded, w, total, k_start=call * k_size, k_size=k_size,
                        out_dtype=(out_dtype or x.dtype) if last else jnp.float32, config=config)
     return total[:rows]

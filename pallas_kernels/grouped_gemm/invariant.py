@@ -89,11 +89,16 @@ def invariant_split_k(k: int, n_out: int) -> int:
 
 
 def persistent_config(n_out: int, splits: int) -> PersistentConfig:
-    """The persistent kernel's tiles: 256 columns where N allows (as jax's example's best on
-    the H200). A chain's float32 slots and carry piece take the shared memory of a stage."""
+    """The persistent kernel's tiles: K whole, 256 columns where N allows (as jax's example's
+    best on the H200: 99-104% of XLA's dot). Two K ranges: both in one call, an accumulator
+    each, so 128 columns (the registers). More: a chain of calls, whose float32 slots and
+    carry piece take the shared memory of a pipeline stage (79-85% of XLA's dot for two
+    ranges at 4096-8192 rows, kernels-dense-gpu.md)."""
     block_n = 256 if n_out % 256 == 0 else 128
     if splits == 1:
         return PersistentConfig(block_n=block_n)
+    if splits == 2:
+        return PersistentConfig(block_n=128, max_concurrent_steps=5, ranges=2)
     return PersistentConfig(block_n=block_n, max_concurrent_steps=3, store_n=32)
 
 
@@ -104,7 +109,7 @@ def dense_invariant_config(num_rows: int, n_out: int, k: int | None = None
     splits = invariant_split_k(k, n_out) if k else 1
     if k and PERSISTENT_ON_GPU and num_rows >= PERSISTENT_MIN_ROWS and n_out % 128 == 0:
         config = persistent_config(n_out, splits)
-        if k % (splits * config.block_k) == 0:
+        if k % (splits * config.block_k) == 0 and n_out % config.block_n == 0:
             return config
     if splits > 1:      # (any tile shape sums a row the same way: TILE_SHAPE_FREE_ON_GPU)
         block_m, steps = (128, 6) if num_rows >= 4096 else (64, 4)

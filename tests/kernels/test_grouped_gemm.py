@@ -4,6 +4,7 @@ computation and the kernel's lowering for CUDA."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -241,16 +242,18 @@ def test_dense_gemm_rows_do_not_depend_on_the_number_of_rows():
 PERSISTENT = dense_persistent.PersistentConfig(block_n=128, store_n=64, programs=3)   # (loops)
 
 
-@pytest.mark.parametrize("splits", [1, 2, 4])
-def test_persistent_dense_gemm_gives_the_split_k_kernels_bits(splits):
-    """The persistent kernel chains the K ranges (each call adds the ranges before it): the
-    same bits as the one-warpgroup kernel's per-range partials summed after it, so a large
-    batch on it gets the rows a small batch gets from the other (M = 200: padded tiles)."""
+@pytest.mark.parametrize("splits, ranges", [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2)])
+def test_persistent_dense_gemm_gives_the_split_k_kernels_bits(splits, ranges):
+    """The persistent kernel sums the K ranges apart (`ranges` per call in accumulators of
+    their own, the calls chained, each adding the ranges before it): the same bits as the
+    one-warpgroup kernel's per-range partials summed after it, so a large batch on it gets
+    the rows a small batch gets from the other (M = 200: padded tiles)."""
     rng = np.random.default_rng(11)
     x, w = bitwise_operands(rng, (200, 4 * K), (4 * K, N))
     per_tile = invariant.matmul(x, w, impl=KERNEL, config=TileConfig(64, 128, split_k=splits))
+    config = dataclasses.replace(PERSISTENT, ranges=ranges)
     with api.kernel_mode(KERNEL):
-        chained = dense_persistent.chained_matmul(x, w, splits=splits, config=PERSISTENT)
+        chained = dense_persistent.chained_matmul(x, w, splits=splits, config=config)
     np.testing.assert_array_equal(np.asarray(chained, np.float32),
                                   np.asarray(per_tile, np.float32))
     close(chained, invariant.matmul(x, w, impl="reference"))
@@ -275,7 +278,7 @@ def test_large_batches_take_the_persistent_kernel_with_the_weights_k_ranges(monk
                                   big[:3])
 
 
-@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("splits", [1, 2, 4])
 def test_persistent_dense_kernel_lowers_for_cuda(splits):
     """At V4-Flash's 4096 x 4096 with the configs the engine picks (shared memory is checked
     at lowering)."""
@@ -285,7 +288,7 @@ def test_persistent_dense_kernel_lowers_for_cuda(splits):
     fn = jax.jit(functools.partial(dense_persistent.chained_matmul, splits=splits, config=config))
     with abstract_gpu():
         exported = jax.export.export(fn, platforms=["cuda"])(x, w)
-    assert exported.mlir_module().count("mosaic_gpu") >= splits
+    assert exported.mlir_module().count("mosaic_gpu") >= splits // config.ranges
 
 
 SPLIT = TileConfig(block_m=64, block_n=128, split_k=4)     # K = 4 x 128: ranges of 2 steps
