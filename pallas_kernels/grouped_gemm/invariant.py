@@ -91,14 +91,16 @@ def invariant_split_k(k: int, n_out: int) -> int:
 def persistent_config(n_out: int, splits: int) -> PersistentConfig:
     """The persistent kernel's tiles: K whole, 256 columns where N allows (as jax's example's
     best on the H200: 99-104% of XLA's dot). Two K ranges: both in one call, an accumulator
-    each, so 128 columns (the registers). More: a chain of calls, whose float32 slots and
+    each, so 128 columns (the registers): 6 stages 93% / 87% of XLA's dot at 4096 / 8192
+    rows, 4 stages 86% / 90% (kernels-dense-ranges-gpu.md; 5 stages, the first row of that
+    run, 50%: not understood, to be re-run). More: a chain of calls, whose float32 slots and
     carry piece take the shared memory of a pipeline stage (79-85% of XLA's dot for two
-    ranges at 4096-8192 rows, kernels-dense-gpu.md)."""
+    ranges, kernels-dense-gpu.md)."""
     block_n = 256 if n_out % 256 == 0 else 128
     if splits == 1:
         return PersistentConfig(block_n=block_n)
     if splits == 2:
-        return PersistentConfig(block_n=128, max_concurrent_steps=5, ranges=2)
+        return PersistentConfig(block_n=128, max_concurrent_steps=6, ranges=2)
     return PersistentConfig(block_n=block_n, max_concurrent_steps=3, store_n=32)
 
 
