@@ -19,11 +19,18 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common import gpu_interpret, implementation
-from pallas_kernels.grouped_gemm import layout, mosaic_gpu, mosaic_gpu_ws, reference
+from pallas_kernels.grouped_gemm import (
+    layout,
+    mosaic_gpu,
+    mosaic_gpu_persistent,
+    mosaic_gpu_ws,
+    reference,
+)
 from pallas_kernels.grouped_gemm.mosaic_gpu import TileConfig
+from pallas_kernels.grouped_gemm.mosaic_gpu_persistent import PersistentConfig
 from pallas_kernels.grouped_gemm.mosaic_gpu_ws import WarpSpecializedConfig
 
-Config = TileConfig | WarpSpecializedConfig
+Config = TileConfig | WarpSpecializedConfig | PersistentConfig
 
 # tests/kernels passed on the H200 (2026-11-29): the kernel is the default on SM90+ GPUs.
 VALIDATED_ON_GPU = True
@@ -134,6 +141,10 @@ def expert_mlp(x: jax.Array, w13: jax.Array, w2: jax.Array, group_sizes: jax.Arr
 
 def _tiled(lhs, rhs, tiles: layout.TileLayout, rhs_scale, swiglu_limit,
            config: Config) -> jax.Array:
+    if isinstance(config, PersistentConfig):
+        return mosaic_gpu_persistent.tiled_group_matmul(lhs, rhs, tiles.tile_group,
+                                                        tiles.tile_rows,
+                                                        swiglu_limit=swiglu_limit, config=config)
     if isinstance(config, WarpSpecializedConfig):
         return mosaic_gpu_ws.tiled_group_matmul(lhs, rhs, tiles.tile_group, tiles.tile_rows,
                                                 swiglu_limit=swiglu_limit, config=config)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common import implementation
-from pallas_kernels.grouped_gemm import dense_persistent, mosaic_gpu
+from pallas_kernels.grouped_gemm import mosaic_gpu, mosaic_gpu_persistent
 from pallas_kernels.grouped_gemm.api import (
     VALIDATED_ON_GPU,
     Config,
@@ -24,8 +24,8 @@ from pallas_kernels.grouped_gemm.api import (
     kernel_fits,
     kernel_mode,
 )
-from pallas_kernels.grouped_gemm.dense_persistent import PersistentConfig
 from pallas_kernels.grouped_gemm.mosaic_gpu import TileConfig
+from pallas_kernels.grouped_gemm.mosaic_gpu_persistent import PersistentConfig
 from pallas_kernels.grouped_gemm.mosaic_gpu_ws import WarpSpecializedConfig
 
 # Batch-invariant configs. Every config sums a row's K in the same order (block_k 64; K split
@@ -60,7 +60,7 @@ GROUP_TILES = 8                 # row tiles per sweep of the column blocks (grou
 # H200 with it (2026-11-30), so this mode's large MoE batches may take it too.
 WS_INVARIANT = True
 # Large batches (a prefill chunk of 4096+ rows) take the persistent kernel, chaining the same
-# K ranges (dense_persistent.py: the same bits as the split-K kernel's partials summed after):
+# K ranges (mosaic_gpu_persistent.py: the same bits as the split-K kernel's partials summed after):
 # on the H200 the per-tile kernels reached 56-66% of the bf16 matmul ceiling there and jax's
 # example of the persistent form 88-91% (kernels-dense-gpu.md).
 # DEEPINFER_INVARIANT_PERSISTENT=0 keeps the per-tile kernels (for comparison).
@@ -149,7 +149,7 @@ def matmul(x: jax.Array, w: jax.Array, *, impl: str | None = None,
         splits = invariant_split_k(w.shape[0], w.shape[1])
         if impl != "reference" and kernel_fits(w.shape[0], w.shape[1], config, False, x.dtype):
             with kernel_mode(impl):
-                return dense_persistent.chained_matmul(x, w, splits=splits, out_dtype=out_dtype,
+                return mosaic_gpu_persistent.chained_matmul(x, w, splits=splits, out_dtype=out_dtype,
                                                        config=config)
         config = dense_invariant_config(1, w.shape[1], w.shape[0])   # (the reference path)
     if (impl == "reference" or isinstance(config, WarpSpecializedConfig)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.common import abstract_gpu, on_hopper_or_newer
-from pallas_kernels.grouped_gemm import api, dense_persistent, invariant, layout, reference
+from pallas_kernels.grouped_gemm import api, invariant, layout, mosaic_gpu_persistent, reference
 from pallas_kernels.grouped_gemm.mosaic_gpu import TileConfig, tiled_group_matmul
 from pallas_kernels.grouped_gemm.mosaic_gpu_ws import WarpSpecializedConfig
 from pallas_kernels.grouped_gemm.mosaic_gpu_ws import tiled_group_matmul as tiled_group_matmul_ws
@@ -76,12 +76,29 @@ WS = WarpSpecializedConfig(block_n=64)
 WS_SIZES = SIZES | {"halves at the edge": [64, 65, 0, 129, 128]}
 
 
+# The persistent kernel on groups: programs loop over the (tile, column) pairs (3 of them here)
+WS_PERSISTENT = mosaic_gpu_persistent.PersistentConfig(block_n=64, programs=3)
+
+
 @pytest.mark.parametrize("case", WS_SIZES)
 @pytest.mark.parametrize("swiglu", [None, 7.0])
-def test_warp_specialized_kernel_matches_reference(case, swiglu):
+@pytest.mark.parametrize("config", [WS, WS_PERSISTENT], ids=["per tile", "persistent"])
+def test_warp_specialized_kernel_matches_reference(case, swiglu, config):
     lhs, rhs, sizes, _ = problem(WS_SIZES[case], fp8=False)
     ref = reference.grouped_matmul(lhs, rhs, sizes, swiglu_limit=swiglu)
-    close(api.grouped_matmul(lhs, rhs, sizes, swiglu_limit=swiglu, impl=KERNEL, config=WS), ref)
+    close(api.grouped_matmul(lhs, rhs, sizes, swiglu_limit=swiglu, impl=KERNEL, config=config),
+          ref)
+
+
+def test_persistent_expert_mlp_matches_the_reference_chain():
+    rng = np.random.default_rng(13)
+    sizes = jnp.asarray(WS_SIZES["halves at the edge"], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((int(sizes.sum()), K)), jnp.bfloat16)
+    w13 = jnp.asarray(rng.standard_normal((len(sizes), K, N)) / 8, jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((len(sizes), N // 2, K)) / 8, jnp.bfloat16)
+    close(api.expert_mlp(x, w13, w2, sizes, 7.0, impl=KERNEL,
+                         configs=(WS_PERSISTENT, dataclasses.replace(WS_PERSISTENT, block_n=128))),
+          api.expert_mlp(x, w13, w2, sizes, 7.0, impl="reference"))
 
 
 def test_warp_specialized_expert_mlp_and_dense_invariance():
@@ -239,7 +256,7 @@ def test_dense_gemm_rows_do_not_depend_on_the_number_of_rows():
                                       full[:m])
 
 
-PERSISTENT = dense_persistent.PersistentConfig(block_n=128, store_n=64, programs=3)   # (loops)
+PERSISTENT = mosaic_gpu_persistent.PersistentConfig(block_n=128, store_n=64, programs=3)   # (loops)
 
 
 @pytest.mark.parametrize("splits, ranges", [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2)])
@@ -253,7 +270,7 @@ def test_persistent_dense_gemm_gives_the_split_k_kernels_bits(splits, ranges):
     per_tile = invariant.matmul(x, w, impl=KERNEL, config=TileConfig(64, 128, split_k=splits))
     config = dataclasses.replace(PERSISTENT, ranges=ranges)
     with api.kernel_mode(KERNEL):
-        chained = dense_persistent.chained_matmul(x, w, splits=splits, config=config)
+        chained = mosaic_gpu_persistent.chained_matmul(x, w, splits=splits, config=config)
     np.testing.assert_array_equal(np.asarray(chained, np.float32),
                                   np.asarray(per_tile, np.float32))
     close(chained, invariant.matmul(x, w, impl="reference"))
@@ -264,7 +281,7 @@ def test_large_batches_take_the_persistent_kernel_with_the_weights_k_ranges(monk
     for k, n in ((4096, 4096), (4096, 1024), (1024, 32768)):
         small = invariant.dense_invariant_config(64, n, k)
         large = invariant.dense_invariant_config(8192, n, k)
-        assert isinstance(small, TileConfig) and isinstance(large, dense_persistent.PersistentConfig)
+        assert isinstance(small, TileConfig) and isinstance(large, mosaic_gpu_persistent.PersistentConfig)
         assert small.split_k == invariant.invariant_split_k(k, n)
         large.check(k, n, splits=small.split_k)
     # and through invariant.matmul: the rows of a large batch's config are the small one's
@@ -278,6 +295,22 @@ def test_large_batches_take_the_persistent_kernel_with_the_weights_k_ranges(monk
                                   big[:3])
 
 
+@pytest.mark.parametrize("block_n, swiglu", [(64, 10.0), (128, 10.0), (256, None)])
+def test_persistent_grouped_kernel_lowers_for_cuda(block_n, swiglu):
+    """V4-Flash's expert GEMMs (gate/up 4096 -> 2 x 2048 with the SwiGLU, down 2048 -> 4096)
+    in the configs the bench sweeps (shared memory and registers checked at lowering)."""
+    k, n = (4096, 4096) if swiglu else (2048, 4096)
+    config = mosaic_gpu_persistent.PersistentConfig(block_n=block_n)
+    fn = jax.jit(functools.partial(mosaic_gpu_persistent.tiled_group_matmul, swiglu_limit=swiglu,
+                                   config=config))
+    tiles = jnp.zeros((400,), jnp.int32)
+    with abstract_gpu():
+        exported = jax.export.export(fn, platforms=["cuda"])(
+            jnp.zeros((400 * 128, k), jnp.bfloat16), jnp.zeros((256, k, n), jnp.bfloat16), tiles,
+            tiles)
+    assert "mosaic_gpu" in exported.mlir_module()
+
+
 @pytest.mark.parametrize("splits", [1, 2, 4])
 def test_persistent_dense_kernel_lowers_for_cuda(splits):
     """At V4-Flash's 4096 x 4096 with the configs the engine picks (shared memory is checked
@@ -285,7 +318,7 @@ def test_persistent_dense_kernel_lowers_for_cuda(splits):
     config = invariant.persistent_config(4096, splits)
     x = jnp.zeros((8192, 4096), jnp.bfloat16)
     w = jnp.zeros((4096, 4096), jnp.bfloat16)
-    fn = jax.jit(functools.partial(dense_persistent.chained_matmul, splits=splits, config=config))
+    fn = jax.jit(functools.partial(mosaic_gpu_persistent.chained_matmul, splits=splits, config=config))
     with abstract_gpu():
         exported = jax.export.export(fn, platforms=["cuda"])(x, w)
     assert exported.mlir_module().count("mosaic_gpu") >= splits // config.ranges
@@ -321,7 +354,7 @@ def test_split_k_follows_the_weight_shape_only(monkeypatch):
         config = invariant.dense_invariant_config(rows, 1024, 4096)
         assert config.split_k == 8 and api.kernel_fits(4096, 1024, config, False)
     large = invariant.dense_invariant_config(5000, 1024, 4096)   # the persistent kernel's chain
-    assert isinstance(large, dense_persistent.PersistentConfig)
+    assert isinstance(large, mosaic_gpu_persistent.PersistentConfig)
     large.check(4096, 1024, splits=8)
     with pytest.raises(ValueError, match="split K"):
         SPLIT.check(4 * K, N, fp8=False, swiglu=True)
@@ -384,7 +417,8 @@ def test_dense_fallback_equals_ragged_dot(case):
 TILE_SHAPES = [TileConfig(block_m=64, block_n=128), TileConfig(block_m=128, block_n=128),
                TileConfig(block_m=64, block_n=64), TileConfig(block_m=64, block_n=16),
                TileConfig(block_m=128, block_n=64),
-               WarpSpecializedConfig(block_n=128), WarpSpecializedConfig(block_n=256)]
+               WarpSpecializedConfig(block_n=128), WarpSpecializedConfig(block_n=256),
+               mosaic_gpu_persistent.PersistentConfig(block_n=128, programs=3)]
 
 
 def test_rows_do_not_depend_on_the_tile_shape():
