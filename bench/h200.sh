@@ -44,13 +44,13 @@ for name in "$@"; do
   case $name in
     kernels)     step kernels 300 python3 -m pytest -q -p no:cacheprovider tests/kernels ;;
     kernels-new) step kernels-new 300 python3 -m pytest -q -p no:cacheprovider \
-                   tests/kernels/test_sinkhorn.py tests/kernels/test_grouped_gemm.py \
+                   tests/kernels/test_sinkhorn.py tests/kernels/test_grouped_gemm.py tests/kernels/test_invariant_gemm.py \
                    tests/kernels/test_sink_attention.py tests/engine/test_kernels_in_engine.py \
                    -k "sinkhorn or split or tile_shape or engine" ;;
     sinkhorn)    step sinkhorn 120 python3 -m pytest -q -p no:cacheprovider \
                    tests/kernels/test_sinkhorn.py ;;   # the loop form (VALIDATED_ON_GPU)
     tile-shape)  step tile-shape 90 python3 -m pytest -q -p no:cacheprovider \
-                   tests/kernels/test_grouped_gemm.py -k tile_shape ;;
+                   tests/kernels/test_grouped_gemm.py tests/kernels/test_invariant_gemm.py -k tile_shape ;;
     kernels-defaults) step kernels-defaults 60 python3 -m pytest -q -p no:cacheprovider \
                    tests/kernels -k default_configs ;;
     indexer)     step indexer-tests 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_indexer.py
@@ -69,7 +69,7 @@ for name in "$@"; do
                    tests/engine/test_batch_invariance.py -k 7_and_31 ;;
     mhc)         step mhc 90 python3 -m pytest -q -p no:cacheprovider tests/model/test_mhc.py ;;
     kernels-ws)  step kernels-ws 150 python3 -m pytest -q -p no:cacheprovider \
-                   tests/kernels/test_grouped_gemm.py -k "warp or tile_shape or layout or default_configs" ;;
+                   tests/kernels/test_grouped_gemm.py tests/kernels/test_invariant_gemm.py -k "warp or tile_shape or layout or default_configs" ;;
     invariance)  step invariance 500 python3 -m pytest -q -p no:cacheprovider \
                    tests/engine/test_batch_invariance.py -k "not computes_the_same_model" ;;
     invariance-kernels) step invariance-kernels 300 python3 -m pytest -q -p no:cacheprovider \
@@ -93,7 +93,7 @@ for name in "$@"; do
                    bench/batch_invariant.py --v4-flash-layers 2 --prefill 8192 --decode-batch 64 \
                    --buckets 64 256 ;;   # the dense GEMM without split K (api.invariant_split_k)
     gemm-new)    step gemm-new 150 python3 -m pytest -q -p no:cacheprovider \
-                   tests/kernels/test_grouped_gemm.py -k "split or batched or tile_shape or dense_gemm" ;;
+                   tests/kernels/test_grouped_gemm.py tests/kernels/test_invariant_gemm.py -k "split or batched or tile_shape or dense_gemm" ;;
     invariant-linears) step invariant-linears 200 python3 bench/invariant_linears.py ;;
     bi-profile-prefill) step bi-profile-prefill 200 python3 bench/step_profile.py \
                    --v4-flash-layers 2 --prefill 8192 --chunk 256 --steps 10 --out /tmp/bpp \
@@ -169,12 +169,12 @@ for name in "$@"; do
                    bench/step_profile.py --v4-flash-layers 4 --context 4096 --batch 1 --steps 30; \
                    done' ;;   # batch 1's host-bound call: a reused plan buffer; no CUDA graphs
     persistent-tests) step persistent-tests 90 python3 -m pytest -q -p no:cacheprovider \
-                   tests/kernels/test_grouped_gemm.py -k persistent ;;
+                   tests/kernels/test_grouped_gemm.py tests/kernels/test_invariant_gemm.py -k persistent ;;
     dense-tests) step dense-tests 240 python3 -m pytest -q -p no:cacheprovider \
-                   tests/kernels/test_grouped_gemm.py tests/model/test_moe.py \
+                   tests/kernels/test_grouped_gemm.py tests/kernels/test_invariant_gemm.py tests/model/test_moe.py \
                    -k "persistent or padding or past or dense or split or tile_shape or kernel" ;;
     ws-tests)    step ws-tests 200 python3 -m pytest -q -p no:cacheprovider \
-                   tests/kernels/test_grouped_gemm.py tests/model/test_moe.py -k \
+                   tests/kernels/test_grouped_gemm.py tests/kernels/test_invariant_gemm.py tests/model/test_moe.py -k \
                    "warp_specialized or tile_shape or persistent or split_k_follows or padding or untiled" ;;
     hlo)         step hlo 200 sh -c 'XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text \
                    --xla_dump_hlo_module_re=.*wired_step.*" python3 bench/step_profile.py \
