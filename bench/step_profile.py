@@ -34,7 +34,6 @@ from bench.device_time import kernel_totals, trace_events  # noqa: E402
 from bench.hlo_sources import describe  # noqa: E402
 from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
 from deepinfer_jax.buckets import token_bucket  # noqa: E402
-from deepinfer_jax.compile import PlanSlots  # noqa: E402
 from deepinfer_jax.plan import build_plan  # noqa: E402
 
 
@@ -147,24 +146,18 @@ def main() -> None:
     jax.block_until_ready(out)
     device = (time.perf_counter() - start) / args.steps
     print(f"compiled step alone (bucket {bucket}): {1e3 * device:.2f} ms")
-    # The same with the plan copied into the engine's fixed device buffer each call (PlanSlots,
-    # the engine's path on GPUs), and with one device buffer passed as is: whether XLA's CUDA
-    # graphs are updated when an input's address changes (an A/B, issue 11).
-    slots = PlanSlots()
-    for label, call in (("the plan through PlanSlots", lambda s: compiled(engine.params, s, plan,
-                                                                            slots)),
-                        ("one plan buffer on the device reused", lambda s: compiled.executable(
-                            engine.params, s, buffer))):
-        buffer = jax.device_put(compiled.plan_wire.pack_host(plan))
-        for _ in range(3):
-            state, out = call(state)
-        jax.block_until_ready(out)
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            state, out = call(state)
-        jax.block_until_ready(out)
-        print(f"compiled step alone, {label}: "
-              f"{1e3 * (time.perf_counter() - start) / args.steps:.2f} ms")
+    # The same with one plan buffer on the device, passed every call: if XLA's CUDA graphs are
+    # re-recorded when an input's address changes, this call skips that (an A/B, issue 11).
+    buffer = jax.device_put(compiled.plan_wire.pack_host(plan))
+    for _ in range(3):
+        state, out = compiled.executable(engine.params, state, buffer)
+    jax.block_until_ready(out)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        state, out = compiled.executable(engine.params, state, buffer)
+    jax.block_until_ready(out)
+    print(f"compiled step alone, one plan buffer on the device reused: "
+          f"{1e3 * (time.perf_counter() - start) / args.steps:.2f} ms")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         with jax.profiler.trace(str(args.out / "trace"), create_perfetto_trace=True):

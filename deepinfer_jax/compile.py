@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 from tqdm.auto import tqdm
@@ -47,36 +46,6 @@ def enable_persistent_cache(directory: str | None) -> None:
     _cache_dir = directory
 
 
-class PlanSlots:
-    """An engine's device buffers for its steps' plans, one per plan size, each kept at one
-    address: every step's plan is copied into its size's buffer on the device (an update that
-    donates the buffer, so it keeps its memory) and the step reads it there.
-
-    Why: XLA runs a GPU step's kernels as CUDA graphs (command buffers) recorded for the
-    buffer addresses of the call before, and a plan in a fresh buffer every step has them
-    updated every step. On the H200 (V4-Flash, 4 layers, batch 1; step-profile-gpu.md) the
-    compiled step alone took 2.31 ms a call with a fresh plan buffer each call and 1.89 ms
-    with one buffer reused, its kernels being 1.95 ms busy. Used where the plan travels by an
-    explicit device_put (GPUs, CompiledStep.explicit_transfer); the engine's launcher thread
-    is the only caller, in step order."""
-
-    def __init__(self):
-        self._slots: dict[int, jax.Array] = {}
-
-    def holding(self, buffer: np.ndarray) -> jax.Array:
-        """The engine's device buffer for buffer's size, now holding buffer's values."""
-        slot = self._slots.get(buffer.size)
-        if slot is None:   # (not the transfer's own buffer: on a CPU that may be numpy's memory)
-            slot = jnp.zeros(buffer.shape, buffer.dtype)
-        self._slots[buffer.size] = _refill(slot, jax.device_put(buffer))
-        return self._slots[buffer.size]
-
-
-# in place: the slot is donated, and the result written into its memory (an update of all of
-# it, so that XLA does not hand back the new buffer itself)
-_refill = jax.jit(lambda slot, new: slot.at[:].set(new), donate_argnums=0)
-
-
 @dataclasses.dataclass(frozen=True)
 class CompiledStep:
     """A bucket's compiled step on the wire (wire.py): called with the host's numpy plan, it
@@ -93,13 +62,10 @@ class CompiledStep:
     # fraction of a jax.device_put (~25 vs ~90 us per call). Decided once, at compile time.
     explicit_transfer: bool = False
 
-    def __call__(self, params: ModelParams, state: StateCache, plan: BatchPlan,
-                 slots: PlanSlots | None = None):
-        """slots: the engine's plan buffers (PlanSlots); None: a fresh buffer per call."""
+    def __call__(self, params: ModelParams, state: StateCache, plan: BatchPlan):
         buffer = self.plan_wire.pack_host(plan)
         if self.explicit_transfer:
-            device = jax.device_put(buffer) if slots is None else slots.holding(buffer)
-            return self.executable(params, state, device)
+            return self.executable(params, state, jax.device_put(buffer))
         # the step's one transfer, allowed by name so that a "disallow" transfer guard (as the
         # loop's test sets) still catches any other
         with jax.transfer_guard_host_to_device("allow"):

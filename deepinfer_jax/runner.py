@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from deepinfer_jax.buckets import token_bucket
-from deepinfer_jax.compile import PlanSlots, compile_steps
+from deepinfer_jax.compile import compile_steps
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.engine_config import EngineConfigError, ResolvedEngineConfig
 from deepinfer_jax.launcher import Launcher
@@ -100,7 +100,6 @@ class EngineCore:
         # Device calls (state, snapshot pool) run on the launcher, in order; the loop only
         # reads their outputs. Threaded where the loop overlaps steps.
         self._launcher = Launcher(threaded=ecfg.async_scheduling and ecfg.launch_thread)
-        self._plan_slots = PlanSlots()    # the plans' device buffers, touched by the launcher
         self.stats = LoopStats()
 
     @property
@@ -183,7 +182,7 @@ class EngineCore:
         def device_calls() -> jax.Array:     # on the launcher's thread
             if restores:
                 self._restore_snapshots(restores)
-            self.state, output = compiled(self.params, self.state, plan, self._plan_slots)
+            self.state, output = compiled(self.params, self.state, plan)
             output.copy_to_host_async()
             if saves:
                 self._save_snapshots(saves)
