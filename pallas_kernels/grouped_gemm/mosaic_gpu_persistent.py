@@ -25,8 +25,13 @@ other kernels, whatever the tile.
 Why this form: on the H200 jax's own example of it (jax.experimental.pallas.ops.gpu.
 hopper_matmul_mgpu) reached 88-91% of the bf16 matmul ceiling at 4096 and 8192 rows where
 the per-tile kernels of this folder reached 56-66%, and this kernel 92-99% with K whole
-(kernels-dense-gpu.md, kernels-dense-ranges-gpu.md). As the grouped GEMM for the experts
-(`PersistentConfig` in api.py's configs) it is not yet measured.
+(kernels-dense-gpu.md, kernels-dense-ranges-gpu.md). On the experts (`PersistentConfig` in
+api.py's configs) it is an option, not the default (grouped-diag-gpu.md, kernels alone): ahead
+of the warp-specialised kernel where every tile is full (V4-Flash down GEMM, 256-row groups:
+89% of the matmul ceiling vs 76%) but behind it on a prefill's routing, whose experts end in
+a half tile (gate/up 50-59% vs 69-72% on the rows computed): a half tile takes its program as
+long as a full one, and programs take fixed turns where the per-tile kernel's programs are
+scheduled as SMs free up.
 """
 
 from __future__ import annotations
