@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from pallas_kernels.common import implementation
 from pallas_kernels.grouped_gemm import mosaic_gpu, mosaic_gpu_persistent
 from pallas_kernels.grouped_gemm.api import (
+    KERNEL_DTYPES,
     VALIDATED_ON_GPU,
     Config,
     default_config,
@@ -92,10 +93,10 @@ def persistent_config(n_out: int, splits: int) -> PersistentConfig:
     """The persistent kernel's tiles: K whole, 256 columns where N allows (as jax's example's
     best on the H200: 99-104% of XLA's dot). Two K ranges: both in one call, an accumulator
     each, so 128 columns (the registers): 6 stages 93% / 87% of XLA's dot at 4096 / 8192
-    rows, 4 stages 86% / 90% (kernels-dense-ranges-gpu.md; 5 stages, the first row of that
-    run, 50%: not understood, to be re-run). More: a chain of calls, whose float32 slots and
-    carry piece take the shared memory of a pipeline stage (79-85% of XLA's dot for two
-    ranges, kernels-dense-gpu.md)."""
+    rows, 4 stages 86% / 90% (kernels-dense-ranges-gpu.md; that run's 50% row with 5 stages
+    was the engine's own call, which fell back to the split-K kernel: `persistent_fits`).
+    More: a chain of calls, whose float32 slots and carry piece take the shared memory of a
+    pipeline stage (79-85% of XLA's dot for two ranges, kernels-dense-gpu.md)."""
     block_n = 256 if n_out % 256 == 0 else 128
     if splits == 1:
         return PersistentConfig(block_n=block_n)
@@ -136,6 +137,20 @@ def expert_invariant_configs(num_rows: int, dim: int, inter: int) -> tuple[TileC
             default_config(rows, dim, warp_specialized=WS_INVARIANT))
 
 
+def persistent_fits(w: jax.Array, config: PersistentConfig, splits: int, dtype) -> bool:
+    """Whether the persistent kernel runs w [K, N] in `splits` K ranges with this config.
+    (Checked without the split, a config summing two ranges per call did not fit one range,
+    and every large batch fell back to the per-tile split-K kernel: 48-50% of XLA's dot on
+    the H200 where the config runs at 87-89%, kernels-moe-gpu.md's dense rows.)"""
+    if jnp.dtype(dtype) not in KERNEL_DTYPES:
+        return False
+    try:
+        config.check(w.shape[0], w.shape[1], splits=splits)
+    except ValueError:
+        return False
+    return True
+
+
 def matmul(x: jax.Array, w: jax.Array, *, impl: str | None = None,
            config: Config | None = None, out_dtype=None) -> jax.Array:
     """Batch-invariant x [M, K] @ w [K, N] -> [M, N] in out_dtype (default: x's dtype), the
@@ -147,7 +162,7 @@ def matmul(x: jax.Array, w: jax.Array, *, impl: str | None = None,
     out_dtype = out_dtype or x.dtype
     if isinstance(config, PersistentConfig):   # the same K ranges as every other M's
         splits = invariant_split_k(w.shape[0], w.shape[1])
-        if impl != "reference" and kernel_fits(w.shape[0], w.shape[1], config, False, x.dtype):
+        if impl != "reference" and persistent_fits(w, config, splits, x.dtype):
             with kernel_mode(impl):
                 return mosaic_gpu_persistent.chained_matmul(x, w, splits=splits, out_dtype=out_dtype,
                                                        config=config)

@@ -69,6 +69,25 @@ def test_large_batches_take_the_persistent_kernel_with_the_weights_k_ranges(monk
                                   big[:3])
 
 
+def test_the_large_batch_config_runs_on_the_persistent_kernel(monkeypatch):
+    """The config a large batch gets (two K ranges summed in one call) runs on the persistent
+    kernel: its fit was once checked for one range, so every large batch fell back to the
+    per-tile split-K kernel (the same bits, 48-50% of XLA's dot on the H200)."""
+    monkeypatch.setattr(invariant, "MIN_SPLIT_K", 128)       # (K = 512 splits in two here)
+    monkeypatch.setattr(invariant, "SPLIT_PROGRAMS", 4)
+    assert invariant.invariant_split_k(4 * K, N) == 2
+    config = dataclasses.replace(invariant.persistent_config(N, 2), programs=3)   # (loops)
+    assert config.ranges == 2
+    calls, chained = [], mosaic_gpu_persistent.chained_matmul
+    monkeypatch.setattr(mosaic_gpu_persistent, "chained_matmul",
+                        lambda *a, **kw: calls.append(kw["config"]) or chained(*a, **kw))
+    x, w = bitwise_operands(np.random.default_rng(13), (130, 4 * K), (4 * K, N))
+    out = invariant.matmul(x, w, impl=KERNEL, config=config)
+    assert calls == [config]
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(
+        invariant.matmul(x, w, impl=KERNEL), np.float32))     # the small batches' path
+
+
 @pytest.mark.parametrize("splits", [1, 2, 4])
 def test_persistent_dense_kernel_lowers_for_cuda(splits):
     """At V4-Flash's 4096 x 4096 with the configs the engine picks (shared memory is checked
