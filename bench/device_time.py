@@ -37,13 +37,17 @@ def kernel_totals(events: list[dict], calls: int) -> dict[str, tuple[float, int]
     return {name: (ms, count // calls) for name, (ms, count) in total.items()}
 
 
-def device_ms(fn, *args, calls: int = 20) -> float:
-    """Kernel time per call of `fn(*args)` on the GPU (the sum of its kernels' durations)."""
+def device_kernels(fn, *args, calls: int = 20) -> dict[str, tuple[float, int]]:
+    """fn(*args)'s kernels on the GPU: name -> (ms per call, launches per call)."""
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):
             for _ in range(calls):
                 out = fn(*args)
             jax.block_until_ready(out)
-        totals = kernel_totals(trace_events(Path(tmp)), calls)
-    return sum(ms for ms, _ in totals.values())
+        return kernel_totals(trace_events(Path(tmp)), calls)
+
+
+def device_ms(fn, *args, calls: int = 20) -> float:
+    """Kernel time per call of `fn(*args)` on the GPU (the sum of its kernels' durations)."""
+    return sum(ms for ms, _ in device_kernels(fn, *args, calls=calls).values())

@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import functools
 import sys
-import tempfile
 from pathlib import Path
 
 import jax
@@ -33,7 +32,7 @@ sys.path.insert(0, str(REPO))
 from bench.ceilings import measure as measure_ceilings  # noqa: E402
 from bench.ceilings import timed_ms  # noqa: E402
 from bench.common import environment, write_results  # noqa: E402
-from bench.device_time import kernel_totals, trace_events  # noqa: E402
+from bench.device_time import device_kernels  # noqa: E402
 from bench.kernels_moe import LIMIT, SMOKE, Shapes, label, routing  # noqa: E402
 from pallas_kernels.common import gpu_interpret  # noqa: E402
 from pallas_kernels.grouped_gemm import api, layout  # noqa: E402
@@ -108,13 +107,7 @@ def mlp_kernels(shapes: Shapes, calls: int = 10) -> list[tuple[str, float, int]]
     w2 = jax.random.normal(jax.random.key(2), (shapes.experts, shapes.inter, shapes.hidden),
                            jnp.bfloat16) * shapes.inter**-0.5
     fn = jax.jit(functools.partial(api.expert_mlp, swiglu_limit=LIMIT))
-    jax.block_until_ready(fn(x, w13, w2, sizes))
-    with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp):
-            for _ in range(calls):
-                out = fn(x, w13, w2, sizes)
-            jax.block_until_ready(out)
-        totals = kernel_totals(trace_events(Path(tmp)), calls)
+    totals = device_kernels(fn, x, w13, w2, sizes, calls=calls)
     return sorted(((name, ms, n) for name, (ms, n) in totals.items()), key=lambda r: -r[1])
 
 
