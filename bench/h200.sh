@@ -177,6 +177,8 @@ for name in "$@"; do
                    tests/kernels/test_grouped_gemm.py tests/kernels/test_invariant_gemm.py tests/model/test_moe.py -k \
                    "warp_specialized or tile_shape or persistent or split_k_follows or padding or untiled" ;;
     grouped-diag) step grouped-diag 300 python3 bench/grouped_diag.py ;;  # grouped GEMM's losses
+    grouped-tests) step grouped-tests 200 python3 -m pytest -q -p no:cacheprovider \
+                   tests/kernels/test_grouped_gemm.py ;;   # the grouped GEMM's file, compiled
     hlo)         step hlo 200 sh -c 'XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text \
                    --xla_dump_hlo_module_re=.*wired_step.*" python3 bench/step_profile.py \
                    --batch 1 --budget 16 --context 128 --steps 5; \

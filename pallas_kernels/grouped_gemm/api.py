@@ -23,6 +23,7 @@ from pallas_kernels.grouped_gemm import (
     layout,
     mosaic_gpu,
     mosaic_gpu_persistent,
+    mosaic_gpu_rows,
     mosaic_gpu_ws,
     reference,
 )
@@ -97,9 +98,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                                         swiglu_limit=swiglu_limit)
     with kernel_mode(impl):
         tiles = layout.tile_layout(group_sizes, lhs.shape[0], config.block_m)
-        out = _tiled(layout.to_tiles(lhs, tiles, config.block_m), rhs, tiles, rhs_scale,
-                     swiglu_limit, config)
-        return layout.from_tiles(out, tiles)
+        return _tiled(_rows_to_tiles(lhs, tiles, config.block_m), rhs, tiles, rhs_scale,
+                      swiglu_limit, config, sorted_rows=lhs.shape[0])
 
 
 def expert_mlp(x: jax.Array, w13: jax.Array, w2: jax.Array, group_sizes: jax.Array,
@@ -132,24 +132,43 @@ def expert_mlp(x: jax.Array, w13: jax.Array, w2: jax.Array, group_sizes: jax.Arr
         return out if out_order is None else out[out_order]
     with kernel_mode(impl):
         tiles = layout.tile_layout(group_sizes, rows, up_cfg.block_m)
-        tiled = (layout.to_tiles(x, tiles, up_cfg.block_m) if source_rows is None else
+        tiled = (_rows_to_tiles(x, tiles, up_cfg.block_m) if source_rows is None else
                  layout.gather_to_tiles(x, source_rows, tiles, up_cfg.block_m))
         hidden = _tiled(tiled, w13, tiles, w13_scale, swiglu_limit, up_cfg)
-        out = _tiled(hidden, w2, tiles, w2_scale, None, down_cfg)
-        return layout.from_tiles(out, tiles, out_order)
+        if out_order is None:
+            return _tiled(hidden, w2, tiles, w2_scale, None, down_cfg, sorted_rows=rows)
+        return layout.from_tiles(_tiled(hidden, w2, tiles, w2_scale, None, down_cfg), tiles,
+                                 out_order)
+
+
+def _rows_to_tiles(rows: jax.Array, tiles: layout.TileLayout, block_m: int) -> jax.Array:
+    """Sorted rows into whole tiles: by TMA in row pieces (each group's rows read once, the
+    padding left unwritten) where K allows, else the jnp layout (a zeroed buffer, a scatter)."""
+    block_k = next((b for b in (256, 128, 64) if rows.shape[1] % b == 0), 0)
+    if not block_k:
+        return layout.to_tiles(rows, tiles, block_m)
+    return mosaic_gpu_rows.copy_to_tiles(rows, tiles.tile_first_row, tiles.tile_rows,
+                                         tiles=tiles.tile_group.shape[0], block_m=block_m,
+                                         block_k=block_k)
 
 
 def _tiled(lhs, rhs, tiles: layout.TileLayout, rhs_scale, swiglu_limit,
-           config: Config) -> jax.Array:
-    if isinstance(config, PersistentConfig):
-        return mosaic_gpu_persistent.tiled_group_matmul(lhs, rhs, tiles.tile_group,
-                                                        tiles.tile_rows,
-                                                        swiglu_limit=swiglu_limit, config=config)
+           config: Config, sorted_rows: int | None = None) -> jax.Array:
+    """The kernel on tiled rows -> tiled rows, or with sorted_rows=M the M sorted rows (the
+    warp-specialised kernel stores them so itself; the others' tiles are gathered back)."""
     if isinstance(config, WarpSpecializedConfig):
+        first_row = None if sorted_rows is None else tiles.tile_first_row
         return mosaic_gpu_ws.tiled_group_matmul(lhs, rhs, tiles.tile_group, tiles.tile_rows,
-                                                swiglu_limit=swiglu_limit, config=config)
-    return mosaic_gpu.tiled_group_matmul(lhs, rhs, tiles.tile_group, rhs_scale,
-                                         swiglu_limit=swiglu_limit, config=config)
+                                                first_row, swiglu_limit=swiglu_limit,
+                                                config=config, sorted_rows=sorted_rows)
+    if isinstance(config, PersistentConfig):
+        out = mosaic_gpu_persistent.tiled_group_matmul(lhs, rhs, tiles.tile_group,
+                                                       tiles.tile_rows,
+                                                       swiglu_limit=swiglu_limit, config=config)
+    else:
+        out = mosaic_gpu.tiled_group_matmul(lhs, rhs, tiles.tile_group, rhs_scale,
+                                            swiglu_limit=swiglu_limit, config=config)
+    return out if sorted_rows is None else layout.from_tiles(out, tiles)
 
 
 def kernel_mode(impl: str):

@@ -16,7 +16,8 @@ rows in 64-row steps while full tiles still share each weight block between 128 
 The sum over K runs in the same order for every row, so a row's result does not depend on
 the batch here either. On the H200 (kernels-moe-gpu.md), the gate/up GEMM of a V4-Flash
 8k-token prefill: 334 TFLOP/s on the one-warpgroup kernel, 379 here, 401 with the padding
-skip (the whole expert MLP 347 -> 412 TFLOP/s, 54% of the dense matmul rate).
+skip (the whole expert MLP 347 -> 412 TFLOP/s, 54% of the dense matmul rate; 430, 58%, once
+the rows moved by TMA instead of XLA's layout: `sorted_rows` below and mosaic_gpu_rows.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.grouped_gemm.mosaic_gpu import epilogue, kernel_name
+from pallas_kernels.grouped_gemm.mosaic_gpu_rows import for_each_piece
 
 WG_ROWS = 64          # rows per consumer warpgroup (the wgmma M)
 CONSUMERS = 2
@@ -58,14 +60,21 @@ class WarpSpecializedConfig:
 
 # Jitted: the model calls it per layer with the same shapes, and jax lowers a jitted callee
 # once per module (Mosaic GPU lowering is ~0.1-0.5 s a kernel).
-@functools.partial(jax.jit, static_argnames=("swiglu_limit", "config"))
+@functools.partial(jax.jit, static_argnames=("swiglu_limit", "config", "sorted_rows"))
 def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
-                       tile_rows: jax.Array | None = None, *, swiglu_limit: float | None = None,
-                       config: WarpSpecializedConfig = WarpSpecializedConfig()) -> jax.Array:
+                       tile_rows: jax.Array | None = None, tile_first_row: jax.Array | None = None,
+                       *, swiglu_limit: float | None = None,
+                       config: WarpSpecializedConfig = WarpSpecializedConfig(),
+                       sorted_rows: int | None = None) -> jax.Array:
     """lhs [T * 128, K] (tile t belongs to group tile_group[t]; -1: unused; its first
     tile_rows[t] rows are the group's, default all), rhs [G, K, N] -> [T * 128, N] ([.., N/2]
     with the SwiGLU epilogue: rhs holds gate | up). Rows of a 64-row half that is all padding
-    stay unwritten."""
+    stay unwritten.
+
+    sorted_rows=M (with tile_first_row, layout.TileLayout's): the result is [M, N] in sorted
+    order instead, each tile's rows stored straight to rows tile_first_row[t]:, in row pieces
+    (mosaic_gpu_rows.py) so that no store reaches past its group; rows in no tile stay
+    unwritten. This saves the gather out of the tiles (layout.from_tiles)."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     rows, k = lhs.shape
     n = rhs.shape[2]
@@ -75,8 +84,12 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
 
     if tile_rows is None:
         tile_rows = jnp.full(tile_group.shape, bm, jnp.int32)
+    if (sorted_rows is None) != (tile_first_row is None):
+        raise ValueError("sorted_rows and tile_first_row go together")
+    first_rows = () if sorted_rows is None else (tile_first_row,)
 
-    def body(tile_group_ref, tile_rows_ref, lhs_ref, rhs_ref, out_ref):
+    def body(tile_group_ref, tile_rows_ref, *refs):
+        *first_ref, lhs_ref, rhs_ref, out_ref = refs
         tile, col = lax.axis_index("tile"), lax.axis_index("col")
         group = tile_group_ref[tile]
         wg = lax.axis_index("wg")
@@ -122,8 +135,18 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
                         mine = out_smem.at[wg]
                         mine[...] = result.astype(out_smem.dtype)
                         plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(mine, out_ref.at[
-                            pl.ds(tile * bm + wg * WG_ROWS, WG_ROWS), pl.ds(col * bn, bn)])
+                        cols = pl.ds(col * bn, bn)
+                        if sorted_rows is None:
+                            plgpu.copy_smem_to_gmem(mine, out_ref.at[
+                                pl.ds(tile * bm + wg * WG_ROWS, WG_ROWS), cols])
+                        else:
+                            start = first_ref[0][tile] + wg * WG_ROWS
+                            count = jnp.clip(tile_rows_ref[tile] - wg * WG_ROWS, 0, WG_ROWS)
+
+                            def store(_, size, at):
+                                plgpu.copy_smem_to_gmem(mine.at[pl.ds(at, size)],
+                                                        out_ref.at[pl.ds(start + at, size), cols])
+                            for_each_piece(count, WG_ROWS, store)
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
                 pl.run_scoped(accumulate, *[plgpu.ACC((WG_ROWS, bn)) for _ in range(halves)])
@@ -133,9 +156,10 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
                 pipeline(mma, compute_context)(*operands, allocations=allocations)
 
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((rows, n_out), lhs.dtype),
+        body, out_type=jax.ShapeDtypeStruct((sorted_rows or rows, n_out), lhs.dtype),
         grid=(rows // bm, n_out // bn), grid_names=("tile", "col"),
-        kernel_name=kernel_name("grouped_gemm_ws", config, k, n_out, swiglu_limit, False),
+        kernel_name=kernel_name("grouped_gemm_ws", config, k, n_out, swiglu_limit, False)
+        + "_sorted_out" * (sorted_rows is not None),
         num_threads=CONSUMERS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-    return kernel(tile_group, tile_rows, lhs, rhs)
+    return kernel(tile_group, tile_rows, *first_rows, lhs, rhs)

@@ -15,7 +15,14 @@ import numpy as np
 import pytest
 
 from pallas_kernels.common import abstract_gpu
-from pallas_kernels.grouped_gemm import api, invariant, layout, mosaic_gpu_persistent, reference
+from pallas_kernels.grouped_gemm import (
+    api,
+    invariant,
+    layout,
+    mosaic_gpu_persistent,
+    mosaic_gpu_rows,
+    reference,
+)
 from pallas_kernels.grouped_gemm.mosaic_gpu import TileConfig, tiled_group_matmul
 from pallas_kernels.grouped_gemm.mosaic_gpu_ws import WarpSpecializedConfig
 from pallas_kernels.grouped_gemm.mosaic_gpu_ws import tiled_group_matmul as tiled_group_matmul_ws
@@ -169,6 +176,37 @@ def test_tile_layout_gives_every_row_one_slot_in_its_groups_tile():
     # Each tile's row count, by hand: 70 -> 64 + 6, 3, 130 -> 64 + 64 + 2, 1, unused 0s.
     expected_rows = [64, 6, 3, 64, 64, 2, 1] + [0] * (len(groups) - 7)
     assert np.asarray(tiles.tile_rows).tolist() == expected_rows
+    # Each tile's first sorted row: 0, 64 | 70 | 73, 137, 201 | 203, unused 0s.
+    expected_first = [0, 64, 70, 73, 137, 201, 203] + [0] * (len(groups) - 7)
+    assert np.asarray(tiles.tile_first_row).tolist() == expected_first
+
+
+@pytest.mark.parametrize("limit", [1, 8, 64, 128])
+def test_row_pieces_cover_exactly_the_first_rows(limit):
+    """Every count 0..limit: the present pieces are disjoint and cover rows [0, count), so a
+    partial tile's copies never reach a neighbour group's rows."""
+    for count in range(limit + 1):
+        covered = []
+        for size, first, present in mosaic_gpu_rows.row_pieces(jnp.int32(count), limit):
+            if bool(present):
+                covered += range(int(first), int(first) + size)
+        assert sorted(covered) == list(range(count)), count
+
+
+def test_rows_copied_into_tiles_land_in_their_slots():
+    """The TMA copy into tiles against the jnp layout (a scatter into zeros): the same row in
+    every row's slot (the padding is left undefined by the copy)."""
+    sizes = jnp.asarray([0, 70, 0, 3, 130, 1, 64], jnp.int32)
+    total, bm = int(sizes.sum()), 64
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((total + 5, 192)), jnp.bfloat16)
+    tiles = layout.tile_layout(sizes, total + 5, bm)
+    with api.kernel_mode("interpret" if KERNEL == "interpret" else "mosaic_gpu"):
+        copied = mosaic_gpu_rows.copy_to_tiles(x, tiles.tile_first_row, tiles.tile_rows,
+                                               tiles=tiles.tile_group.shape[0], block_m=bm,
+                                               block_k=64)
+    slots = np.asarray(tiles.padded_row)[:total]
+    np.testing.assert_array_equal(np.asarray(copied, np.float32)[slots],
+                                  np.asarray(layout.to_tiles(x, tiles, bm), np.float32)[slots])
 
 
 def test_rows_past_the_groups_total_are_in_no_tile():
@@ -224,6 +262,22 @@ def test_warp_specialized_kernel_lowers_for_cuda():
         exported = jax.export.export(fn, platforms=["cuda"])(
             layout.to_tiles(lhs, tiles, WS.block_m), rhs, tiles.tile_group, tiles.tile_rows)
     assert "mosaic_gpu" in exported.mlir_module()
+
+
+def test_warp_specialized_kernel_storing_sorted_rows_lowers_for_cuda():
+    """V4-Flash's down GEMM storing its rows straight into sorted order (row pieces from
+    plain shared memory: Mosaic's layout rules checked at lowering), and the copy into tiles."""
+    config = WarpSpecializedConfig(block_n=256)
+    tiles = jax.ShapeDtypeStruct((444,), jnp.int32)
+    down = jax.jit(functools.partial(tiled_group_matmul_ws, config=config, sorted_rows=49152))
+    copy = jax.jit(functools.partial(mosaic_gpu_rows.copy_to_tiles, tiles=444, block_m=128))
+    with abstract_gpu():
+        exported = [jax.export.export(down, platforms=["cuda"])(
+                        jax.ShapeDtypeStruct((444 * 128, 2048), jnp.bfloat16),
+                        jax.ShapeDtypeStruct((256, 2048, 4096), jnp.bfloat16), tiles, tiles, tiles),
+                    jax.export.export(copy, platforms=["cuda"])(
+                        jax.ShapeDtypeStruct((49152, 4096), jnp.bfloat16), tiles, tiles)]
+    assert all("mosaic_gpu" in e.mlir_module() for e in exported)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
