@@ -39,6 +39,21 @@ def xla_matmul_tflops(n: int) -> float:
     return 2 * n**3 / ms / 1e9
 
 
+def beside_the_dot(fn, *args, n: int = 8192, rounds: int = 5) -> dict:
+    """fn(*args) and the ceiling's n^3 dot timed alternately, `rounds` times each (medians):
+    the two rates in the same thermal state. A long run heats the GPU and its clock falls
+    (the H200 here: the dot 738 TFLOP/s at a run's start, 654 after a minute of GEMMs), so
+    a kernel timed minutes after the run's ceiling is compared with a faster GPU than its own."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    dot = jax.jit(jnp.dot)
+    fn_ms, dot_ms = [], []
+    for _ in range(rounds):
+        dot_ms.append(timed_ms(dot, a, a))
+        fn_ms.append(timed_ms(fn, *args))
+    return {"ms": statistics.median(fn_ms), "dot_ms": statistics.median(dot_ms),
+            "dot_tflops": 2 * n**3 / statistics.median(dot_ms) / 1e9}
+
+
 def xla_copy_tbps(num_bytes: int) -> float:
     x = jax.random.normal(jax.random.key(0), (num_bytes // 2,), jnp.bfloat16)
     ms = timed_ms(jax.jit(lambda v: v * 1), x)   # one read and one write of each byte

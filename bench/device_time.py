@@ -37,15 +37,36 @@ def kernel_totals(events: list[dict], calls: int) -> dict[str, tuple[float, int]
     return {name: (ms, count // calls) for name, (ms, count) in total.items()}
 
 
-def device_kernels(fn, *args, calls: int = 20) -> dict[str, tuple[float, int]]:
-    """fn(*args)'s kernels on the GPU: name -> (ms per call, launches per call)."""
+def traced(fn, *args, calls: int = 20) -> list[dict]:
+    """The trace events of `calls` back-to-back calls of fn(*args) (after one untraced)."""
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):
             for _ in range(calls):
                 out = fn(*args)
             jax.block_until_ready(out)
-        return kernel_totals(trace_events(Path(tmp)), calls)
+        return trace_events(Path(tmp))
+
+
+def device_kernels(fn, *args, calls: int = 20) -> dict[str, tuple[float, int]]:
+    """fn(*args)'s kernels on the GPU: name -> (ms per call, launches per call)."""
+    return kernel_totals(traced(fn, *args, calls=calls), calls)
+
+
+def busy_and_span(fn, *args, calls: int = 20) -> tuple[float, float]:
+    """(ms per call the GPU spent in fn's kernels, ms per call from the first kernel's start
+    to the last one's end): where the span is longer, the GPU waited between kernels."""
+    events = sorted(device_events(traced(fn, *args, calls=calls)), key=lambda e: e["ts"])
+    busy, end = 0.0, None
+    for e in events:                     # the union of the kernels' intervals, in us
+        start, stop = e["ts"], e["ts"] + e.get("dur", 0)
+        if end is None or start >= end:
+            busy += stop - start
+        elif stop > end:
+            busy += stop - end
+        end = stop if end is None else max(end, stop)
+    span = (end - events[0]["ts"]) if events else 0.0
+    return busy / 1e3 / calls, span / 1e3 / calls
 
 
 def device_ms(fn, *args, calls: int = 20) -> float:
