@@ -132,13 +132,27 @@ def expert_mlp(x: jax.Array, w13: jax.Array, w2: jax.Array, group_sizes: jax.Arr
         return out if out_order is None else out[out_order]
     with kernel_mode(impl):
         tiles = layout.tile_layout(group_sizes, rows, up_cfg.block_m)
-        tiled = (_rows_to_tiles(x, tiles, up_cfg.block_m) if source_rows is None else
-                 layout.gather_to_tiles(x, source_rows, tiles, up_cfg.block_m))
+        if source_rows is None:
+            tiled = _rows_to_tiles(x, tiles, up_cfg.block_m)
+        elif tiles.tile_group.shape[0] * up_cfg.block_m >= SPARSE_TILES * rows:
+            tiled = _rows_to_tiles(x[source_rows], tiles, up_cfg.block_m)
+        else:
+            tiled = layout.gather_to_tiles(x, source_rows, tiles, up_cfg.block_m)
         hidden = _tiled(tiled, w13, tiles, w13_scale, swiglu_limit, up_cfg)
         if out_order is None:
             return _tiled(hidden, w2, tiles, w2_scale, None, down_cfg, sorted_rows=rows)
         return layout.from_tiles(_tiled(hidden, w2, tiles, w2_scale, None, down_cfg), tiles,
                                  out_order)
+
+
+# Tokens in (source_rows): a gather straight into the tiles writes every possible tile's rows,
+# used or not. A decode bucket's layout has room for far more tiles than it fills (16 tokens x
+# top-6: 96 rows, room for 96 tiles of 64 = 6144 rows, a 50 MB gather a layer at V4-Flash's
+# hidden size, 0.124 ms of a 4-layer batch-1 step on the H200, step-profile-gpu.md). Where the
+# tiles' room is this many times the rows, the rows are gathered in sorted order first (M rows)
+# and copied into their tiles by TMA (the used tiles' rows only); a prefill's tiles are mostly
+# full, and the one gather is cheaper there.
+SPARSE_TILES = 4
 
 
 def _rows_to_tiles(rows: jax.Array, tiles: layout.TileLayout, block_m: int) -> jax.Array:

@@ -110,10 +110,13 @@ def test_expert_mlp_matches_reference_chain():
     close(api.expert_mlp(x, w13, w2, sizes, 7.0, impl=KERNEL), ref)
 
 
-@pytest.mark.parametrize("impl", [KERNEL, "reference"])
-def test_expert_mlp_gathers_its_rows_and_orders_its_result(impl):
+@pytest.mark.parametrize("impl, sparse_tiles", [(KERNEL, 1), (KERNEL, 10**6), ("reference", 1)],
+                         ids=["sorted then copied into tiles", "gathered into tiles", "reference"])
+def test_expert_mlp_gathers_its_rows_and_orders_its_result(impl, sparse_tiles, monkeypatch):
     """source_rows / out_order (the routed experts' tokens in, pairs out): the same bits as
-    gathering the sorted rows first and reordering the result after."""
+    gathering the sorted rows first and reordering the result after, on both of the kernel
+    path's ways into the tiles (api.SPARSE_TILES chooses)."""
+    monkeypatch.setattr(api, "SPARSE_TILES", sparse_tiles)
     rng = np.random.default_rng(8)
     sizes = jnp.asarray(SIZES["empty experts"], jnp.int32)
     rows = int(sizes.sum())
