@@ -39,14 +39,17 @@ def row_pieces(count: jax.Array, limit: int) -> Iterator[tuple[int, jax.Array | 
         size //= 2
 
 
-def for_each_piece(count: jax.Array, limit: int, copy: Callable[[int, int, jax.Array], None]):
+def for_each_piece(count: jax.Array, limit: int,
+                   copy: Callable[[int, int, jax.Array | int], None]) -> None:
     """copy(i, rows, first_row) under pl.when for each present piece (i: the piece's index,
     0 for the whole block)."""
     for i, (size, first, present) in enumerate(row_pieces(count, limit)):
         pl.when(present)(functools.partial(copy, i, size, first))
 
 
-PIECES = lambda limit: limit.bit_length()          # noqa: E731  (whole block + one per bit)
+def piece_count(limit: int) -> int:
+    """How many pieces row_pieces names for a block of `limit` rows (whole + one per bit)."""
+    return limit.bit_length()
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "block_m", "block_k"))
@@ -82,6 +85,6 @@ def copy_to_tiles(rows: jax.Array, tile_first_row: jax.Array, tile_rows: jax.Arr
         body, out_type=jax.ShapeDtypeStruct((tiles * block_m, k), rows.dtype),
         grid=(tiles, k // block_k), grid_names=("tile", "col"), kernel_name="rows_to_tiles",
         scratch_types=[plgpu.SMEM((block_m, block_k), rows.dtype),
-                       plgpu.Barrier(num_barriers=PIECES(block_m))],
+                       plgpu.Barrier(num_barriers=piece_count(block_m))],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )(tile_first_row, tile_rows, rows)
