@@ -56,7 +56,12 @@ def device_kernels(fn, *args, calls: int = 20) -> dict[str, tuple[float, int]]:
 def busy_and_span(fn, *args, calls: int = 20) -> tuple[float, float]:
     """(ms per call the GPU spent in fn's kernels, ms per call from the first kernel's start
     to the last one's end): where the span is longer, the GPU waited between kernels."""
-    events = sorted(device_events(traced(fn, *args, calls=calls)), key=lambda e: e["ts"])
+    return busy_and_span_of(device_events(traced(fn, *args, calls=calls)), calls)
+
+
+def busy_and_span_of(events: list[dict], calls: int) -> tuple[float, float]:
+    """busy_and_span's figures from complete events (ts, dur in us)."""
+    events = sorted(events, key=lambda e: e["ts"])
     busy, end = 0.0, None
     for e in events:                     # the union of the kernels' intervals, in us
         start, stop = e["ts"], e["ts"] + e.get("dur", 0)

@@ -1,0 +1,30 @@
+"""bench/device_time.py: a trace's kernel events summed by name, and the GPU's busy time
+against its span (overlapping kernels counted once, gaps not at all)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.device_time import busy_and_span_of, kernel_totals
+
+
+def event(name: str, ts: float, dur: float) -> dict:
+    return {"ph": "X", "pid": 1, "name": name, "ts": ts, "dur": dur}
+
+
+def test_busy_counts_overlaps_once_and_gaps_not_at_all():
+    # Two calls: [0, 10) and [5, 20) overlap (busy 20), a gap to 30, then [30, 40) holding
+    # [32, 35) (busy 10), a gap, [50, 60). Busy 40 us, span 60 us, over 2 calls (in ms).
+    events = [event("b", 5, 15), event("a", 0, 10), event("c", 30, 10), event("d", 32, 3),
+              event("e", 50, 10)]
+    busy, span = busy_and_span_of(events, calls=2)
+    assert busy == pytest.approx(40 / 1e3 / 2)
+    assert span == pytest.approx(60 / 1e3 / 2)
+
+
+def test_kernel_totals_per_call_by_name():
+    events = [event("gemm", 0, 100), event("gemm", 200, 300), event("copy", 150, 50),
+              event("copy", 600, 30)]
+    totals = kernel_totals(events, calls=2)
+    assert totals["gemm"] == (pytest.approx(0.2), 1)      # 400 us over 2 calls, 1 launch each
+    assert totals["copy"] == (pytest.approx(0.04), 1)
