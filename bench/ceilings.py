@@ -54,6 +54,26 @@ def beside_the_dot(fn, *args, n: int = 8192, rounds: int = 5) -> dict:
             "dot_tflops": 2 * n**3 / statistics.median(dot_ms) / 1e9}
 
 
+def beside_the_dot_table(results: list[dict]) -> list[str]:
+    """Markdown lines for the rows timed by beside_the_dot (their "beside_dot" entry, with the
+    rate it gives them), or none."""
+    beside = [r for r in results if "beside_dot" in r]
+    if not beside:
+        return []
+    lines = ["", "Timed alternately with the ceiling's 8192^3 dot (5 rounds each, medians, both "
+             "timed on the host: the two rates in one thermal state; the ceiling above was "
+             "measured at the run's start, on a cooler, faster-clocked GPU):", "",
+             "| case | impl | ms | TFLOP/s | dot TFLOP/s beside it | % of the dot |",
+             "|---|---|---:|---:|---:|---:|"]
+    for r in beside:
+        b = r["beside_dot"]
+        case = f"{r['case']} {r.get('op', '')}".strip()
+        lines.append(f"| {case} | {r['impl']} | {b['ms']:.3f} | "
+                     f"{b['tflops']:.1f} | {b['dot_tflops']:.1f} | "
+                     f"{100 * b['tflops'] / b['dot_tflops']:.0f}% |")
+    return lines
+
+
 def xla_copy_tbps(num_bytes: int) -> float:
     x = jax.random.normal(jax.random.key(0), (num_bytes // 2,), jnp.bfloat16)
     ms = timed_ms(jax.jit(lambda v: v * 1), x)   # one read and one write of each byte

@@ -28,7 +28,7 @@ import ml_dtypes
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.ceilings import beside_the_dot, rel_err, timed_ms  # noqa: E402
+from bench.ceilings import beside_the_dot, beside_the_dot_table, rel_err, timed_ms  # noqa: E402
 from bench.ceilings import measure as measure_ceilings  # noqa: E402
 from bench.common import environment, write_results  # noqa: E402
 from bench.kernels_dense import dense_case  # noqa: E402
@@ -255,17 +255,7 @@ def table(results: list[dict], ceilings: dict) -> str:
             f"{100 * r['tflops'] / ceilings['matmul_tflops']:.0f}% | "
             f"{'' if tbps is None else f'{100 * tbps / ceilings["copy_tbps"]:.0f}%'} | "
             f"{r.get('rel_err_vs_peer', float('nan')):.1e} |")
-    beside = [r for r in results if "beside_dot" in r]
-    if beside:
-        lines += ["", "The prefill's expert MLP timed alternately with the ceiling's 8192^3 dot "
-                  "(5 rounds each, medians: both in the same thermal state; the ceiling above "
-                  "was measured at the run's start, on a cooler, faster-clocked GPU):", "",
-                  "| impl | MLP ms | MLP TFLOP/s | dot TFLOP/s beside it | % of the dot |",
-                  "|---|---:|---:|---:|---:|"]
-        for r in beside:
-            b = r["beside_dot"]
-            lines.append(f"| {r['impl']} | {b['ms']:.3f} | {b['tflops']:.1f} | "
-                         f"{b['dot_tflops']:.1f} | {100 * b['tflops'] / b['dot_tflops']:.0f}% |")
+    lines += beside_the_dot_table(results)
     return "\n".join(lines)
 
 
