@@ -75,14 +75,19 @@ def case(name: str, tokens: int, rows: int, shapes: Shapes, impl: str) -> list[d
     variants += [("ours 1 wg, 128 dims/program", functools.partial(
         api.sink_attention, impl=impl, config=AttentionConfig(block_d=128)))]
     splits = (1, 2, 5) if tokens <= 64 else (1,)   # decode: rows split over programs too
-    variants += [(f"ours ws x {n} row splits", functools.partial(
-        api.sink_attention, impl=impl, config=WarpSpecializedConfig(num_splits=n)))
-        for n in splits]
+    variants += [(f"ours ws x {n} row splits{', scores split' * scored}", functools.partial(
+        api.sink_attention, impl=impl,
+        config=WarpSpecializedConfig(num_splits=n, split_scores=scored)))
+        for n in splits for scored in (False, True)]
     n = splits[min(1, len(splits) - 1)]
-    variants += [(f"ours ws x {n} row splits, {label}", functools.partial(
-        api.sink_attention, impl=impl, config=WarpSpecializedConfig(num_splits=n, **change)))
-        for label, change in (("P @ V not in place", {"in_place": False}),
-                              ("ping-pong", {"ping_pong": True}))]
+    # (32-row blocks, 3 or 4 in flight: 2.55-2.61 ms on the 8k prefill against 1.90-1.96,
+    # kernels-attention-gpu-quick.md of 12-01, first run)
+    # (A program running several tokens back to back, Pallas's pipeline of pipelines: 2.58 ms
+    # on the 8k prefill against 1.96-1.99, its loop spilling registers; 12-01, third run.)
+    # (P @ V not in place: 1.7x slower on the 8k prefill, kernels-attention-gpu.md of 11-30)
+    variants += [(f"ours ws x {n} row splits, ping-pong", functools.partial(
+        api.sink_attention, impl=impl,
+        config=WarpSpecializedConfig(num_splits=n, ping_pong=True, split_scores=False)))]
     for label, fn in variants:
         row = {"case": name, "tokens": tokens, "rows_per_token": rows, "impl": label}
         try:
@@ -97,7 +102,8 @@ def case(name: str, tokens: int, rows: int, shapes: Shapes, impl: str) -> list[d
             continue
         row["rows_tbps"] = row_bytes / row["ms"] / 1e9
         row["tflops"] = flops / row["ms"] / 1e9
-        if tokens > 64 and label in ("xla (jnp)", "ours") and jax.default_backend() == "gpu":
+        timed_beside = label in ("xla (jnp)", "ours") or "scores split" in label
+        if tokens > 64 and timed_beside and jax.default_backend() == "gpu":
             beside = beside_the_dot(jitted, q, kv, visible, sinks)
             row["beside_dot"] = beside | {"tflops": flops / beside["ms"] / 1e9}
         if label.startswith("ours") and "xla (jnp)" in out:

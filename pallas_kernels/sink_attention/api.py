@@ -21,8 +21,8 @@ from pallas_kernels.sink_attention.mosaic_gpu_ws import WarpSpecializedConfig
 
 Config = AttentionConfig | WarpSpecializedConfig
 
-# On the H200 (kernels-attention-gpu.md) the warp-specialised kernel runs an 8k-token prefill
-# chunk's CSA attention in about 2.0 ms against XLA's 4.4 ms; in decode it wins at batch 64 on
+# On the H200 (kernels-attention-gpu-quick.md) the warp-specialised kernel runs an 8k-token
+# prefill chunk's CSA attention in 1.9-2.0 ms against XLA's 4.4 ms; in decode it wins at batch 64 on
 # the CSA layers' 640 rows and loses on the HCA layers' 160 and at batch 16 (XLA's fused path:
 # 0.015 ms), and the kernel path concatenates a token's window and compressed rows, which the
 # jnp path does not. So the model takes it for prefill-sized batches (MIN_TOKENS up); an env

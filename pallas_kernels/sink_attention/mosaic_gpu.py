@@ -46,6 +46,10 @@ class AttentionConfig:
     def row_multiple(self) -> int:
         return self.block_r * self.num_splits
 
+    @property
+    def row_block_multiple(self) -> int:     # P @ V's K: a P tile's 128-byte swizzled rows
+        return 64
+
     def smem_bytes(self, head_dim: int, dtype_bytes: int = 2) -> int:
         """Shared memory a program uses: q, P, the output tile (f32 when split: partial
         sums), and the row and bias blocks in flight."""
@@ -70,8 +74,8 @@ def check_operands(config, heads: int, rows: int, head_dim: int) -> None:
                          f"memory, more than the {SMEM_BYTES} an SM90 program has")
     if heads != HEADS:
         raise ValueError(f"the kernel computes {HEADS} heads per token, got {heads}")
-    if (config.block_r % 64 or rows % config.row_multiple or head_dim % config.columns
-            or head_dim % 64):
+    if (config.block_r % config.row_block_multiple or rows % config.row_multiple
+            or head_dim % config.columns or head_dim % 64):
         raise ValueError(f"rows={rows} and head_dim={head_dim} must be multiples of "
                          f"{config.row_multiple} and {config.columns}")
 

@@ -3,20 +3,29 @@
 Same contract as mosaic_gpu.sink_attention. A program is one query token (or one range of its
 rows, with `num_splits` > 1) and all 512 output dims: a memory warpgroup streams the token's
 rows through shared memory in blocks of 64, and each compute warpgroup owns half of the
-output dims (a [64 heads, 256] float32 accumulator, 128 registers a thread). Both compute the
-block's scores S = q @ rows^T over the full head dim themselves (a second copy of S costs
-tensor-core time but saves a shared-memory exchange, for which shared memory has no room, and
-a barrier per block), the same online softmax in base 2 (the running max starting at the
-head's sink logit, the running sum at its term 2^0 = 1), and P @ V for their half, V being
-that column half of the row block already in shared memory, added into the rescaled
-accumulator in place (a separate product tile spilled registers: 4.8 ms instead of 2.1 on the
-prefill below).
+output dims (a [64 heads, 256] float32 accumulator, 128 registers a thread).
+
+Scores (`split_scores`, the default): each warpgroup computes S = q @ rows^T for half of the
+block's rows ([64, 32], over the full head dim), the two halves' row maxima are exchanged
+through shared memory so that both hold the block's running max, and the two halves' P tiles
+are exchanged too: each warpgroup then multiplies the whole block's P by its column half of
+V. S is computed once (2/3 of the tensor-core work of computing it in both warpgroups, the
+earlier form, kept as split_scores=False), for two meetings of the warpgroups a block. The
+online softmax runs in base 2 (the running max starting at the head's sink logit, the running
+sum at its term 2^0 = 1); P @ V adds into the rescaled accumulator in place (a separate
+product tile spilled registers: 4.8 ms instead of 2.1 on the prefill below).
 
 So each row is read from HBM once for all heads and all dims, where the one-warpgroup kernel
 (mosaic_gpu.py) reads it once per 128-dim column block and recomputes S as often. On the H200
-(kernels-attention-gpu.md), a V4-Flash 8k-token prefill's CSA attention (640 rows a token):
-2.1 ms = 44% of the dense matmul rate, against 4.4 ms on XLA's path and 4.5 ms on the
-one-warpgroup kernel; decode at batch 64: 0.032-0.036 ms against 0.041-0.044.
+(kernels-attention-gpu-quick.md, 2026-12-01), a V4-Flash 8k-token prefill's CSA attention
+(640 rows a token): 1.90-1.96 ms of device time (46% of the run's opening matmul rate; 44% of
+the dot timed beside it), against 2.10-2.19 with S in both warpgroups, 4.4 ms on XLA's path
+and 4.5 ms on the one-warpgroup kernel; decode at batch 64: 0.031-0.033 ms against XLA's
+0.044. Blocks of 32 rows (3 or 4 in flight) were slower (2.55-2.61 ms): a pipeline step
+costs about 1 us besides its work, and shared memory (q, two 64-row blocks) leaves no room
+for longer blocks. A program running several tokens back to back (Pallas's pipeline of
+pipelines, the next token's rows streaming in under the last one's end) was slower too: 2.58
+ms, its loop spilling registers.
 
 The output goes out through q's shared-memory tile once both warpgroups are done with q:
 shared memory holds q (64 KiB), two row blocks (128 KiB) and the two P tiles, with no room
@@ -48,7 +57,7 @@ LOG2_E = math.log2(math.e)
 
 @dataclasses.dataclass(frozen=True)
 class WarpSpecializedConfig:
-    block_r: int = 64             # rows per pipeline step (P @ V's K: a multiple of 64)
+    block_r: int = 64             # rows per pipeline step (a multiple of row_block_multiple)
     max_concurrent_steps: int = 2
     num_splits: int = 1           # row ranges per token, each its own program
     # The warpgroups take turns on the tensor cores (one's softmax under the other's wgmmas,
@@ -59,18 +68,30 @@ class WarpSpecializedConfig:
     # registers a thread). GPU interpret mode cannot run an initialised accumulator, so the
     # dispatch turns it off there.
     in_place: bool = True
+    # Each warpgroup scores half of a block's rows (S = q @ rows[half]^T, [64, 32]) instead of
+    # all of them: the block's scores are computed once, not twice (2/3 of the tensor-core
+    # work), at the price of two exchanges through shared memory a block (the row halves'
+    # maxima, then their P tiles, which both warpgroups multiply with their V columns).
+    split_scores: bool = True
 
     @property
     def row_multiple(self) -> int:
         return self.block_r * self.num_splits
 
+    @property
+    def row_block_multiple(self) -> int:
+        """block_r's multiple: P @ V's K (64: a P tile's 128-byte swizzled rows), or with
+        split_scores two halves of 16 rows (wgmma's K step)."""
+        return 32 if self.split_scores else 64
+
     def smem_bytes(self, head_dim: int, dtype_bytes: int = 2) -> int:
         """q (also the output tile), the two P tiles, the row and bias blocks in flight and
         the few statistics vectors."""
         return (HEADS * head_dim * dtype_bytes
-                + COMPUTE_WGS * HEADS * self.block_r * dtype_bytes
+                + COMPUTE_WGS * HEADS * self.block_r * dtype_bytes     # (split: 2 steps' halves)
                 + self.max_concurrent_steps * self.block_r * (head_dim * dtype_bytes + 4)
-                + 4 * HEADS * 4)
+                + 4 * HEADS * 4
+                + (2 + 1) * COMPUTE_WGS * HEADS * 4 * self.split_scores)   # the exchanges
 
     @property
     def columns(self) -> int:       # output dims per compute warpgroup, times two
@@ -78,6 +99,8 @@ class WarpSpecializedConfig:
 
     def check(self, heads: int, rows: int, head_dim: int) -> None:
         check_operands(self, heads, rows, head_dim)
+        if self.split_scores and self.ping_pong:
+            raise ValueError("split_scores takes no ping-pong (the warpgroups meet twice a block)")
 
 
 def combine_splits(out: jax.Array, stats: jax.Array) -> jax.Array:
@@ -104,6 +127,7 @@ def sink_attention(q: jax.Array, rows: jax.Array, bias: jax.Array, sinks: jax.Ar
     br, splits = config.block_r, config.num_splits
     range_blocks = num_rows // br // splits
     half = head_dim // COMPUTE_WGS
+    half_r = br // COMPUTE_WGS        # split_scores: the rows a warpgroup scores
     # Scores in base 2 (exp2 is the hardware's exponential): log2(e) folded into the scale,
     # the running max (and the sink logit it starts at) in base-2 units too.
     scale = head_dim ** -0.5 * LOG2_E
@@ -127,13 +151,29 @@ def sink_attention(q: jax.Array, rows: jax.Array, bias: jax.Array, sinks: jax.Ar
         @functools.partial(
             pl.run_scoped, allocations=pipeline(ignore, ignore).get_allocations(*operands),
             q_smem=plgpu.SMEM((heads, head_dim), q.dtype),
-            p_smem=plgpu.SMEM((COMPUTE_WGS, heads, br), q.dtype),
+            # P: each warpgroup's tile of the block, or with split_scores the two row
+            # halves' tiles, by step parity
+            p_smem=(plgpu.SMEM((2, COMPUTE_WGS, heads, half_r), q.dtype) if config.split_scores
+                    else plgpu.SMEM((COMPUTE_WGS, heads, br), q.dtype)),
             start_smem=plgpu.SMEM((2, heads), jnp.float32),
             stats_smem=plgpu.SMEM((2, heads), jnp.float32),
+            # split_scores: the row halves' maxima (by step parity), the warpgroups' sums
+            peaks_smem=plgpu.SMEM((2, COMPUTE_WGS, heads), jnp.float32),
+            totals_smem=plgpu.SMEM((COMPUTE_WGS, heads), jnp.float32),
             barriers=plgpu.Barrier(num_barriers=2),
-            syncs=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=3),
+            syncs=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=5),
             collective_axes="wg")
-        def scope(allocations, q_smem, p_smem, start_smem, stats_smem, barriers, syncs):
+        def scope(allocations, q_smem, p_smem, start_smem, stats_smem, peaks_smem, totals_smem,
+                  barriers, syncs):
+            def exchange(barrier: int, *, for_wgmma: bool):
+                """Both warpgroups' shared-memory writes so far are visible to both: to their
+                loads through the barrier alone (its arrival releases, its wait acquires), to
+                wgmma (the async proxy) after a fence too."""
+                if for_wgmma:
+                    plgpu.commit_smem()
+                plgpu.barrier_arrive(syncs.at[barrier])
+                plgpu.barrier_wait(syncs.at[barrier])
+
             def take_turns():
                 """The two warpgroups alternate on the tensor cores (FlashAttention-3's
                 ping-pong): one's softmax runs while the other's wgmmas do. A barrier both
@@ -173,6 +213,52 @@ def sink_attention(q: jax.Array, rows: jax.Array, bias: jax.Array, sinks: jax.Ar
                     acc = acc + pl.run_scoped(weighted_rows, plgpu.ACC((heads, half)))
                 return acc, new_peak, total
 
+            def step_split_scores(indices, rows_smem, bias_smem, carry):
+                """This warpgroup scores its half of the block's rows; the halves' maxima give
+                both warpgroups the block's new running max (so the same rescale alpha), and
+                the halves' P tiles, exchanged, multiply each warpgroup's V columns. The sum
+                of p each warpgroup keeps is over its own rows (added up at the end).
+
+                Exchanged values sit in the slot of the step's parity: a warpgroup can be at
+                most one exchange ahead of the other, so it never overwrites a slot the other
+                still reads (the first barrier of step j + 1 waits for the second of j)."""
+                acc, peak, total = carry
+                slot = indices[0] % 2
+                rows_mine = rows_smem.at[pl.ds(wg * half_r, half_r)]
+
+                def scores(s_ref):
+                    plgpu.wgmma(s_ref, q_smem, rows_mine.T)
+                    return s_ref[...]
+
+                s = pl.run_scoped(scores, plgpu.ACC((heads, half_r)))
+                bias = bias_smem[pl.ds(wg * half_r, half_r)]
+                s = s * scale + lax.broadcast_in_dim(bias, s.shape, [1])
+                peaks_smem.at[slot, wg][...] = s.max(axis=1)
+                exchange(2, for_wgmma=False)
+                new_peak = jnp.maximum(peak, jnp.maximum(peaks_smem.at[slot, 0][...],
+                                                         peaks_smem.at[slot, 1][...]))
+                alpha = jnp.exp2(peak - new_peak)
+                p = jnp.exp2(s - lax.broadcast_in_dim(new_peak, s.shape, [0]))
+                p_smem.at[slot, wg][...] = p.astype(p_smem.dtype)
+                exchange(3, for_wgmma=True)
+
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                v_half = rows_smem.at[:, pl.ds(wg * half, half)]
+
+                def weighted_rows(acc_ref):
+                    for h in range(COMPUTE_WGS):
+                        plgpu.wgmma(acc_ref, p_smem.at[slot, h],
+                                    v_half.at[pl.ds(h * half_r, half_r)])
+
+                def product(pv_ref):
+                    weighted_rows(pv_ref)
+                    return pv_ref[...]
+                if config.in_place:
+                    acc = pl.run_state(weighted_rows)(plgpu.ACC.init(acc))
+                else:
+                    acc = acc + pl.run_scoped(product, plgpu.ACC((heads, half)))
+                return acc, new_peak, total * alpha + p.sum(axis=1)
+
             def compute_context(eval_pipeline):
                 @pl.when(wg == 0)
                 def _():
@@ -180,16 +266,22 @@ def sink_attention(q: jax.Array, rows: jax.Array, bias: jax.Array, sinks: jax.Ar
                     plgpu.copy_gmem_to_smem(start_ref.at[split], start_smem, barriers.at[1])
                 plgpu.barrier_wait(barriers.at[0])
                 plgpu.barrier_wait(barriers.at[1])
-                init = (jnp.zeros((heads, half), jnp.float32), start_smem.at[0][...],
-                        start_smem.at[1][...])
+                start_total = start_smem.at[1][...]
+                if config.split_scores:      # the sink's term is counted by warpgroup 0 alone
+                    start_total = start_total * (wg == 0).astype(jnp.float32)
+                init = (jnp.zeros((heads, half), jnp.float32), start_smem.at[0][...], start_total)
                 pl.when(wg == 1)(take_turns)
                 acc, peak, total = eval_pipeline(init)
                 pl.when(wg == 0)(take_turns)
                 # Both warpgroups are done reading q: its tile takes the output, each
                 # warpgroup writing its half, and goes out in one copy (a column half of a
                 # swizzled tile is not contiguous, as a copy needs).
+                if config.split_scores:      # each warpgroup summed p over its own rows
+                    totals_smem.at[wg][...] = total
                 plgpu.barrier_arrive(syncs.at[0])
                 plgpu.barrier_wait(syncs.at[0])
+                if config.split_scores:
+                    total = totals_smem.at[0][...] + totals_smem.at[1][...]
                 # A range with no visible row and no sink has total 0 (and acc 0).
                 out = acc / lax.broadcast_in_dim(jnp.maximum(total, 1e-30), acc.shape, [0])
                 for c in range(COMPUTE_WGS):
@@ -212,7 +304,8 @@ def sink_attention(q: jax.Array, rows: jax.Array, bias: jax.Array, sinks: jax.Ar
                         plgpu.copy_smem_to_gmem(stats_smem, out_refs[1].at[split, token])
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-            pipeline(step, compute_context)(*operands, allocations=allocations)
+            pipeline(step_split_scores if config.split_scores else step,
+                     compute_context)(*operands, allocations=allocations)
 
     if splits == 1:
         out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)

@@ -93,14 +93,17 @@ def test_rows_split_over_programs(splits, pattern):
           reference.sink_attention(q, kv, visible, sinks))
 
 
+@pytest.mark.parametrize("split_scores", [False, True])
 @pytest.mark.parametrize("pattern", ["all", "random", "none", "first few"])
 @pytest.mark.parametrize("rows,splits", [(100, 1), (300, 2)])
-def test_warp_specialized_kernel_matches_reference(rows, splits, pattern):
+def test_warp_specialized_kernel_matches_reference(rows, splits, pattern, split_scores):
     """One program per token (or row range) for all 512 dims, two warpgroups sharing each
-    row block: "first few" with 2 ranges leaves the second with no visible row, "none" both."""
+    row block: "first few" with 2 ranges leaves the second with no visible row, "none" both.
+    With split_scores each warpgroup scores half of a block's rows and they exchange maxima
+    and P: "first few" leaves a warpgroup's half with no visible row in every block."""
     q, kv, visible, sinks = problem(3, 64, rows, pattern, seed=rows + splits)
-    close(api.sink_attention(q, kv, visible, sinks, impl=KERNEL,
-                             config=WarpSpecializedConfig(num_splits=splits)),
+    config = WarpSpecializedConfig(num_splits=splits, split_scores=split_scores)
+    close(api.sink_attention(q, kv, visible, sinks, impl=KERNEL, config=config),
           reference.sink_attention(q, kv, visible, sinks))
 
 
@@ -110,7 +113,18 @@ def test_warp_specialized_ping_pong(pattern):
     one starting a turn behind): the same result, empty ranges included."""
     q, kv, visible, sinks = problem(2, 64, 300, pattern, seed=11)
     close(api.sink_attention(q, kv, visible, sinks, impl=KERNEL,
-                             config=WarpSpecializedConfig(num_splits=2, ping_pong=True)),
+                             config=WarpSpecializedConfig(num_splits=2, ping_pong=True,
+                                                          split_scores=False)),
+          reference.sink_attention(q, kv, visible, sinks))
+
+
+@pytest.mark.parametrize("pattern", ["random", "first few"])
+def test_split_scores_in_32_row_blocks_four_in_flight(pattern):
+    """Scores split over the warpgroups in 16-row halves, 4 blocks in the pipeline: 300 rows
+    pad to 320 (10 blocks), the exchanges' slots alternating over an even and an odd count."""
+    q, kv, visible, sinks = problem(2, 64, 300, pattern, seed=13)
+    config = WarpSpecializedConfig(block_r=32, max_concurrent_steps=4, split_scores=True)
+    close(api.sink_attention(q, kv, visible, sinks, impl=KERNEL, config=config),
           reference.sink_attention(q, kv, visible, sinks))
 
 
@@ -136,7 +150,7 @@ def test_reference_against_float64_and_the_model():
     np.testing.assert_array_equal(np.asarray(model, np.float32), np.asarray(out, np.float32))
 
 
-@pytest.mark.parametrize("warp_specialized", [False, True])
+@pytest.mark.parametrize("warp_specialized", [False, True, "split scores"])
 @pytest.mark.parametrize("splits", [1, 2])
 def test_kernel_lowers_for_cuda(splits, warp_specialized):
     """Mosaic GPU's own checks (layouts, wgmma shapes, shared memory, contiguous copies) run
@@ -144,7 +158,8 @@ def test_kernel_lowers_for_cuda(splits, warp_specialized):
     q, kv, visible, sinks = problem(2, 64, 128, "random")
     bias = jnp.where(visible, 0.0, -jnp.inf).astype(jnp.float32)
     if warp_specialized:
-        kernel, config = kernel_ws, WarpSpecializedConfig(num_splits=splits)
+        kernel, config = kernel_ws, WarpSpecializedConfig(
+            num_splits=splits, split_scores=warp_specialized == "split scores")
     else:
         kernel, config = kernel_one_wg, AttentionConfig(block_d=64 if splits > 1 else 128,
                                                         num_splits=splits)
