@@ -18,10 +18,10 @@ product tile spilled registers: 4.8 ms instead of 2.1 on the prefill below).
 So each row is read from HBM once for all heads and all dims, where the one-warpgroup kernel
 (mosaic_gpu.py) reads it once per 128-dim column block and recomputes S as often. On the H200
 (kernels-attention-gpu-quick.md, 2026-12-01), a V4-Flash 8k-token prefill's CSA attention
-(640 rows a token): 1.90-1.96 ms of device time (46% of the run's opening matmul rate; 44% of
-the dot timed beside it), against 2.10-2.19 with S in both warpgroups, 4.4 ms on XLA's path
-and 4.5 ms on the one-warpgroup kernel; decode at batch 64: 0.031-0.033 ms against XLA's
-0.044. Blocks of 32 rows (3 or 4 in flight) were slower (2.55-2.61 ms): a pipeline step
+(640 rows a token): 1.90-2.00 ms of device time (44-46% of the run's opening matmul rate;
+41-45% of the dot timed beside it), against 2.10-2.29 with S in both warpgroups, 4.4 ms on
+XLA's path and 4.5 ms on the one-warpgroup kernel; decode at batch 64: 0.031-0.033 ms against
+XLA's 0.044. Blocks of 32 rows (3 or 4 in flight) were slower (2.55-2.61 ms): a pipeline step
 costs about 1 us besides its work, and shared memory (q, two 64-row blocks) leaves no room
 for longer blocks. A program running several tokens back to back (Pallas's pipeline of
 pipelines, the next token's rows streaming in under the last one's end) was slower too: 2.58
