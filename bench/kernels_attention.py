@@ -68,6 +68,9 @@ def case(name: str, tokens: int, rows: int, shapes: Shapes, impl: str) -> list[d
     visible = jax.random.uniform(keys[2], (tokens, rows)) < 0.95
     sinks = jax.random.normal(keys[3], (shapes.heads,), jnp.float32)
     row_bytes = tokens * rows * shapes.head_dim * 2
+    # What any kernel taking these operands moves through HBM at least: the rows, q, the
+    # output (bf16) and the mask's bias (float32 a row).
+    hbm_bytes = row_bytes + 2 * tokens * shapes.heads * shapes.head_dim * 2 + tokens * rows * 4
     flops = 2 * 2 * tokens * shapes.heads * rows * shapes.head_dim
     out, results = {}, []
     variants = [("xla (jnp)", reference.sink_attention),
@@ -101,6 +104,7 @@ def case(name: str, tokens: int, rows: int, shapes: Shapes, impl: str) -> list[d
             results.append(row)
             continue
         row["rows_tbps"] = row_bytes / row["ms"] / 1e9
+        row["hbm_tbps"] = hbm_bytes / row["ms"] / 1e9
         row["tflops"] = flops / row["ms"] / 1e9
         timed_beside = label in ("xla (jnp)", "ours") or "scores split" in label
         if tokens > 64 and timed_beside and jax.default_backend() == "gpu":
@@ -116,16 +120,18 @@ def table(results: list[dict], ceilings: dict) -> str:
     lines = [f"Ceilings measured in this run: XLA bf16 matmul {ceilings['matmul_tflops']:.0f} "
              f"TFLOP/s; copy {ceilings['copy_tbps']:.2f} TB/s ({ceilings['copy_source']}).", "",
              "| case | impl | tokens | rows/token | device ms | call ms | rows TB/s | % copy | "
-             "TFLOP/s | % matmul | rel err |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "all bytes: % copy | TFLOP/s | % matmul | rel err |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['case']} | {r['impl']} | {r['tokens']} | {r['rows_per_token']} | "
-                         f"failed: {r['error']} | | | | | | |")
+                         f"failed: {r['error']} | | | | | | | |")
             continue
         lines.append(
             f"| {r['case']} | {r['impl']} | {r['tokens']} | {r['rows_per_token']} | "
             f"{r['ms']:.3f} | {r['call_ms']:.3f} | {r['rows_tbps']:.2f} | "
-            f"{100 * r['rows_tbps'] / ceilings['copy_tbps']:.0f}% | {r['tflops']:.1f} | "
+            f"{100 * r['rows_tbps'] / ceilings['copy_tbps']:.0f}% | "
+            f"{100 * r['hbm_tbps'] / ceilings['copy_tbps']:.0f}% | {r['tflops']:.1f} | "
             f"{100 * r['tflops'] / ceilings['matmul_tflops']:.0f}% | "
             f"{r.get('rel_err_vs_xla', float('nan')):.1e} |")
     lines += beside_the_dot_table(results)
@@ -158,6 +164,8 @@ def main() -> None:
     print(text)
     note = (f"\n\nShapes: {dataclasses.asdict(shapes)}; bf16; 95% of rows visible. Rows are "
             "gathered per token before the kernel (as the engine does); the gather is not timed. "
+            "All bytes: the rows, q, the output and the mask's float32 bias, the least a kernel "
+            "taking these operands moves through HBM. "
             "Device ms: the kernels' time in a profiler trace (the rates use it); call ms: "
             "back-to-back jitted calls, which the host's ~40 us launch cost floors. "
             f"Command: `python bench/kernels_attention.py{' --smoke' if args.smoke else ''}"
