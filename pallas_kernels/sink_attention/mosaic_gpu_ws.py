@@ -25,7 +25,11 @@ XLA's 0.044. Blocks of 32 rows (3 or 4 in flight) were slower (2.55-2.61 ms): a 
 costs about 1 us besides its work, and shared memory (q, two 64-row blocks) leaves no room
 for longer blocks. A program running several tokens back to back (Pallas's pipeline of
 pipelines, the next token's rows streaming in under the last one's end) was slower too: 2.58
-ms, its loop spilling registers.
+ms, its loop spilling registers. That prefill, its rows gathered per token beforehand, moves
+6.5 GB (rows 5.4, q and output 0.54 each): at 2.0 ms, 77-79% of the copy ceiling, so HBM
+bounds it; neighbouring tokens share most of their rows (a chunk's window and compressed rows
+are ~12 MB), and reading them through indices in the kernel, from L2, is the way past that
+(TMA's gather is SM100's; on SM90 a row per copy into the swizzled tile).
 
 The output goes out through q's shared-memory tile once both warpgroups are done with q:
 shared memory holds q (64 KiB), two row blocks (128 KiB) and the two P tiles, with no room
