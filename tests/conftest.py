@@ -19,6 +19,14 @@ os.environ.setdefault("XDG_CACHE_HOME", str(REPO / ".cache" / "xdg"))
 # (a CI run here, in tests/kernels/test_sink_attention.py; an earlier run's hang in a test
 # not identified was likely the same).
 jax.config.update("jax_cpu_enable_async_dispatch", False)   # (before the CPU client exists)
+# The CPU client's intra-op pool has a thread per core, and interpret mode blocks pool threads:
+# the kernel's thread_map callback waits on its simulated warpgroups, each a computation of its
+# own whose barrier waits can run on the pool too. On a 2-core machine both threads ended up
+# blocked (the outer callback and one warpgroup's barrier) while the other warpgroups' thunks
+# waited for a free thread: the engine's step on interpreted kernels hung for good (CI's 90 min,
+# split-score attention; py-spy showed exactly that). One outer callback and three warpgroups
+# can block at once, so 8 threads leave room; on larger machines the pool is a thread a core.
+os.environ.setdefault("PJRT_NPROC", str(max(8, os.cpu_count() or 1)))
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Under `make test`'s workers (one per core) each compiles one step at a time. Side by
     # side they added nothing the other worker was not already using, and one CI run had a
@@ -68,3 +76,4 @@ def case(request) -> OracleCase:
 @pytest.fixture
 def mixed_case() -> OracleCase:
     return oracle_case("tiny-mixed")
+
