@@ -77,3 +77,13 @@ def case(request) -> OracleCase:
 def mixed_case() -> OracleCase:
     return oracle_case("tiny-mixed")
 
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test past pyproject's timeout fails with every thread's stack (pytest-timeout), and
+    the run stops there: a hang's threads may still hold the CPU client's pool, which would
+    starve the tests after it into timeouts of their own."""
+    report = yield
+    if report.failed and call.excinfo is not None and "from pytest-timeout" in str(call.excinfo.value):
+        item.session.shouldstop = f"{item.nodeid} hung (the stacks are in its report)"
+    return report
