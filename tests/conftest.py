@@ -24,9 +24,11 @@ jax.config.update("jax_cpu_enable_async_dispatch", False)   # (before the CPU cl
 # own whose barrier waits can run on the pool too. On a 2-core machine both threads ended up
 # blocked (the outer callback and one warpgroup's barrier) while the other warpgroups' thunks
 # waited for a free thread: the engine's step on interpreted kernels hung for good (CI's 90 min,
-# split-score attention; py-spy showed exactly that). One outer callback and three warpgroups
-# can block at once, so 8 threads leave room; on larger machines the pool is a thread a core.
-os.environ.setdefault("PJRT_NPROC", str(max(8, os.cpu_count() or 1)))
+# split-score attention; py-spy showed exactly that). One outer callback and two of a kernel's
+# three warpgroups can block at once (all three waiting is a barrier that completes), so 4
+# threads always leave the last one room; more cost the other tests time on two cores (two test
+# files: 99 s with 2 threads, 106 s with 4, 123 s with 8). Larger machines keep a thread a core.
+os.environ.setdefault("PJRT_NPROC", str(max(4, os.cpu_count() or 1)))
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Under `make test`'s workers (one per core) each compiles one step at a time. Side by
     # side they added nothing the other worker was not already using, and one CI run had a
