@@ -43,7 +43,7 @@ test: $(VENV)/.installed oracle
 		$(PYTEST_ARGS)
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/python -m deepinfer_jax.demo
+	$(VENV)/bin/python -m deepinfer_jax.api.demo
 
 clean:
 	rm -rf $(VENV) $(ORACLE_VENV) .cache

@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 from bench.ceilings import measure as measure_ceilings  # noqa: E402
 from bench.common import environment, write_results  # noqa: E402
 from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
-from deepinfer_jax.config import AttentionKind, MlpKind, ModelConfig  # noqa: E402
+from deepinfer_jax.config.model import AttentionKind, MlpKind, ModelConfig  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
 
 KINDS = [AttentionKind.CSA, AttentionKind.HCA]

@@ -25,9 +25,9 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import environment, write_results  # noqa: E402
 from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
-from deepinfer_jax.buckets import token_bucket  # noqa: E402
-from deepinfer_jax.config import AttentionKind, MlpKind, ModelConfig  # noqa: E402
-from deepinfer_jax.plan import build_plan  # noqa: E402
+from deepinfer_jax.config.model import AttentionKind, MlpKind, ModelConfig  # noqa: E402
+from deepinfer_jax.host.buckets import token_bucket  # noqa: E402
+from deepinfer_jax.host.plan_builder import build_plan  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
 
 

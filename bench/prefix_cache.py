@@ -30,10 +30,10 @@ sys.path.insert(0, str(REPO))
 from bench.common import environment, write_results  # noqa: E402
 from bench.overlap import model_config  # noqa: E402
 from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
-from deepinfer_jax.config import AttentionKind, ModelConfig  # noqa: E402
-from deepinfer_jax.engine_config import EngineConfig, ResolvedEngineConfig  # noqa: E402
-from deepinfer_jax.snapshots import init_pool  # noqa: E402
-from deepinfer_jax.state import init_state  # noqa: E402
+from deepinfer_jax.config.engine import EngineConfig, ResolvedEngineConfig  # noqa: E402
+from deepinfer_jax.config.model import AttentionKind, ModelConfig  # noqa: E402
+from deepinfer_jax.device.snapshots import init_pool  # noqa: E402
+from deepinfer_jax.model.state import init_state  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)

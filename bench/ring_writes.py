@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import environment, write_results  # noqa: E402
 from bench.device_time import device_ms  # noqa: E402
-from deepinfer_jax.compile import BATCH_INVARIANT_COMPILER_OPTIONS  # noqa: E402
+from deepinfer_jax.engine.compile import BATCH_INVARIANT_COMPILER_OPTIONS  # noqa: E402
 from deepinfer_jax.model.ragged import TokenContext, write_ring  # noqa: E402
 
 R = 128

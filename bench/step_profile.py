@@ -33,8 +33,8 @@ sys.path.insert(0, str(REPO))
 from bench.device_time import kernel_totals, trace_events  # noqa: E402
 from bench.hlo_sources import describe  # noqa: E402
 from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
-from deepinfer_jax.buckets import token_bucket  # noqa: E402
-from deepinfer_jax.plan import build_plan  # noqa: E402
+from deepinfer_jax.host.buckets import token_bucket  # noqa: E402
+from deepinfer_jax.host.plan_builder import build_plan  # noqa: E402
 
 
 def build(args) -> LLM:

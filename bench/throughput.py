@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import environment, write_results  # noqa: E402
 from deepinfer_jax import LLM, SamplingParams  # noqa: E402
-from deepinfer_jax.config import ModelConfig  # noqa: E402
+from deepinfer_jax.config.model import ModelConfig  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
 from deepinfer_jax.weights.export import save_checkpoint  # noqa: E402
 

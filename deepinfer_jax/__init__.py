@@ -1,18 +1,40 @@
-"""deepinfer-jax: an ahead-of-time compiled, functional inference engine for DeepSeek-V4."""
+"""deepinfer-jax: an ahead-of-time compiled, functional inference engine for DeepSeek-V4.
 
-from deepinfer_jax.config import ConfigError, ModelConfig
-from deepinfer_jax.engine_config import EngineConfig
-from deepinfer_jax.llm import LLM, CompletionDelta
-from deepinfer_jax.reference_model import Model, load
-from deepinfer_jax.request import (
-                                   FinishReason,
-                                   InvalidRequestError,
-                                   RequestError,
-                                   RequestOutput,
-                                   SamplingParams,
-)
-from deepinfer_jax.weights import CheckpointError, load_params, random_params
+The names below are the public surface. They load on first use (PEP 562), so that importing a
+host module (`deepinfer_jax.host.*`) never imports jax.
+"""
 
-__all__ = ["LLM", "CheckpointError", "CompletionDelta", "ConfigError", "EngineConfig",
-           "FinishReason", "InvalidRequestError", "Model", "ModelConfig", "RequestError",
-           "RequestOutput", "SamplingParams", "load", "load_params", "random_params"]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "LLM": "deepinfer_jax.api.llm",
+    "CompletionDelta": "deepinfer_jax.api.llm",
+    "Model": "deepinfer_jax.api.model",
+    "load": "deepinfer_jax.api.model",
+    "ConfigError": "deepinfer_jax.config.model",
+    "ModelConfig": "deepinfer_jax.config.model",
+    "EngineConfig": "deepinfer_jax.config.engine",
+    "FinishReason": "deepinfer_jax.host.request",
+    "InvalidRequestError": "deepinfer_jax.host.request",
+    "RequestError": "deepinfer_jax.host.request",
+    "RequestOutput": "deepinfer_jax.host.request",
+    "SamplingParams": "deepinfer_jax.host.request",
+    "CheckpointError": "deepinfer_jax.weights",
+    "load_params": "deepinfer_jax.weights",
+    "random_params": "deepinfer_jax.weights",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'deepinfer_jax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deepinfer_jax import LLM, SamplingParams  # noqa: E402
-from deepinfer_jax.demo import PROMPTS  # noqa: E402
+from deepinfer_jax.api.demo import PROMPTS  # noqa: E402
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "deepinfer-tiny-v4"
 

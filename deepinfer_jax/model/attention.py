@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.model.invariant import grouped_linear, linear, per_row_tiles
 from deepinfer_jax.model.norms import rms_norm, unweighted_rms_norm
 from deepinfer_jax.model.params import AttentionParams

@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from deepinfer_jax.config import MlpKind, ModelConfig, ScoringFunc
+from deepinfer_jax.config.model import MlpKind, ModelConfig, ScoringFunc
 from deepinfer_jax.model.invariant import f32_linear, linear, ordered_sum
 from deepinfer_jax.model.params import ExpertParams, MoEParams, SharedExpertParams
 from pallas_kernels.common import settled

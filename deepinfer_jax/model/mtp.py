@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import jax
 
-from deepinfer_jax.config import AttentionKind, MlpKind, ModelConfig
-from deepinfer_jax.model import forward
+from deepinfer_jax.config.model import AttentionKind, MlpKind, ModelConfig
+from deepinfer_jax.model import reference_forward
 from deepinfer_jax.model.invariant import linear
 from deepinfer_jax.model.norms import rms_norm
 from deepinfer_jax.model.params import ModelParams, MTPParams
@@ -34,9 +34,10 @@ def mtp_logits(params: ModelParams, token_ids: jax.Array, cfg: ModelConfig,
                depth: int = 0) -> jax.Array:
     """Full-sequence reference: token_ids i32[B, S] -> f32[B, S-1, V]; row t drafts x_{t+2}."""
     p = params.mtp[depth]
-    streams = forward.forward_streams(params, token_ids, cfg)[:, :-1]
+    streams = reference_forward.forward_streams(params, token_ids, cfg)[:, :-1]
     next_tokens = token_ids[:, 1:]
     z = mtp_input(p, params.embed, streams, next_tokens, cfg)
     positions = jax.numpy.arange(next_tokens.shape[1], dtype=jax.numpy.int32)
-    z = forward.layer(p.layer, z, positions, next_tokens, AttentionKind.SLIDING, MlpKind.MOE, cfg)
-    return forward.project_logits(z, p.hc_head, p.norm, params.head, cfg)
+    z = reference_forward.layer(p.layer, z, positions, next_tokens, AttentionKind.SLIDING,
+                                MlpKind.MOE, cfg)
+    return reference_forward.project_logits(z, p.hc_head, p.norm, params.head, cfg)

@@ -18,7 +18,7 @@ import numpy as np
 from deepinfer_jax.model.compressor import finish_rows, pool_rows
 from deepinfer_jax.model.params import CompressorParams
 from deepinfer_jax.model.ragged import TokenContext, ring_or_flat_index, row_index, write_ring
-from deepinfer_jax.state import CompressorTail
+from deepinfer_jax.model.state import CompressorTail
 from pallas_kernels.common import settled
 
 Array = jax.Array

@@ -17,27 +17,26 @@ IH/Id indexer heads/head_dim, m compress rate, c = 2 for overlapped (CSA) compre
 from __future__ import annotations
 
 import jax
-
-from deepinfer_jax.pytree import pytree_dataclass
+from flax import struct
 
 Array = jax.Array
 
 
-@pytree_dataclass
+@struct.dataclass
 class HyperConnectionParams:
     fn: Array      # f32[hc*D, (2+hc)*hc]  pre | post | comb mixing logits
     base: Array    # f32[(2+hc)*hc]
     scale: Array   # f32[3]                 pre, post, comb
 
 
-@pytree_dataclass
+@struct.dataclass
 class HyperHeadParams:
     fn: Array      # f32[hc*D, hc]
     base: Array    # f32[hc]
     scale: Array   # f32[1]
 
 
-@pytree_dataclass
+@struct.dataclass
 class CompressorParams:
     wkv: Array     # [D, c*d]   projected rows (c halves: previous-block | current-block)
     wgate: Array   # [D, c*d]   per-channel pooling logits
@@ -45,14 +44,14 @@ class CompressorParams:
     norm: Array    # f32[d]
 
 
-@pytree_dataclass
+@struct.dataclass
 class IndexerParams:
     wq_b: Array             # [R, IH*Id]
     weights_proj: Array     # [D, IH]
     compressor: CompressorParams   # overlapped, d = Id
 
 
-@pytree_dataclass
+@struct.dataclass
 class AttentionParams:
     wq_a: Array        # [D, R]
     q_norm: Array      # f32[R]
@@ -66,19 +65,19 @@ class AttentionParams:
     indexer: IndexerParams | None         # CSA layers
 
 
-@pytree_dataclass
+@struct.dataclass
 class ExpertParams:
     w13: Array         # [E, D, 2I]  gate | up
     w2: Array          # [E, I, D]
 
 
-@pytree_dataclass
+@struct.dataclass
 class SharedExpertParams:
     w13: Array         # [D, 2I']  gate | up   (I' = n_shared * I)
     w2: Array          # [I', D]
 
 
-@pytree_dataclass
+@struct.dataclass
 class MoEParams:
     gate: Array                 # [D, E]        router logits
     bias: Array | None          # f32[E]        selection-only bias (routed layers)
@@ -87,7 +86,7 @@ class MoEParams:
     shared: SharedExpertParams | None
 
 
-@pytree_dataclass
+@struct.dataclass
 class LayerParams:
     attn_norm: Array            # f32[D]
     ffn_norm: Array             # f32[D]
@@ -97,7 +96,7 @@ class LayerParams:
     moe: MoEParams
 
 
-@pytree_dataclass
+@struct.dataclass
 class MTPParams:
     """The next-n block: a window-only layer fed with (token embedding, main hidden streams)."""
 
@@ -110,7 +109,7 @@ class MTPParams:
     layer: LayerParams
 
 
-@pytree_dataclass
+@struct.dataclass
 class ModelParams:
     embed: Array                        # [V, D]
     layers: tuple[LayerParams, ...]

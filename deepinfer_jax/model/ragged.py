@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
-from deepinfer_jax.pytree import pytree_dataclass
 from pallas_kernels.common import settled
 
 Array = jax.Array
 
 
-@pytree_dataclass
+@struct.dataclass
 class TokenContext:
     positions: Array     # i32[T]
     valid: Array         # bool[T]  a real token (not padding)

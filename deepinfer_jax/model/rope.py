@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deepinfer_jax.config import AttentionKind, ModelConfig, YarnConfig
+from deepinfer_jax.config.model import AttentionKind, ModelConfig, YarnConfig
 
 
 def inv_freq(rope_dim: int, theta: float, yarn: YarnConfig | None) -> np.ndarray:

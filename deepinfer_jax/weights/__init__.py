@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.weights.builder import build_params
 from deepinfer_jax.weights.safetensors_io import Checkpoint

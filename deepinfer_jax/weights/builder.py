@@ -14,7 +14,7 @@ from typing import Protocol
 import jax.numpy as jnp
 import numpy as np
 
-from deepinfer_jax.config import AttentionKind, MlpKind, ModelConfig
+from deepinfer_jax.config.model import AttentionKind, MlpKind, ModelConfig
 from deepinfer_jax.model.params import (
     AttentionParams,
     CompressorParams,

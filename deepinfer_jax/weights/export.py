@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.weights.builder import Role, build_params
 from deepinfer_jax.weights.safetensors_io import save_file

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.weights import quant
 from deepinfer_jax.weights.builder import Role
 from deepinfer_jax.weights.safetensors_io import Checkpoint

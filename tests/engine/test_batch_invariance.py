@@ -11,8 +11,8 @@ import pytest
 
 import deepinfer_jax
 from deepinfer_jax import SamplingParams
-from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.runner import UnsupportedModeError, require_batch_invariant_support
+from deepinfer_jax.config.model import ModelConfig
+from deepinfer_jax.engine.core import UnsupportedModeError, require_batch_invariant_support
 from tests.conftest import REPO
 
 ENGINE = dict(max_num_seqs=32, max_model_len=640, max_num_batched_tokens=128,
@@ -108,7 +108,7 @@ def test_invariant_mode_computes_the_same_model(workload):
 
 # Dimensions the Pallas kernels tile (head_dim a multiple of 128, hidden and expert width of
 # 64, the indexer's 64 heads of 64): the step runs the grouped GEMM for the experts (untiled,
-# see step_forward.ffn_rowwise), the invariant dense GEMM for the projections, the sink
+# see paged_forward.ffn_rowwise), the invariant dense GEMM for the projections, the sink
 # attention and the indexer's scores; compiled on a GPU, interpreted on the CPU.
 KERNEL_CFG = ModelConfig.from_json_file(REPO / "configs/tiny/tiny-mixed.json").replace(
     hidden_size=128, head_dim=128, moe_intermediate_size=64, num_mtp_layers=0,
@@ -155,10 +155,10 @@ def test_untiled_segments_are_the_same_computation(monkeypatch):
     loop (fewer loops in the step as lowered for CUDA) and compute the same outputs (float32,
     so to rounding: tokens equal, logprobs close). Whether rows stay bitwise invariant that
     way is the GPU's test above."""
-    from deepinfer_jax.plan import build_plan
-    from deepinfer_jax.scheduler import ScheduleDecision
-    from deepinfer_jax.step import step
-    from deepinfer_jax.wire import Wire
+    from deepinfer_jax.device.step import step
+    from deepinfer_jax.engine.transfer import Wire
+    from deepinfer_jax.host.plan_builder import build_plan
+    from deepinfer_jax.host.scheduler import ScheduleDecision
 
     monkeypatch.setenv("DEEPINFER_STEP_FORMULATION", "gpu")
     cfg = ModelConfig.from_json_file(REPO / "configs/tiny/tiny-mixed.json").replace(
@@ -193,12 +193,12 @@ def test_the_gpu_step_lowers_with_every_kernel(monkeypatch, cfg):
     for CUDA on the CPU: Mosaic GPU's layout and tiling checks run at lowering, so a shape the
     kernels cannot take that still reaches them fails here rather than on the H200 (a tiny
     router's 8 columns did)."""
-    from deepinfer_jax.engine_config import EngineConfig
-    from deepinfer_jax.plan import build_plan
-    from deepinfer_jax.scheduler import ScheduleDecision
-    from deepinfer_jax.state import init_state
-    from deepinfer_jax.step import step
-    from deepinfer_jax.wire import Wire
+    from deepinfer_jax.config.engine import EngineConfig
+    from deepinfer_jax.device.step import step
+    from deepinfer_jax.engine.transfer import Wire
+    from deepinfer_jax.host.plan_builder import build_plan
+    from deepinfer_jax.host.scheduler import ScheduleDecision
+    from deepinfer_jax.model.state import init_state
     from pallas_kernels.common import abstract_gpu
 
     monkeypatch.setenv("DEEPINFER_STEP_FORMULATION", "gpu")

@@ -107,7 +107,7 @@ def test_no_compilation_after_startup(llm, workload):
 def test_engines_of_equal_shapes_share_their_compiled_steps(llm, model, monkeypatch):
     """A second engine whose steps would trace the same (the host-only options differ) reuses
     the first one's executables; one whose trace would differ does not."""
-    from deepinfer_jax.compile import _trace_key
+    from deepinfer_jax.engine.compile import _trace_key
     from tests.engine.conftest import ENGINE
 
     again = deepinfer_jax.LLM(model, **{**ENGINE, "seed": 11, "async_scheduling": False})

@@ -10,13 +10,13 @@ import jax
 import pytest
 
 import deepinfer_jax
-from deepinfer_jax.engine_config import EngineConfig
-from deepinfer_jax.plan import build_plan
-from deepinfer_jax.scheduler import ScheduleDecision
-from deepinfer_jax.speculative import spec_step
-from deepinfer_jax.state import init_state
-from deepinfer_jax.step import step
-from deepinfer_jax.wire import Wire
+from deepinfer_jax.config.engine import EngineConfig
+from deepinfer_jax.device.speculative import spec_step
+from deepinfer_jax.device.step import step
+from deepinfer_jax.engine.transfer import Wire
+from deepinfer_jax.host.plan_builder import build_plan
+from deepinfer_jax.host.scheduler import ScheduleDecision
+from deepinfer_jax.model.state import init_state
 from tests.conftest import REPO
 
 
@@ -103,7 +103,7 @@ def test_order_dependent_scatter_is_recognised():
 def test_invariant_steps_scatter_without_order(monkeypatch):
     """The batch-invariant steps (plain and speculative) and the prefix cache's slot copies,
     as traced for a GPU, write only through order-free scatters."""
-    from deepinfer_jax import snapshots
+    from deepinfer_jax.device import snapshots
 
     monkeypatch.setenv("DEEPINFER_STEP_FORMULATION", "gpu")
     cfg, ecfg, params, state = traced_engine(batch_invariant=True, enable_prefix_caching=True)

@@ -12,7 +12,7 @@ import numpy as np
 
 import deepinfer_jax
 from deepinfer_jax import SamplingParams
-from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.config.model import ModelConfig
 from pallas_kernels.grouped_gemm import api as gemm
 from pallas_kernels.indexer import api as indexer
 from pallas_kernels.sink_attention import api as attention

@@ -13,7 +13,7 @@ import pytest
 
 import deepinfer_jax
 from deepinfer_jax import SamplingParams
-from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.config.model import ModelConfig
 from tests.conftest import REPO
 
 BUDGET, BLOCK = 128, 64

@@ -12,9 +12,9 @@ from scipy import stats
 
 import deepinfer_jax
 from deepinfer_jax import SamplingParams
-from deepinfer_jax.engine_config import EngineConfig, EngineConfigError, SpeculativeConfig
-from deepinfer_jax.sampling import SamplingRows
-from deepinfer_jax.speculative import verify
+from deepinfer_jax.config.engine import EngineConfig, EngineConfigError, SpeculativeConfig
+from deepinfer_jax.device.sampling import SamplingRows
+from deepinfer_jax.device.speculative import verify
 from tests.conftest import REPO, oracle_case
 
 ENGINE = dict(max_num_seqs=8, max_model_len=640, max_num_batched_tokens=64,

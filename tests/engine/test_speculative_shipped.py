@@ -12,7 +12,7 @@ import numpy as np
 
 import deepinfer_jax
 from deepinfer_jax import SamplingParams
-from deepinfer_jax.tokenizer import TextTokenizer
+from deepinfer_jax.host.tokenizer import TextTokenizer
 from tests.engine.test_speculative import ENGINE, TINY, compare, mixed_params
 
 # Room for a 310-token prompt in big chunks; one shape for the file's plain engines, which the

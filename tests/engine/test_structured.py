@@ -16,8 +16,8 @@ import pytest
 
 import deepinfer_jax
 from deepinfer_jax import FinishReason, SamplingParams
-from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.structured import GrammarError, StructuredOutputs
+from deepinfer_jax.config.model import ModelConfig
+from deepinfer_jax.host.grammar import GrammarError, StructuredOutputs
 from deepinfer_jax.weights import random_params
 from deepinfer_jax.weights.export import save_checkpoint
 from tests.conftest import REPO

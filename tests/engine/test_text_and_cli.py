@@ -9,7 +9,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 import deepinfer_jax
 from deepinfer_jax import SamplingParams
-from deepinfer_jax.cli import main as cli_main
+from deepinfer_jax.api.cli import main as cli_main
 from tests.engine.conftest import ENGINE
 
 pytestmark = pytest.mark.oracle

@@ -3,7 +3,7 @@ autotunes on the device (GPUs), the env override ahead of both."""
 
 import os
 
-from deepinfer_jax.compile import compile_threads
+from deepinfer_jax.engine.compile import compile_threads
 
 
 def test_compile_threads(monkeypatch):

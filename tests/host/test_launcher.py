@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deepinfer_jax.launcher import Launcher
+from deepinfer_jax.engine.launch import Launcher
 
 # A bound on waits, so that a broken launcher fails instead of hanging: generous, since the
 # first call compiles and the suite's other worker may hold the cores.

@@ -3,12 +3,12 @@ eviction, snapshot reuse, and the scheduler's use of it (no model, no jax)."""
 
 from __future__ import annotations
 
-from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.engine_config import EngineConfig
-from deepinfer_jax.pages import PageAllocator
-from deepinfer_jax.prefix_cache import PrefixCache, SnapshotAllocator, extend_block_keys
-from deepinfer_jax.request import Request, SamplingParams
-from deepinfer_jax.scheduler import Scheduler
+from deepinfer_jax.config.engine import EngineConfig
+from deepinfer_jax.config.model import ModelConfig
+from deepinfer_jax.host.pages import PageAllocator
+from deepinfer_jax.host.prefix_cache import PrefixCache, SnapshotAllocator, extend_block_keys
+from deepinfer_jax.host.request import Request, SamplingParams
+from deepinfer_jax.host.scheduler import Scheduler
 from tests.conftest import REPO
 
 BS = 4

@@ -2,7 +2,7 @@
 
 import itertools
 
-from deepinfer_jax.request import Request, SamplingParams
+from deepinfer_jax.host.request import Request, SamplingParams
 
 
 def test_token_slice_equals_slicing_the_concatenation():

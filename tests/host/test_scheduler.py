@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.engine_config import EngineConfig
-from deepinfer_jax.pages import OutOfPagesError, PageAllocator
-from deepinfer_jax.request import PLACEHOLDER, FinishReason, Request, RequestStatus, SamplingParams
-from deepinfer_jax.scheduler import Scheduler
+from deepinfer_jax.config.engine import EngineConfig
+from deepinfer_jax.config.model import ModelConfig
+from deepinfer_jax.host.pages import OutOfPagesError, PageAllocator
+from deepinfer_jax.host.request import PLACEHOLDER, FinishReason, Request, RequestStatus, SamplingParams
+from deepinfer_jax.host.scheduler import Scheduler
 from tests.conftest import REPO
 
 MODEL = ModelConfig.from_json_file(REPO / "configs" / "tiny" / "tiny-mixed.json")

@@ -7,9 +7,8 @@ import dataclasses
 import jax
 import numpy as np
 
-from deepinfer_jax.plan import BatchPlan
-from deepinfer_jax.step import StepOutput
-from deepinfer_jax.wire import Wire
+from deepinfer_jax.contract import BatchPlan, StepOutput
+from deepinfer_jax.engine.transfer import Wire
 
 
 def random_plan(rng: np.random.Generator) -> BatchPlan:

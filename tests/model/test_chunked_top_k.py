@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deepinfer_jax.chunked_top_k import chunked_top_k
+from deepinfer_jax.device.chunked_top_k import chunked_top_k
 
 
 @pytest.mark.parametrize("vocab,k,chunk", [(129280, 20, 1024), (5000, 7, 256), (4096, 20, 1024)])

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from deepinfer_jax.config import (
+from deepinfer_jax.config.model import (
     AttentionKind,
     ConfigError,
     MlpKind,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from deepinfer_jax.config import AttentionKind, MlpKind, ScoringFunc
+from deepinfer_jax.config.model import AttentionKind, MlpKind, ScoringFunc
 from tests.conftest import ORACLE_CASES, oracle_case
 
 pytestmark = pytest.mark.oracle

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deepinfer_jax.config import MlpKind, ModelConfig, ScoringFunc
+from deepinfer_jax.config.model import MlpKind, ModelConfig, ScoringFunc
 from deepinfer_jax.model.moe import moe, route
 from deepinfer_jax.weights import random_params
 from tests.conftest import REPO
@@ -148,7 +148,7 @@ def test_invariant_ffn_on_the_kernel_runs_untiled_and_row_by_row(monkeypatch):
     row tile): a token's new streams are then bitwise the same among few tokens as among many,
     whatever rows share its experts' tiles. The default mode's are not on the CPU (the
     control; on the H200 XLA's kernels for the other ops happened to keep these rows too)."""
-    from deepinfer_jax.model import step_forward
+    from deepinfer_jax.model import paged_forward
 
     monkeypatch.setenv("DEEPINFER_KERNELS", "interpret" if jax.default_backend() == "cpu"
                        else "mosaic_gpu")
@@ -160,8 +160,8 @@ def test_invariant_ffn_on_the_kernel_runs_untiled_and_row_by_row(monkeypatch):
         streams = jnp.asarray(rng.standard_normal((37, cfg.hc_mult, cfg.hidden_size)),
                               jnp.bfloat16)
         ids = jnp.asarray(rng.integers(0, cfg.vocab_size, 37))
-        assert step_forward.ffn_rowwise(layer, cfg, streams, None) is step_forward._apply
-        ffn = jax.jit(lambda s, i: step_forward.ffn_outputs(layer, MlpKind.MOE, cfg, s, i))
+        assert paged_forward.ffn_rowwise(layer, cfg, streams, None) is paged_forward._apply
+        ffn = jax.jit(lambda s, i: paged_forward.ffn_outputs(layer, MlpKind.MOE, cfg, s, i))
         alone = np.asarray(ffn(streams[few], ids[few]), np.float32)
         among_all = np.asarray(ffn(streams, ids), np.float32)[few]
         if invariant or jax.default_backend() == "cpu":

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from deepinfer_jax.config import YarnConfig
+from deepinfer_jax.config.model import YarnConfig
 from deepinfer_jax.model.rope import inv_freq
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from deepinfer_jax.sampling import (
+from deepinfer_jax.device.sampling import (
     SamplingRows,
     apply_penalties,
     filter_logits,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import deepinfer_jax
-from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.weights import CheckpointError, load_params, quant, random_params
 from deepinfer_jax.weights.export import export_tensors, save_checkpoint
 from deepinfer_jax.weights.safetensors_io import Checkpoint, save_file

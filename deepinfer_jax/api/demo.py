@@ -10,8 +10,8 @@ import argparse
 import time
 from pathlib import Path
 
-from deepinfer_jax.llm import DEFAULT_MODEL, LLM
-from deepinfer_jax.request import SamplingParams
+from deepinfer_jax.api.llm import DEFAULT_MODEL, LLM
+from deepinfer_jax.host.request import SamplingParams
 
 # No trailing newline: the tokenizer merges a newline with the next line's indentation, so a
 # prompt that ends in "\n" would force an unindented next line.

@@ -20,7 +20,7 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
 
 
 def _make_llm(args):
-    from deepinfer_jax.llm import LLM
+    from deepinfer_jax.api.llm import LLM
 
     return LLM(args.model, dtype=args.dtype,
                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
@@ -28,7 +28,7 @@ def _make_llm(args):
 
 
 def generate(args) -> int:
-    from deepinfer_jax.request import SamplingParams
+    from deepinfer_jax.host.request import SamplingParams
 
     prompts: list = list(args.prompt or [])
     prompts += [[int(t) for t in ids.split(",")] for ids in args.prompt_ids or []]
@@ -47,7 +47,7 @@ def generate(args) -> int:
 
 
 def bench(args) -> int:
-    from deepinfer_jax.request import SamplingParams
+    from deepinfer_jax.host.request import SamplingParams
 
     llm = _make_llm(args)
     rng = np.random.default_rng(args.seed)

@@ -11,7 +11,7 @@ import math
 import os
 from pathlib import Path
 
-from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.config.model import ModelConfig
 
 
 class EngineConfigError(ValueError):

@@ -23,15 +23,17 @@ from concurrent.futures import Future
 import jax
 import numpy as np
 
-from deepinfer_jax.buckets import token_bucket
-from deepinfer_jax.compile import compile_steps
-from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.engine_config import EngineConfigError, ResolvedEngineConfig
-from deepinfer_jax.launcher import Launcher
-from deepinfer_jax.model.params import ModelParams
-from deepinfer_jax.pages import pages_needed
-from deepinfer_jax.plan import build_plan, suppress_stops
-from deepinfer_jax.request import (
+from deepinfer_jax.config.engine import EngineConfigError, ResolvedEngineConfig
+from deepinfer_jax.config.model import ModelConfig
+from deepinfer_jax.contract import SpecStepOutput, StepOutput
+from deepinfer_jax.device.snapshots import compile_copies, init_pool, slot_rings
+from deepinfer_jax.engine.compile import compile_steps
+from deepinfer_jax.engine.launch import Launcher
+from deepinfer_jax.host.buckets import token_bucket
+from deepinfer_jax.host.grammar import StructuredOutputs
+from deepinfer_jax.host.pages import pages_needed
+from deepinfer_jax.host.plan_builder import build_plan, suppress_stops
+from deepinfer_jax.host.request import (
     FinishReason,
     InvalidRequestError,
     Request,
@@ -39,13 +41,10 @@ from deepinfer_jax.request import (
     RequestOutput,
     SamplingParams,
 )
-from deepinfer_jax.scheduler import Restore, ScheduleDecision, Scheduler
-from deepinfer_jax.snapshots import compile_copies, init_pool, slot_rings
-from deepinfer_jax.speculative import SpecStepOutput
-from deepinfer_jax.state import init_state
-from deepinfer_jax.step import StepOutput
-from deepinfer_jax.structured import StructuredOutputs
-from deepinfer_jax.tokenizer import TextTokenizer
+from deepinfer_jax.host.scheduler import Restore, ScheduleDecision, Scheduler
+from deepinfer_jax.host.tokenizer import TextTokenizer
+from deepinfer_jax.model.params import ModelParams
+from deepinfer_jax.model.state import init_state
 
 
 @dataclasses.dataclass

@@ -17,15 +17,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.model import forward, mtp
+from deepinfer_jax.config.model import ModelConfig
+from deepinfer_jax.model import mtp, reference_forward
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.weights import load_params
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _logits(params: ModelParams, token_ids: jax.Array, cfg: ModelConfig) -> jax.Array:
-    return forward.logits(params, token_ids, cfg)
+    return reference_forward.logits(params, token_ids, cfg)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))

@@ -18,7 +18,7 @@ import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
 
-from deepinfer_jax.request import InvalidRequestError, SamplingParams
+from deepinfer_jax.host.request import InvalidRequestError, SamplingParams
 
 # Compact JSON: with flexible whitespace a sampler at temperature 1 could pad forever.
 JSON_OPTIONS = {"whitespace_flexible": False}

@@ -11,28 +11,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.engine_config import ResolvedEngineConfig
-from deepinfer_jax.model.forward import project_logits
+from deepinfer_jax.config.engine import ResolvedEngineConfig
+from deepinfer_jax.config.model import ModelConfig
+from deepinfer_jax.contract import BatchPlan, StepOutput
+from deepinfer_jax.device.sampling import SamplingRows, sample
+from deepinfer_jax.model.paged_forward import forward_step
 from deepinfer_jax.model.params import ModelParams
-from deepinfer_jax.model.step_forward import forward_step
-from deepinfer_jax.plan import BatchPlan
-from deepinfer_jax.pytree import pytree_dataclass
-from deepinfer_jax.sampling import SamplingRows, sample
-from deepinfer_jax.state import StateCache
-
-# The plan is built on the host with numpy (host modules never import jax); it becomes a
-# pytree here, on the device side.
-jax.tree_util.register_dataclass(
-    BatchPlan, data_fields=[f.name for f in dataclasses.fields(BatchPlan)], meta_fields=[])
-
-
-@pytree_dataclass
-class StepOutput:
-    next_tokens: jax.Array     # i32[N]     sampled token of each row (meaningful where it samples)
-    logprob: jax.Array         # f32[N]     its raw logprob
-    top_ids: jax.Array         # i32[N, L]  the L most likely tokens
-    top_logprobs: jax.Array    # f32[N, L]
+from deepinfer_jax.model.reference_forward import project_logits
+from deepinfer_jax.model.state import StateCache
 
 
 def resolve_placeholders(token_ids: jax.Array, plan: BatchPlan, last_tokens: jax.Array) -> jax.Array:

@@ -1,4 +1,4 @@
-"""BatchPlan: everything the device needs for one step, as fixed-shape numpy arrays (no jax).
+"""The plan builder: a scheduler decision as a BatchPlan of fixed-shape numpy arrays (no jax).
 
 The batch is ragged: the new tokens of N' <= N sequences are laid out back to back in a flat
 array of T slots (T, N from the step's bucket). A token id of -1 (PLACEHOLDER) is a token
@@ -9,49 +9,11 @@ pages = num_pages): gathers from them are masked and scatters to them are droppe
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
-from deepinfer_jax.engine_config import ResolvedEngineConfig
-from deepinfer_jax.scheduler import ScheduleDecision
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchPlan:
-    token_ids: np.ndarray     # i32[T]
-    positions: np.ndarray     # i32[T]   position of each token in its sequence
-    token_seq: np.ndarray     # i32[T]   batch row of each token (N for padding)
-    seq_slot: np.ndarray      # i32[N]   state slot of each row
-    seq_start: np.ndarray     # i32[N]   tokens already in the state = first new position
-    seq_len: np.ndarray       # i32[N]   new tokens this step (0 for padding rows)
-    seq_offset: np.ndarray    # i32[N]   flat index of the row's first token
-    block_table: np.ndarray   # i32[N, max_blocks]  page of each logical block of the row
-    sample_index: np.ndarray  # i32[N]   flat index of the token whose logits are sampled
-    seq_samples: np.ndarray   # bool[N]  the row samples a token this step
-    prompt_len: np.ndarray    # i32[N]   positions >= prompt_len hold generated tokens (penalties)
-    # sampling controls per row (see sampling.SamplingRows)
-    temperature: np.ndarray   # f32[N]
-    top_k: np.ndarray         # i32[N]
-    top_p: np.ndarray         # f32[N]
-    min_p: np.ndarray         # f32[N]
-    repetition_penalty: np.ndarray  # f32[N]
-    presence_penalty: np.ndarray    # f32[N]
-    frequency_penalty: np.ndarray   # f32[N]
-    seed: np.ndarray          # u32[N]
-    allowed: np.ndarray       # i32[N, ceil(V/32)]  token bitmask (grammar, min_tokens); -1 = all
-    # speculative decoding (MTP)
-    next_token_ids: np.ndarray  # i32[T]  the token after each token when the host knows it, else -1
-    num_drafts: np.ndarray      # i32[N]  drafts at the end of the row's span, to verify
-    draft_cap: np.ndarray       # i32[N]  the most drafts the row may propose for the next step
-
-    @property
-    def num_tokens(self) -> int:
-        return self.token_ids.shape[0]
-
-    @property
-    def num_seqs(self) -> int:
-        return self.seq_slot.shape[0]
+from deepinfer_jax.config.engine import ResolvedEngineConfig
+from deepinfer_jax.contract import BatchPlan
+from deepinfer_jax.host.scheduler import ScheduleDecision
 
 
 def build_plan(decision: ScheduleDecision, token_bucket: int,

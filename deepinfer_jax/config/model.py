@@ -160,7 +160,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
-        from deepinfer_jax.config_hf import parse_hf_config  # the spellings live there
+        from deepinfer_jax.config.hf import parse_hf_config  # the spellings live there
         return parse_hf_config(raw)
 
     def replace(self, **changes) -> "ModelConfig":
@@ -168,5 +168,5 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The modern transformers spelling (what `save_pretrained` writes)."""
-        from deepinfer_jax.config_hf import to_hf_dict  # the spellings live there
+        from deepinfer_jax.config.hf import to_hf_dict  # the spellings live there
         return to_hf_dict(self)

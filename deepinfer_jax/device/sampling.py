@@ -13,15 +13,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
-from deepinfer_jax.chunked_top_k import chunked_top_k
-from deepinfer_jax.device_branch import skip_unless
-from deepinfer_jax.pytree import pytree_dataclass
+from deepinfer_jax.device.branch import skip_unless
+from deepinfer_jax.device.chunked_top_k import chunked_top_k
 
 Array = jax.Array
 
 
-@pytree_dataclass
+@struct.dataclass
 class SamplingRows:
     """Per-row sampling controls (device view of the plan's sampling arrays)."""
 
@@ -37,7 +37,7 @@ class SamplingRows:
     allowed: Array              # i32[N, ceil(V/32)]  bitmask of allowed tokens (grammar, min_tokens)
 
 
-@pytree_dataclass
+@struct.dataclass
 class SampleOutput:
     tokens: Array               # i32[N]
     logprob: Array              # f32[N]      the chosen token's raw logprob

@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from deepinfer_jax.state import StateCache
+from deepinfer_jax.model.state import StateCache
 
 # (per layer: (window [S, W, hd], tail CompressorTail | None, index_tail CompressorTail | None),
 #  the MTP block's window [S, W', hd] or None), S = slots in the state, snapshots in the pool.

@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from deepinfer_jax.pages import PageAllocator
-from deepinfer_jax.prefix_cache import PrefixCache, extend_block_keys
-from deepinfer_jax.request import Request
+from deepinfer_jax.host.pages import PageAllocator
+from deepinfer_jax.host.prefix_cache import PrefixCache, extend_block_keys
+from deepinfer_jax.host.request import Request
 
 if TYPE_CHECKING:
-    from deepinfer_jax.scheduler import ScheduleDecision
+    from deepinfer_jax.host.scheduler import ScheduleDecision
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,9 +14,10 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from deepinfer_jax.engine_config import EngineConfig
-from deepinfer_jax.reference_model import Model, load
-from deepinfer_jax.request import (
+from deepinfer_jax.api.model import Model, load
+from deepinfer_jax.config.engine import EngineConfig
+from deepinfer_jax.engine.core import EngineCore, failed_output
+from deepinfer_jax.host.request import (
     FinishReason,
     InvalidRequestError,
     Request,
@@ -25,8 +26,7 @@ from deepinfer_jax.request import (
     SamplingParams,
     SpecMetrics,
 )
-from deepinfer_jax.runner import EngineCore, failed_output
-from deepinfer_jax.tokenizer import TextTokenizer
+from deepinfer_jax.host.tokenizer import TextTokenizer
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,11 +30,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from deepinfer_jax.engine_config import ResolvedEngineConfig
-from deepinfer_jax.pages import PageAllocator, pages_needed
-from deepinfer_jax.prefix_blocks import PrefixBlocks
-from deepinfer_jax.prefix_cache import PrefixCache, SnapshotAllocator
-from deepinfer_jax.request import PLACEHOLDER, FinishReason, Request, RequestStatus, TokenLogprobs
+from deepinfer_jax.config.engine import ResolvedEngineConfig
+from deepinfer_jax.host.pages import PageAllocator, pages_needed
+from deepinfer_jax.host.prefix_blocks import PrefixBlocks
+from deepinfer_jax.host.prefix_cache import PrefixCache, SnapshotAllocator
+from deepinfer_jax.host.request import PLACEHOLDER, FinishReason, Request, RequestStatus, TokenLogprobs
 
 
 @dataclasses.dataclass(frozen=True)

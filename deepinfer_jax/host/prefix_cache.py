@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from deepinfer_jax.pages import PageAllocator
+from deepinfer_jax.host.pages import PageAllocator
 
 
 def extend_block_keys(keys: list[int], tokens: list[int], block_size: int) -> None:

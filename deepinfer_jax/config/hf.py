@@ -17,7 +17,7 @@ import dataclasses
 import math
 from typing import Any
 
-from deepinfer_jax.config import (
+from deepinfer_jax.config.model import (
     AttentionKind,
     ConfigError,
     MlpKind,

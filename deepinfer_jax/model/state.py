@@ -16,21 +16,21 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
-from deepinfer_jax.config import AttentionKind, ModelConfig
-from deepinfer_jax.engine_config import ResolvedEngineConfig
-from deepinfer_jax.pytree import pytree_dataclass
+from deepinfer_jax.config.engine import ResolvedEngineConfig
+from deepinfer_jax.config.model import AttentionKind, ModelConfig
 
 Array = jax.Array
 
 
-@pytree_dataclass
+@struct.dataclass
 class CompressorTail:
     kv: Array       # f32[slots, R, c*d]  projected tokens, ring by position mod R
     score: Array    # f32[slots, R, c*d]  their pooling logits (position bias included)
 
 
-@pytree_dataclass
+@struct.dataclass
 class LayerState:
     window: Array                       # [slots, W, hd]
     rows: Array | None                  # [pages * rows_per_page, hd]
@@ -39,7 +39,7 @@ class LayerState:
     index_tail: CompressorTail | None
 
 
-@pytree_dataclass
+@struct.dataclass
 class StateCache:
     layers: tuple[LayerState, ...]
     mtp: LayerState | None  # the MTP block's window ring (speculative decoding only)

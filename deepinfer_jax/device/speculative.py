@@ -24,31 +24,26 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from deepinfer_jax.config import AttentionKind, MlpKind, ModelConfig
-from deepinfer_jax.device_branch import skip_unless
-from deepinfer_jax.engine_config import ResolvedEngineConfig
-from deepinfer_jax.model.forward import project_logits
+from deepinfer_jax.config.engine import ResolvedEngineConfig
+from deepinfer_jax.config.model import AttentionKind, MlpKind, ModelConfig
+from deepinfer_jax.contract import SpecStepOutput
+from deepinfer_jax.device.branch import skip_unless
+from deepinfer_jax.device.sampling import (
+    SamplingRows,
+    process_logits,
+    row_keys,
+    sampling_logits,
+    token_logprobs,
+)
+from deepinfer_jax.device.step import record_fed_tokens
 from deepinfer_jax.model.mtp import mtp_input
+from deepinfer_jax.model.paged_forward import forward_step, layer_step
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.model.ragged import TokenContext, token_context
-from deepinfer_jax.model.step_forward import forward_step, layer_step
-from deepinfer_jax.pytree import pytree_dataclass
-from deepinfer_jax.sampling import SamplingRows, process_logits, row_keys, sampling_logits, token_logprobs
-from deepinfer_jax.state import StateCache
-from deepinfer_jax.step import record_fed_tokens
+from deepinfer_jax.model.reference_forward import project_logits
+from deepinfer_jax.model.state import StateCache
 
 Array = jax.Array
-
-
-@pytree_dataclass
-class SpecStepOutput:
-    new_tokens: Array      # i32[N, S]     accepted drafts, then the bonus token (S = k + 1)
-    num_new: Array         # i32[N]        a + 1 for rows that sample, else 0
-    drafts: Array          # i32[N, k]     drafts for the next step
-    num_drafts: Array      # i32[N]        how many of them to verify (confidence, cap)
-    logprob: Array         # f32[N, S]     raw logprobs of the new tokens
-    top_ids: Array         # i32[N, S, L]
-    top_logprobs: Array    # f32[N, S, L]
 
 
 def _repeat_rows(plan, positions: Array) -> SamplingRows:

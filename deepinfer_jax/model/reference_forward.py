@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from deepinfer_jax.config import AttentionKind, MlpKind, ModelConfig
+from deepinfer_jax.config.model import AttentionKind, MlpKind, ModelConfig
 from deepinfer_jax.model import attention, indexer
 from deepinfer_jax.model.compressor import compress_sequence
 from deepinfer_jax.model.invariant import linear

@@ -19,16 +19,17 @@ import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 from tqdm.auto import tqdm
 
-from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.engine_config import ResolvedEngineConfig
+from deepinfer_jax.config.engine import ResolvedEngineConfig
+from deepinfer_jax.config.model import ModelConfig
+from deepinfer_jax.contract import BatchPlan
+from deepinfer_jax.device.sampling import host_truncates
+from deepinfer_jax.device.speculative import spec_step
+from deepinfer_jax.device.step import step
+from deepinfer_jax.engine.transfer import Wire
+from deepinfer_jax.host.plan_builder import build_plan
+from deepinfer_jax.host.scheduler import ScheduleDecision
 from deepinfer_jax.model.params import ModelParams
-from deepinfer_jax.plan import BatchPlan, build_plan
-from deepinfer_jax.sampling import host_truncates
-from deepinfer_jax.scheduler import ScheduleDecision
-from deepinfer_jax.speculative import spec_step
-from deepinfer_jax.state import StateCache
-from deepinfer_jax.step import step
-from deepinfer_jax.wire import Wire
+from deepinfer_jax.model.state import StateCache
 from pallas_kernels.common import launch_bound
 
 _cache_dir: str | None = None

@@ -21,9 +21,10 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
-from deepinfer_jax.config import AttentionKind, MlpKind, ModelConfig
-from deepinfer_jax.engine_config import ResolvedEngineConfig
+from deepinfer_jax.config.engine import ResolvedEngineConfig
+from deepinfer_jax.config.model import AttentionKind, MlpKind, ModelConfig
 from deepinfer_jax.model import attention, compressor, indexer
 from deepinfer_jax.model.invariant import per_row_tiles, untiled_segments
 from deepinfer_jax.model.mhc import hc_post, hc_pre
@@ -33,8 +34,7 @@ from deepinfer_jax.model.paged_compressor import close_rows, row_visibility, seq
 from deepinfer_jax.model.params import LayerParams, ModelParams
 from deepinfer_jax.model.ragged import TokenContext, row_index, token_context, window_keys, write_ring
 from deepinfer_jax.model.rope import cos_sin, layer_inv_freq
-from deepinfer_jax.pytree import pytree_dataclass
-from deepinfer_jax.state import LayerState, StateCache
+from deepinfer_jax.model.state import LayerState, StateCache
 from pallas_kernels.common import settled
 from pallas_kernels.indexer import api as indexer_kernel
 from pallas_kernels.sink_attention import api as attention_kernel
@@ -51,7 +51,7 @@ def rowwise_for(cfg: ModelConfig) -> Callable:
     return per_row_tiles if cfg.batch_invariant else _apply
 
 
-@pytree_dataclass
+@struct.dataclass
 class TokenInputs:
     """Per token, everything attention needs from the token itself."""
 

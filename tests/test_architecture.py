@@ -1,0 +1,66 @@
+"""The architecture's directions hold: the import contracts in pyproject.toml, and host modules
+that import with jax unavailable."""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+import subprocess
+import sys
+import textwrap
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LINT_IMPORTS = pathlib.Path(sys.executable).with_name("lint-imports")
+
+
+def _lint_imports(cwd: pathlib.Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(LINT_IMPORTS), "--no-cache"], cwd=cwd, capture_output=True,
+                          text=True, env={"PYTHONPATH": str(cwd), "PATH": "/usr/bin:/bin"})
+
+
+def test_import_contracts_are_kept():
+    result = _lint_imports(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
+
+
+def test_import_contracts_catch_a_host_module_importing_jax(tmp_path):
+    """The same contracts on a copy of the tree with one deliberate violation."""
+    for name in ("deepinfer_jax", "pallas_kernels", "ascend_backend"):
+        shutil.copytree(ROOT / name, tmp_path / name,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    pages = tmp_path / "deepinfer_jax" / "host" / "pages.py"
+    pages.write_text(pages.read_text() + "\nimport jax.numpy  # noqa\n")
+    result = _lint_imports(tmp_path)
+    assert result.returncode != 0
+    assert "deepinfer_jax.host is not allowed to import jax" in result.stdout
+    assert "deepinfer_jax.host.pages -> jax (l." in result.stdout
+
+
+def test_host_modules_import_without_jax():
+    """Every host module (and the contract and config they use) imports in a process where
+    jax, jaxlib and flax cannot be imported."""
+    script = textwrap.dedent("""
+        import importlib, pkgutil, sys
+
+        class NoJax:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("jax", "jaxlib", "flax"):
+                    raise ImportError("jax is not importable in this test: " + name)
+
+        sys.meta_path.insert(0, NoJax())
+        import deepinfer_jax.host as host
+        names = [m.name for m in pkgutil.walk_packages(host.__path__, "deepinfer_jax.host.")]
+        names += ["deepinfer_jax.contract", "deepinfer_jax.config.model",
+                  "deepinfer_jax.config.engine", "deepinfer_jax.config.hf"]
+        for name in names:
+            importlib.import_module(name)
+        from deepinfer_jax import SamplingParams  # the facade's host names load lazily
+        assert not any(m.split(".")[0] in ("jax", "jaxlib", "flax") for m in sys.modules)
+        print(len(names))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout) >= 12
