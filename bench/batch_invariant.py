@@ -22,8 +22,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import environment, write_results  # noqa: E402
-from bench.overlap import model_config, steady_decode  # noqa: E402
+from bench.lib.engine_loop import steady_decode  # noqa: E402
+from bench.lib.models import SMALL_CPU, model_config, model_label  # noqa: E402
+from bench.lib.results import write_results  # noqa: E402
 from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
 from deepinfer_jax.model.invariant import default_invariant_tile, invariant_tile, untiled_segments  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
@@ -41,7 +42,7 @@ def prefill_rate(llm: LLM, length: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", type=Path, default=REPO / "configs/bench/small-cpu.json")
+    ap.add_argument("--config", type=Path, default=SMALL_CPU)
     ap.add_argument("--v4-flash-layers", type=int, default=0)
     ap.add_argument("--decode-batch", type=int, default=64)
     ap.add_argument("--prefill", type=int, default=2048)
@@ -67,19 +68,16 @@ def main() -> None:
     base, inv = rows
     cost = {k: 1 - inv[k] / base[k] for k in ("decode_tokens_per_s", "prefill_tokens_per_s")}
     device = jax.devices()[0].platform
-    label = (f"V4-Flash dimensions, {cfg.num_layers} layers" if args.v4_flash_layers
-             else str(args.config.relative_to(REPO)))
-    payload = {"environment": environment(), "model": label, "decode_batch": args.decode_batch,
-               "prefill_tokens": args.prefill, "chunk": args.chunk, "results": rows,
-               "slowdown": cost, "command": "python bench/batch_invariant.py " + " ".join(sys.argv[1:])}
+    label = model_label(args, cfg)
+    payload = {"model": label, "decode_batch": args.decode_batch, "prefill_tokens": args.prefill,
+               "chunk": args.chunk, "results": rows, "slowdown": cost}
     table = ("| mode | decode tok/s (batch {b}) | prefill tok/s ({p} tokens) |\n|---|---:|---:|\n"
              .format(b=args.decode_batch, p=args.prefill))
     for r in rows:
         table += (f"| {'batch-invariant' if r['batch_invariant'] else 'default'} | "
                   f"{r['decode_tokens_per_s']:.0f} | {r['prefill_tokens_per_s']:.0f} |\n")
     table += (f"\nSlowdown of the batch-invariant mode: decode {cost['decode_tokens_per_s']:.0%}, "
-              f"prefill {cost['prefill_tokens_per_s']:.0%}. Model: {label}, random bf16 weights. "
-              f"Command: `{payload['command']}`.")
+              f"prefill {cost['prefill_tokens_per_s']:.0%}. Model: {label}, random bf16 weights.")
     payload["invariant_tile"] = tile = invariant_tile()
     payload["tile_shape_free"] = gemm.TILE_SHAPE_FREE_ON_GPU
     suffix = "" if tile == default_invariant_tile() else f"-tile{tile}"   # a variant's own file

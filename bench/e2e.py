@@ -15,8 +15,8 @@ Rooflines, measured in the same run: a decode step must read the dense weights, 
 experts' weights (expected number for uniform routing) and each request's cache rows (window,
 selected compressed rows, the indexer's keys); over the measured copy bandwidth. A prefill
 token costs 2 FLOPs per active parameter plus attention's; over XLA's measured bf16 matmul
-rate. The peer (bench/hf_e2e_peer.py) runs in its own process first, so that the two never
-share the GPU's memory.
+rate. The peer (bench/peers/hf_e2e.py) runs in its own process first, so that the two
+never share the GPU's memory.
 """
 
 from __future__ import annotations
@@ -37,21 +37,14 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.ceilings import measure as measure_ceilings  # noqa: E402
-from bench.common import environment, write_results  # noqa: E402
+from bench.lib.ceilings import measure as measure_ceilings  # noqa: E402
+from bench.lib.models import V4_FLASH, slice_config  # noqa: E402
+from bench.lib.results import environment, write_results  # noqa: E402
 from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
-from deepinfer_jax.config.model import AttentionKind, MlpKind, ModelConfig  # noqa: E402
+from deepinfer_jax.config.model import AttentionKind, ModelConfig  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
 
-KINDS = [AttentionKind.CSA, AttentionKind.HCA]
 TAIL = 64            # tokens of each decode request after the shared prefix
-
-
-def slice_config(path: Path, layers: int) -> ModelConfig:
-    cfg = ModelConfig.from_json_file(path)
-    kinds = tuple((KINDS * layers)[:layers])
-    return cfg.replace(num_layers=layers, layer_types=kinds, mlp_types=(MlpKind.MOE,) * layers,
-                       num_mtp_layers=0, quantization=None)
 
 
 # --- rooflines ------------------------------------------------------------------------------
@@ -156,7 +149,7 @@ def run_peer(args, cfg: ModelConfig) -> dict | None:
     with tempfile.TemporaryDirectory() as tmp:
         spec_file, out_file = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_file.write_text(json.dumps(spec))
-        done = subprocess.run([args.peer_python, str(REPO / "bench/hf_e2e_peer.py"),
+        done = subprocess.run([args.peer_python, str(REPO / "bench/peers/hf_e2e.py"),
                                str(spec_file), str(out_file)], text=True, capture_output=True,
                               timeout=args.peer_timeout)
         if done.returncode:
@@ -183,7 +176,7 @@ def table(rows: list[dict], note: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", type=Path, default=REPO / "configs/deepseek-v4-flash.json")
+    ap.add_argument("--config", type=Path, default=V4_FLASH)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--prefill", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
@@ -234,20 +227,18 @@ def main() -> None:
         print(row, flush=True)
 
     env = environment() | {"peer": {k: v for k, v in (peer or {}).items() if k != "rows"}}
-    command = "python bench/e2e.py " + " ".join(sys.argv[1:])
     note = (f"Model: {args.config.name} cut to {args.layers} layers "
             f"({', '.join(k.name for k in cfg.layer_types)}), random bf16 weights, routed MoE "
             f"in every layer. Ceilings measured in this run: matmul "
             f"{ceilings['matmul_tflops']:.0f} TFLOP/s, copy {ceilings['copy_tbps']:.2f} TB/s. "
             f"Peer: HF transformers {env['peer'].get('transformers', '-')} DeepseekV4ForCausalLM, "
             f"bf16, eager attention (its only one), same slice and prompt lengths; its decode "
-            f"rows: prompts prefilled in chunks through its cache, then greedy steps timed. "
-            f"Command: `{command}`.")
+            f"rows: prompts prefilled in chunks through its cache, then greedy steps timed.")
     text = table(rows, note)
     print(text)
     name = args.name or f"e2e-{jax.devices()[0].platform}"
     write_results(name, {"environment": env, "ceilings": ceilings, "weights": counts,
-                         "rows": rows, "peer": peer, "command": command}, text)
+                         "rows": rows, "peer": peer}, text)
 
 
 if __name__ == "__main__":

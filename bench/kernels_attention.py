@@ -30,10 +30,11 @@ import jax.numpy as jnp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.ceilings import beside_the_dot, beside_the_dot_table, rel_err, timed_ms  # noqa: E402
-from bench.ceilings import measure as measure_ceilings  # noqa: E402
-from bench.common import environment, write_results  # noqa: E402
-from bench.device_time import device_ms  # noqa: E402
+from bench.lib.ceilings import beside_the_dot, beside_the_dot_table  # noqa: E402
+from bench.lib.ceilings import measure as measure_ceilings  # noqa: E402
+from bench.lib.device_time import device_timing  # noqa: E402
+from bench.lib.results import write_results  # noqa: E402
+from bench.lib.timing import rel_err, spread, timed_ms, timing  # noqa: E402
 from pallas_kernels.sink_attention import api, reference  # noqa: E402
 from pallas_kernels.sink_attention.mosaic_gpu import AttentionConfig  # noqa: E402
 from pallas_kernels.sink_attention.mosaic_gpu_ws import WarpSpecializedConfig  # noqa: E402
@@ -97,8 +98,8 @@ def case(name: str, tokens: int, rows: int, shapes: Shapes, impl: str) -> list[d
             jitted = jax.jit(fn)
             out[label] = jitted(q, kv, visible, sinks)
             row["call_ms"] = timed_ms(jitted, q, kv, visible, sinks)
-            row["ms"] = (device_ms(jitted, q, kv, visible, sinks)
-                         if jax.default_backend() == "gpu" else row["call_ms"])
+            timed = device_timing if jax.default_backend() == "gpu" else timing
+            row |= timed(jitted, q, kv, visible, sinks).row()
         except Exception as error:  # noqa: BLE001 - report and go on
             row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
             results.append(row)
@@ -119,17 +120,17 @@ def case(name: str, tokens: int, rows: int, shapes: Shapes, impl: str) -> list[d
 def table(results: list[dict], ceilings: dict) -> str:
     lines = [f"Ceilings measured in this run: XLA bf16 matmul {ceilings['matmul_tflops']:.0f} "
              f"TFLOP/s; copy {ceilings['copy_tbps']:.2f} TB/s ({ceilings['copy_source']}).", "",
-             "| case | impl | tokens | rows/token | device ms | call ms | rows TB/s | % copy | "
-             "all bytes: % copy | TFLOP/s | % matmul | rel err |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| case | impl | tokens | rows/token | device ms | min-max (calls) | call ms | "
+             "rows TB/s | % copy | all bytes: % copy | TFLOP/s | % matmul | rel err |",
+             "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['case']} | {r['impl']} | {r['tokens']} | {r['rows_per_token']} | "
-                         f"failed: {r['error']} | | | | | | | |")
+                         f"failed: {r['error']} | | | | | | | | |")
             continue
         lines.append(
             f"| {r['case']} | {r['impl']} | {r['tokens']} | {r['rows_per_token']} | "
-            f"{r['ms']:.3f} | {r['call_ms']:.3f} | {r['rows_tbps']:.2f} | "
+            f"{r['ms']:.3f} | {spread(r)} | {r['call_ms']:.3f} | {r['rows_tbps']:.2f} | "
             f"{100 * r['rows_tbps'] / ceilings['copy_tbps']:.0f}% | "
             f"{100 * r['hbm_tbps'] / ceilings['copy_tbps']:.0f}% | {r['tflops']:.1f} | "
             f"{100 * r['tflops'] / ceilings['matmul_tflops']:.0f}% | "
@@ -166,13 +167,12 @@ def main() -> None:
             "gathered per token before the kernel (as the engine does); the gather is not timed. "
             "All bytes: the rows, q, the output and the mask's float32 bias, the least a kernel "
             "taking these operands moves through HBM. "
-            "Device ms: the kernels' time in a profiler trace (the rates use it); call ms: "
-            "back-to-back jitted calls, which the host's ~40 us launch cost floors. "
-            f"Command: `python bench/kernels_attention.py{' --smoke' if args.smoke else ''}"
-            f"{' --quick' if args.quick else ''}`.")
+            "Device ms: the median over 20 traced calls of each call's kernel time (the rates "
+            "use it); call ms: back-to-back jitted calls, which the host's ~40 us launch cost "
+            "floors.")
     name = args.name or ("kernels-attention-cpu-smoke" if args.smoke else
                          "kernels-attention-gpu-quick" if args.quick else "kernels-attention-gpu")
-    write_results(name, {"environment": environment(), "ceilings": ceilings, "results": results},
+    write_results(name, {"ceilings": ceilings, "results": results},
                   text + note)
 
 

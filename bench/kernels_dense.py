@@ -1,27 +1,41 @@
-"""The batch-invariant dense GEMM's case of bench/kernels_moe.py (its --dense-only runs only
-this): the engine's kernels at M = 4096 / 8192 against XLA's dot and jax's own Hopper matmul
-example, each row's bits checked against what the engine computes at small M."""
+"""The batch-invariant dense GEMM (`pallas_kernels.grouped_gemm.invariant.matmul`) against
+XLA's dot and jax's own Hopper matmul example, on a V4-Flash 4096 x 4096 weight at
+M = 4096 / 8192, each of our rows' bits checked against what the engine computes at small M.
+
+    python bench/kernels_dense.py                    # H200
+    python bench/kernels_dense.py --smoke            # CPU: tiny shapes, kernel interpreted
+
+Batch-invariant mode runs every bf16 projection on this kernel, so its rate at prefill-sized
+M is what the mode costs there. Ceilings measured in the same run.
+"""
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.ceilings import rel_err, timed_ms
-from pallas_kernels.grouped_gemm import api, invariant, mosaic_gpu_persistent
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.lib.ceilings import measure as measure_ceilings  # noqa: E402
+from bench.lib.results import write_results  # noqa: E402
+from bench.lib.timing import rel_err, spread, timing  # noqa: E402
+from pallas_kernels.grouped_gemm import api, invariant, mosaic_gpu_persistent  # noqa: E402
 
 
-def dense_case(m: int, shapes, impl: str) -> list[dict]:
+def dense_case(m: int, hidden: int, impl: str) -> list[dict]:
     """The batch-invariant dense GEMM against XLA's dot: the engine's default (at M >= 4096
     the persistent kernel chaining the weight's K ranges), the per-tile kernels with K whole,
     the persistent kernel with K whole (the issue's form) and in other tiles. For each of
     ours, which row prefixes (M = 1, 3, 64, 1000) give bitwise the rows of the whole batch
     when computed as the engine computes them at that M."""
-    k = n = shapes.hidden
+    k = n = hidden
     x = jax.random.normal(jax.random.key(3), (m, k), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(4), (k, n), jnp.bfloat16) * k**-0.5
     whole_k = api.default_config(invariant.LARGE_BATCH, n)      # the config before split K
@@ -62,7 +76,7 @@ def dense_case(m: int, shapes, impl: str) -> list[dict]:
     for name, fn, small in variants:
         row = {"case": f"dense M={m}", "op": "matmul", "impl": name, "rows": m}
         try:
-            row["ms"] = timed_ms(fn, x, w)
+            row |= timing(fn, x, w).row()
             full = np.asarray(fn(x, w), np.float32)
         except Exception as error:  # noqa: BLE001 - report and go on
             rows.append(row | {"error": f"{type(error).__name__}: "
@@ -105,3 +119,44 @@ def stock_hopper_matmuls(m: int, n: int) -> list[tuple[str, object]]:
              jax.jit(functools.partial(hopper.matmul, c=None, config=hopper.TuningConfig(
                  tile_k=64, max_concurrent_steps=4, grid_minor_dim=dim.M, **kw))))
             for label, kw in configs.items()]
+
+
+def table(rows: list[dict], ceilings: dict) -> str:
+    lines = [f"Ceilings measured in this run: XLA bf16 matmul {ceilings['matmul_tflops']:.0f} "
+             f"TFLOP/s; copy {ceilings['copy_tbps']:.2f} TB/s ({ceilings['copy_source']}).", "",
+             "| case | impl | rows bitwise equal for M | ms | min-max (repeats) | TFLOP/s | "
+             "% matmul | rel err |", "|---|---|---|---:|---|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['case']} | {r['impl']} | | failed: {r['error']} | | | | |")
+            continue
+        equal = ", ".join(map(str, r.get("rows_bitwise_equal_for_m", [])))
+        lines.append(f"| {r['case']} | {r['impl']} | {equal} | {r['ms']:.3f} | {spread(r)} | "
+                     f"{r['tflops']:.1f} | {100 * r['tflops'] / ceilings['matmul_tflops']:.0f}% | "
+                     f"{r.get('rel_err_vs_peer', float('nan')):.1e} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes; kernel interpreted on CPU")
+    ap.add_argument("--rows", type=int, nargs="+", default=None, help="M (default 4096 8192)")
+    ap.add_argument("--name", default=None)
+    args = ap.parse_args()
+    hidden, impl = (128, "interpret") if args.smoke else (4096, "mosaic_gpu")
+    ceilings = measure_ceilings(small=args.smoke)
+    rows = []
+    for m in args.rows or ([64] if args.smoke else [4096, 8192]):
+        rows += dense_case(m, hidden, impl)
+    text = table(rows, ceilings)
+    print(text)
+    note = (f"\n\nWeight {hidden} x {hidden} bf16 (V4-Flash's shared expert and output "
+            "projection width); ms: the median of 5 repeats of 10 back-to-back calls. `rows "
+            "bitwise equal for M`: the row prefixes whose rows, computed as the engine computes "
+            "them at that M, equal the whole batch's bitwise.")
+    name = args.name or ("kernels-dense-cpu-smoke" if args.smoke else "kernels-dense-gpu")
+    write_results(name, {"ceilings": ceilings, "results": rows}, text + note)
+
+
+if __name__ == "__main__":
+    main()

@@ -26,8 +26,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import environment, write_results  # noqa: E402
-from bench.device_time import device_ms  # noqa: E402
+from bench.lib.device_time import device_timing  # noqa: E402
+from bench.lib.results import write_results  # noqa: E402
 from deepinfer_jax.model.indexer import index_scores  # noqa: E402
 from pallas_kernels.indexer import api, reference  # noqa: E402
 
@@ -90,8 +90,10 @@ def main() -> None:
         xla = jax.jit(xla_path, static_argnums=5)
         kern = jax.jit(lambda *a: kernel_path(impl, *a), static_argnums=5)
         args_ = (pool, q, w, seq, visible, rows)
+        xla_t, kern_t = device_timing(xla, *args_), device_timing(kern, *args_)
         row = {"case": name, "tokens": seqs * per_seq, "rows": rows,
-               "xla_ms": device_ms(xla, *args_), "kernel_ms": device_ms(kern, *args_),
+               "xla_ms": xla_t.ms, "xla": xla_t.row(), "kernel_ms": kern_t.ms,
+               "kernel": kern_t.row(),
                "topk_agree": agreement(kern(*args_), xla(*args_)),
                "rel_err": scores_error(impl, pool, q, w, seq, rows)}
         results.append(row)
@@ -101,11 +103,11 @@ def main() -> None:
                       [f"| {r['case']} | {r['tokens']} | {r['rows']} | {r['xla_ms']:.3f} | "
                        f"{r['kernel_ms']:.3f} | {r['xla_ms'] / r['kernel_ms']:.1f}x | "
                        f"{r['topk_agree']:.1%} | {r['rel_err']:.1e} |" for r in results])
-    note = (f"\n\n64 heads of {DIM}, a row per {RATE} tokens, top-{TOPK}; device ms (profiler), "
-            "each path from the paged pool to the top-k indices. Command: "
-            f"`python bench/kernels_indexer.py{' --smoke' if args.smoke else ''}`.")
+    note = (f"\n\n64 heads of {DIM}, a row per {RATE} tokens, top-{TOPK}; device ms: the median "
+            "over 20 traced calls of each call's kernel time (min-max in the JSON), each path "
+            "from the paged pool to the top-k indices.")
     name = "kernels-indexer-cpu-smoke" if args.smoke else "kernels-indexer-gpu"
-    write_results(name, {"environment": environment(), "results": results}, table + note)
+    write_results(name, {"results": results}, table + note)
     print(table)
 
 

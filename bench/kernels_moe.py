@@ -1,5 +1,6 @@
-"""Grouped MoE GEMM and batch-invariant dense GEMM: our Mosaic GPU kernel against XLA's
-`ragged_dot`/`dot` and tokamax's `ragged_dot`, on DeepSeek-V4-Flash expert shapes, one run.
+"""Grouped MoE GEMM: our Mosaic GPU kernel against XLA's `ragged_dot` and tokamax's
+`ragged_dot`, on DeepSeek-V4-Flash expert shapes, one run (the batch-invariant dense GEMM:
+bench/kernels_dense.py).
 
     python bench/kernels_moe.py                      # H200: the issue's shapes
     python bench/kernels_moe.py --smoke              # CPU: tiny shapes, kernel interpreted
@@ -7,9 +8,11 @@
 Cases: routed experts (256 experts, hidden 4096, expert width 2048, top-6) for a prefill batch
 (8192 tokens) and decode batches (16, 64 tokens); tokens pick 6 distinct experts uniformly.
 Per case: the gate/up GEMM (ours fuses the clamped SwiGLU into it), the down GEMM, and the
-whole expert MLP, each as time, TFLOP/s and the rate at which the hit experts' weights were
-read. Ceilings measured in the same run: XLA's dense bf16 matmul (8192^3) and device copy
-bandwidth (torch's copy when torch is there, as the issue's reference, and XLA's).
+whole expert MLP, each as time (median of 5 repeats, with their spread), TFLOP/s and the
+rate at which the hit experts' weights were read; the prefill's MLP also timed alternately
+with the ceiling's dot (the two rates in one thermal state). Ceilings measured in the same
+run: XLA's dense bf16 matmul (8192^3) and device copy bandwidth (torch's copy when torch is
+there, as the issue's reference, and XLA's).
 """
 
 from __future__ import annotations
@@ -28,10 +31,10 @@ import ml_dtypes
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.ceilings import beside_the_dot, beside_the_dot_table, rel_err, timed_ms  # noqa: E402
-from bench.ceilings import measure as measure_ceilings  # noqa: E402
-from bench.common import environment, write_results  # noqa: E402
-from bench.kernels_dense import dense_case  # noqa: E402
+from bench.lib.ceilings import beside_the_dot, beside_the_dot_table  # noqa: E402
+from bench.lib.ceilings import measure as measure_ceilings  # noqa: E402
+from bench.lib.results import environment, write_results  # noqa: E402
+from bench.lib.timing import rel_err, spread, timing  # noqa: E402
 from pallas_kernels.grouped_gemm import api, mosaic_gpu_persistent, reference  # noqa: E402
 from pallas_kernels.grouped_gemm.mosaic_gpu import TileConfig  # noqa: E402
 from pallas_kernels.grouped_gemm.mosaic_gpu_ws import WarpSpecializedConfig  # noqa: E402
@@ -45,11 +48,10 @@ class Shapes:
     top_k: int = 6
     prefill_tokens: int = 8192
     decode_tokens: tuple[int, ...] = (16, 64)
-    dense_rows: tuple[int, ...] = (4096, 8192)
 
 
 SMOKE = Shapes(experts=8, hidden=128, inter=128, top_k=2, prefill_tokens=64,
-               decode_tokens=(4,), dense_rows=(64,))
+               decode_tokens=(4,))
 
 
 # --- problem --------------------------------------------------------------------------------
@@ -183,7 +185,7 @@ def moe_case(name: str, tokens: int, shapes: Shapes, experts: Experts, impl: str
             try:
                 fn = jax.jit(functools.partial(fn, op))
                 outputs[peer, op] = fn(*args)
-                row["ms"] = timed_ms(fn, *args)
+                row |= timing(fn, *args).row()
             except Exception as error:  # noqa: BLE001 - a peer that cannot run this shape
                 row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
                 results.append(row)
@@ -222,7 +224,7 @@ def tile_sweep(name, op, tokens, rows, hit, flops, weight_bytes, fn, args, sweep
         row = {"case": name, "tokens": tokens, "rows": rows, "hit_experts": hit,
                "op": op, "impl": label(cfg)}
         try:
-            row["ms"] = timed_ms(jax.jit(functools.partial(fn, cfg=cfg)), *args)
+            row |= timing(jax.jit(functools.partial(fn, cfg=cfg)), *args).row()
             row["tflops"] = flops / row["ms"] / 1e9
             row["weight_tbps"] = weight_bytes / row["ms"] / 1e9
         except Exception as error:  # noqa: BLE001 - e.g. a tile that overflows shared memory
@@ -231,27 +233,39 @@ def tile_sweep(name, op, tokens, rows, hit, flops, weight_bytes, fn, args, sweep
     return out
 
 
-def equal_rows(r: dict) -> str:
-    m = r.get("rows_bitwise_equal_for_m")
-    return "" if m is None else f" (rows bitwise equal for M = {', '.join(map(str, m))})"
+def sweeps() -> tuple[dict, dict]:
+    """Tile configs timed beside the engine's defaults, per op, for the prefill and the decode
+    cases: the alternatives measured closest to the defaults (docs/performance-log.md, grouped
+    GEMM), so that a GPU or compiler change that reorders them shows here."""
+    ws, persistent = WarpSpecializedConfig, mosaic_gpu_persistent.PersistentConfig
+    prefill = {"gate_up": [TileConfig(128, 64, 64, 6), ws(64, 64, 4), ws(128, 64, 3),
+                           persistent(64), persistent(128)],
+               "down": [TileConfig(128, 128, 64, 6), ws(128, 64, 4), persistent(128),
+                        persistent(256)],
+               "mlp": [(persistent(128), persistent(256)), (persistent(64), persistent(128))]}
+    decode = {"gate_up": [TileConfig(64, 128, 64, 4), TileConfig(64, 64, 64, 8), ws(128, 64, 4)],
+              "down": [TileConfig(64, 128, 64, 4), TileConfig(64, 256, 64, 3), ws(256, 64, 3)]}
+    return prefill, decode
 
 
 def table(results: list[dict], ceilings: dict) -> str:
     lines = [
         f"Ceilings measured in this run: XLA bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s; "
         f"copy {ceilings['copy_tbps']:.2f} TB/s ({ceilings['copy_source']}).", "",
-        "| case | op | impl | rows | hit experts | ms | TFLOP/s | weights TB/s | % matmul | "
-        "% copy | rel err |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        "| case | op | impl | rows | hit experts | ms | min-max (repeats) | TFLOP/s | "
+        "weights TB/s | % matmul | % copy | rel err |",
+        "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['case']} | {r['op']} | {r['impl']} | {r.get('rows', '')} | | "
-                         f"failed: {r['error']} | | | | | |")
+                         f"failed: {r['error']} | | | | | | |")
             continue
         tbps = r.get("weight_tbps")
         lines.append(
-            f"| {r['case']} | {r['op']} | {r['impl']}{equal_rows(r)} | {r['rows']} | "
+            f"| {r['case']} | {r['op']} | {r['impl']} | {r['rows']} | "
             f"{r.get('hit_experts', '')} | "
-            f"{r['ms']:.3f} | {r['tflops']:.1f} | {'' if tbps is None else f'{tbps:.2f}'} | "
+            f"{r['ms']:.3f} | {spread(r)} | {r['tflops']:.1f} | "
+            f"{'' if tbps is None else f'{tbps:.2f}'} | "
             f"{100 * r['tflops'] / ceilings['matmul_tflops']:.0f}% | "
             f"{'' if tbps is None else f'{100 * tbps / ceilings["copy_tbps"]:.0f}%'} | "
             f"{r.get('rel_err_vs_peer', float('nan')):.1e} |")
@@ -263,7 +277,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; kernel interpreted on CPU")
     ap.add_argument("--name", default=None)
-    ap.add_argument("--dense-only", action="store_true", help="only the batch-invariant GEMM")
     args = ap.parse_args()
     shapes = SMOKE if args.smoke else Shapes()
     impl = "interpret" if args.smoke else "mosaic_gpu"
@@ -273,50 +286,20 @@ def main() -> None:
 
     tokamax_dot, tokamax_version = (None, None) if args.smoke else tokamax_ragged_dot()
     experts = make_experts(shapes)
-    ws = WarpSpecializedConfig
-    # group_tiles: programs by groups of row tiles (TileConfig); 64-row tiles waste less of a
-    # ~192-row expert than 128-row ones (3 tiles exactly vs 2 = 256 rows)
-    # (the one-warpgroup kernel's 128 x 64 / 128 x 128 were the defaults before the
-    # warp-specialised one's)
-    # the persistent kernel on the experts (mosaic_gpu_persistent.py: 92-99% of the ceiling as
-    # the dense GEMM; its per-tile form's predecessor here was 7-9% slower, without the snake
-    # order and the pieced epilogue)
-    persistent = mosaic_gpu_persistent.PersistentConfig
-    prefill_sweep = {"gate_up": [TileConfig(128, 64, 64, 6), ws(64, 64, 4), ws(128, 64, 3),
-                                 persistent(64), persistent(128)],
-                     "down": [TileConfig(128, 128, 64, 6), ws(128, 64, 4), persistent(128),
-                              persistent(256)],
-                     "mlp": [(persistent(128), persistent(256)), (persistent(64), persistent(128))]}
-    decode_sweep = {"gate_up": [TileConfig(64, 128, 64, 4), TileConfig(64, 64, 64, 8),
-                                ws(128, 64, 4)],
-                    "down": [TileConfig(64, 128, 64, 4), TileConfig(64, 256, 64, 3),
-                             ws(256, 64, 3)]}
-    results = []
-    if args.dense_only:
-        for m in shapes.dense_rows:
-            results += dense_case(m, shapes, impl)
-        text = table(results, ceilings)
-        print(text)
-        write_results(args.name or "kernels-dense-gpu", {"environment": environment(),
-                      "ceilings": ceilings, "results": results},
-                      text + "\n\nCommand: `python bench/kernels_moe.py --dense-only`.")
-        return
-    results += moe_case("prefill", shapes.prefill_tokens, shapes, experts, impl, tokamax_dot,
-                        prefill_sweep)
+    prefill_sweep, decode_sweep = sweeps()
+    results = moe_case("prefill", shapes.prefill_tokens, shapes, experts, impl, tokamax_dot,
+                       prefill_sweep)
     print(table(results, ceilings), flush=True)
     for tokens in shapes.decode_tokens:
         results += moe_case(f"decode {tokens}", tokens, shapes, experts, impl, tokamax_dot,
                             decode_sweep)
-    for m in shapes.dense_rows:
-        results += dense_case(m, shapes, impl)
     text = table(results, ceilings)
     print(text)
     env = environment() | {"tokamax": tokamax_version}
     note = (f"\n\nShapes: {dataclasses.asdict(shapes)}; bf16 activations; FP8 = E4M3 weights with "
             "128x128 block scales. `weights TB/s` = bytes of the hit experts' weights / time. "
             "Ours includes laying rows out in whole tiles per expert and back; the peers' "
-            "gate_up includes a separate jnp SwiGLU. Command: `python bench/kernels_moe.py"
-            f"{' --smoke' if args.smoke else ''}`.")
+            "gate_up includes a separate jnp SwiGLU.")
     name = args.name or ("kernels-moe-cpu-smoke" if args.smoke else "kernels-moe-gpu")
     write_results(name, {"environment": env, "ceilings": ceilings, "results": results},
                   text + note)

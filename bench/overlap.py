@@ -18,75 +18,20 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import environment, write_results  # noqa: E402
-from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
-from deepinfer_jax.config.model import AttentionKind, MlpKind, ModelConfig  # noqa: E402
-from deepinfer_jax.host.buckets import token_bucket  # noqa: E402
-from deepinfer_jax.host.plan_builder import build_plan  # noqa: E402
+from bench.lib.engine_loop import steady_decode  # noqa: E402
+from bench.lib.models import SMALL_CPU, model_config, model_label  # noqa: E402
+from bench.lib.results import write_results  # noqa: E402
+from deepinfer_jax import LLM, Model  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
-
-
-def model_config(args) -> ModelConfig:
-    if not args.v4_flash_layers:
-        return ModelConfig.from_json_file(args.config)
-    cfg = ModelConfig.from_json_file(REPO / "configs" / "deepseek-v4-flash.json")
-    n = args.v4_flash_layers
-    kinds = [AttentionKind.CSA, AttentionKind.HCA] * n
-    return cfg.replace(num_layers=n, layer_types=tuple(kinds[:n]), mlp_types=(MlpKind.MOE,) * n,
-                       num_mtp_layers=0, quantization=None)
-
-
-def steady_decode(llm: LLM, batch: int, steps: int) -> dict:
-    engine = llm.engine
-    rng = np.random.default_rng(0)
-    vocab = llm.model.config.vocab_size
-    for i in range(batch):
-        engine.add_request(f"r{i}", rng.integers(2, vocab, 16).tolist(),
-                           SamplingParams(max_tokens=10_000, ignore_eos=True))
-    while not (len(engine.scheduler.running) == batch
-               and all(len(r.generated) >= 2 for r in engine.scheduler.running)):
-        engine.step()
-    for _ in range(3):
-        engine.step()
-    engine.stats.host_seconds = engine.stats.wait_seconds = 0.0
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    wall = (time.perf_counter() - start) / steps
-    host = engine.stats.host_seconds / steps
-    device = device_time(engine, steps)
-    for req in list(engine.scheduler.running):
-        engine.abort(req.request_id)
-    while engine.has_unfinished():
-        engine.step()
-    return {"wall_ms": wall * 1e3, "device_ms": device * 1e3, "host_ms": host * 1e3,
-            "idle_share": max(0.0, 1 - device / wall)}
-
-
-def device_time(engine, steps: int) -> float:
-    """The compiled decode step alone, launched back to back on one plan."""
-    decision = engine.scheduler.schedule()
-    bucket = token_bucket(engine.ecfg.token_buckets, decision.num_tokens)
-    plan = build_plan(decision, bucket, engine.ecfg)
-    compiled, state = engine.steps.for_plan(bucket, plan), engine.state
-    state, out = compiled(engine.params, state, plan)
-    jax.block_until_ready(out)
-    start = time.perf_counter()
-    for _ in range(steps):
-        state, out = compiled(engine.params, state, plan)
-    jax.block_until_ready(out)
-    engine.state = state
-    return (time.perf_counter() - start) / steps
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", type=Path, default=REPO / "configs/bench/small-cpu.json")
+    ap.add_argument("--config", type=Path, default=SMALL_CPU)
     ap.add_argument("--v4-flash-layers", type=int, default=0)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--steps", type=int, default=30)
@@ -113,13 +58,10 @@ def main() -> None:
             print(r, flush=True)
         print(f"{mode} engine start-up (compile) {startup:.1f}s", flush=True)
         del llm
-    device = jax.devices()[0]
-    name = f"overlap-{device.platform}"
-    label = (f"V4-Flash dimensions, {cfg.num_layers} layers" if args.v4_flash_layers
-             else str(args.config.relative_to(REPO)))
-    payload = {"environment": environment(), "model": label, "random_init_s": init_s,
-               "decode_steps_timed": args.steps, "results": rows,
-               "command": "python bench/overlap.py " + " ".join(sys.argv[1:])}
+    name = f"overlap-{jax.devices()[0].platform}"
+    label = model_label(args, cfg)
+    payload = {"model": label, "random_init_s": init_s, "decode_steps_timed": args.steps,
+               "results": rows}
     table = ("| mode | batch | wall ms/step | device ms/step | host ms/step | device idle |\n"
              "|---|---:|---:|---:|---:|---:|\n")
     for r in rows:
@@ -127,7 +69,7 @@ def main() -> None:
                   f"{r['host_ms']:.2f} | {r['idle_share']:.1%} |\n")
     table += (f"\nModel: {label}, random bf16 weights; steady-state decode, {args.steps} steps "
               "per cell. Device idle = 1 - device/wall, where device is the same compiled step "
-              f"launched back to back. Command: `{payload['command']}`.")
+              "launched back to back.")
     write_results(name, payload, table)
     print(table)
 

@@ -27,8 +27,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import environment, write_results  # noqa: E402
-from bench.overlap import model_config  # noqa: E402
+from bench.lib.models import SMALL_CPU, V4_FLASH, model_config, model_label  # noqa: E402
+from bench.lib.results import write_results  # noqa: E402
 from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
 from deepinfer_jax.config.engine import EngineConfig, ResolvedEngineConfig  # noqa: E402
 from deepinfer_jax.config.model import AttentionKind, ModelConfig  # noqa: E402
@@ -85,7 +85,7 @@ def first_token(llm: LLM, prompt: list[int]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", type=Path, default=REPO / "configs/bench/small-cpu.json")
+    ap.add_argument("--config", type=Path, default=SMALL_CPU)
     ap.add_argument("--v4-flash-layers", type=int, default=0)
     ap.add_argument("--prefix", type=int, default=2048)
     ap.add_argument("--suffix", type=int, default=64)
@@ -120,19 +120,17 @@ def main() -> None:
     ecfg = EngineConfig(**options).resolve(cfg)
     # a snapshot at every chunk end (the most the cache keeps for a prefix prefilled alone)
     measured = footprint(cfg, ecfg, args.prefix, -(-args.prefix // args.chunk))
-    flash = ModelConfig.from_json_file(REPO / "configs" / "deepseek-v4-flash.json").replace(
+    flash = ModelConfig.from_json_file(V4_FLASH).replace(
         num_mtp_layers=0, quantization=None)
     flash_prefix = 16384
     flash_ecfg = EngineConfig(max_num_seqs=1, max_model_len=flash_prefix + 1024,
                               max_num_batched_tokens=8192).resolve(flash)
     flash_fp = footprint(flash, flash_ecfg, flash_prefix, -(-flash_prefix // 8192))
     device = jax.devices()[0].platform
-    label = (f"V4-Flash dimensions, {cfg.num_layers} layers" if args.v4_flash_layers
-             else str(args.config.relative_to(REPO)))
-    payload = {"environment": environment(), "model": label, "prefix": args.prefix,
-               "suffix": args.suffix, "chunk": args.chunk, "runs": runs, "median": summary,
-               "footprint": measured, "footprint_v4_flash_16k": flash_fp,
-               "command": "python bench/prefix_cache.py " + " ".join(sys.argv[1:])}
+    label = model_label(args, cfg)
+    payload = {"model": label, "prefix": args.prefix, "suffix": args.suffix, "chunk": args.chunk,
+               "runs": runs, "median": summary, "footprint": measured,
+               "footprint_v4_flash_16k": flash_fp}
     cold, warm = summary["cold"]["ttft_s"], summary["warm"]["ttft_s"]
     table = (f"Prompt of {args.prefix} + {args.suffix} tokens, first token only "
              f"(median of {args.repeats}).\n\n"
@@ -150,8 +148,7 @@ def main() -> None:
                   f"{fp['ratio']:.2f} |\n")
     table += (f"\nFull KV: one bf16 K=V row of head_dim per layer and token. Cached: the pages "
               f"(compressed rows, indexer keys) plus a slot snapshot at each chunk end "
-              f"(chunks of {args.chunk}; V4-Flash: 8192). Random bf16 weights. "
-              f"Command: `{payload['command']}`.")
+              f"(chunks of {args.chunk}; V4-Flash: 8192). Random bf16 weights.")
     write_results(f"prefix-cache-{device}", payload, table)
     print(table)
 

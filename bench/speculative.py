@@ -20,7 +20,7 @@ import jax
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import environment, write_results  # noqa: E402
+from bench.lib.results import environment, write_results  # noqa: E402
 from deepinfer_jax import LLM, SamplingParams  # noqa: E402
 
 MODEL = REPO / "models" / "deepinfer-tiny-v4"
@@ -79,8 +79,7 @@ def main() -> None:
         print(rows[-1], flush=True)
     device = jax.devices()[0].platform
     payload = {"environment": environment(), "model": "models/deepinfer-tiny-v4",
-               "num_speculative_tokens": args.k, "max_tokens": args.tokens, "results": rows,
-               "command": "python bench/speculative.py " + " ".join(sys.argv[1:])}
+               "num_speculative_tokens": args.k, "max_tokens": args.tokens, "results": rows}
     table = ("| batch | tok/s without | tok/s with MTP | speed-up | acceptance | tokens/verify "
              "step | greedy outputs equal |\n|---:|---:|---:|---:|---:|---:|---:|\n")
     for r in rows:
@@ -89,8 +88,7 @@ def main() -> None:
                   f"{r['tokens_per_verify_step']:.2f} | {r['outputs_equal']} |\n")
     table += (f"\nGreedy, {args.tokens} tokens per request, up to {args.k} drafts per step "
               "(confidence threshold 0.3, verify budget 32 draft tokens per step: plain steps "
-              "past 32 requests). "
-              f"Command: `{payload['command']}`.")
+              "past 32 requests).")
     write_results(f"speculative-{device}", payload, table)
     print(table)
 

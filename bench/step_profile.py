@@ -30,8 +30,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.device_time import kernel_totals, trace_events  # noqa: E402
-from bench.hlo_sources import describe  # noqa: E402
+from bench.lib.device_time import kernel_totals, trace_events  # noqa: E402
+from bench.lib.hlo_sources import describe  # noqa: E402
 from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
 from deepinfer_jax.host.buckets import token_bucket  # noqa: E402
 from deepinfer_jax.host.plan_builder import build_plan  # noqa: E402
@@ -47,9 +47,9 @@ def build(args) -> LLM:
                   enable_prefix_caching=False, batch_invariant=args.batch_invariant,
                   compilation_cache_dir=str(REPO / ".cache" / "xla-bench"))
     if args.v4_flash_layers:
-        from bench.e2e import slice_config
+        from bench.lib.models import V4_FLASH, slice_config
         from deepinfer_jax.weights import random_params
-        cfg = slice_config(REPO / "configs/deepseek-v4-flash.json", args.v4_flash_layers)
+        cfg = slice_config(V4_FLASH, args.v4_flash_layers)
         return LLM(Model(cfg, random_params(cfg, 0, jnp.bfloat16)), **common)
     return LLM(args.model, **common)
 

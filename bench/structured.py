@@ -23,7 +23,7 @@ import jax
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import environment, write_results  # noqa: E402
+from bench.lib.results import environment, write_results  # noqa: E402
 from deepinfer_jax import LLM, SamplingParams  # noqa: E402
 
 SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 40,
@@ -77,16 +77,14 @@ def main() -> None:
     device = jax.devices()[0].platform
     payload = {"environment": environment(), "model": str(args.model.relative_to(REPO)),
                "batch": args.batch, "steps": args.steps, "schema": SCHEMA, "results": results,
-               "sync_step_overhead": overhead,
-               "command": "python bench/structured.py " + " ".join(sys.argv[1:])}
+               "sync_step_overhead": overhead}
     table = "| loop | rows | step ms | tokens/s |\n|---|---|---:|---:|\n"
     for key, r in results.items():
         mode, name = key.split("/")
         table += f"| {mode} | {args.batch} {name} | {r['step_ms']:.2f} | {r['tokens_per_s']:.0f} |\n"
     table += (f"\nStep-time overhead of {args.batch} constrained rows (synchronous loop, every row "
               f"samples every step): {overhead:+.1%}. Model `{payload['model']}`, temperature 1, "
-              f"{args.steps} steady-state decode steps per cell, best of 3 interleaved runs. "
-              f"Command: `{payload['command']}`.")
+              f"{args.steps} steady-state decode steps per cell, best of 3 interleaved runs.")
     write_results(f"structured-{device}", payload, table)
     print(table)
 

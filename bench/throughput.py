@@ -25,7 +25,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import environment, write_results  # noqa: E402
+from bench.lib.results import environment, write_results  # noqa: E402
 from deepinfer_jax import LLM, SamplingParams  # noqa: E402
 from deepinfer_jax.config.model import ModelConfig  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
@@ -64,8 +64,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         spec, out = Path(tmp) / "prompts.json", Path(tmp) / "hf.json"
         spec.write_text(json.dumps({"prompts": prompts, "max_tokens": args.output_len}))
-        subprocess.run([args.hf_python, str(REPO / "bench/hf_generate.py"), str(ckpt), str(spec),
-                        str(out)], check=True)
+        subprocess.run([args.hf_python, str(REPO / "bench/peers/hf_generate.py"), str(ckpt),
+                        str(spec), str(out)], check=True)
         hf = json.loads(out.read_text())
     hf_s = sum(hf["seconds"])
     same = sum(o.token_ids == h for o, h in zip(outputs, hf["outputs"]))
@@ -83,7 +83,6 @@ def main() -> None:
         "input_len_range": [args.min_input, args.max_input], "output_len": args.output_len,
         "engine_startup_s": startup, "greedy_outputs_equal_hf": f"{same}/{args.num_prompts}",
         "results": rows, "speedup": hf_s / engine_s,
-        "command": "python bench/throughput.py " + " ".join(sys.argv[1:]),
     }
     device = jax.devices()[0].platform
     table = "| engine | seconds | requests/s | output tokens/s |\n|---|---:|---:|---:|\n"
@@ -93,7 +92,7 @@ def main() -> None:
     table += (f"\n{args.num_prompts} prompts of {args.min_input}-{args.max_input} tokens, "
               f"{args.output_len} greedy tokens each, `{payload['config']}` (float32, random "
               f"weights). Speed-up {payload['speedup']:.1f}x; greedy outputs equal to HF: "
-              f"{payload['greedy_outputs_equal_hf']}. Command: `{payload['command']}`.")
+              f"{payload['greedy_outputs_equal_hf']}.")
     write_results(f"throughput-{device}", payload, table)
     print(table)
 

@@ -26,8 +26,8 @@ os.environ.setdefault("DEEPINFER_STEP_FORMULATION", "gpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench.common import environment, write_results  # noqa: E402
-from bench.e2e import slice_config  # noqa: E402
+from bench.lib.models import V4_FLASH, slice_config  # noqa: E402
+from bench.lib.results import write_results  # noqa: E402
 from deepinfer_jax.config.engine import EngineConfig  # noqa: E402
 from deepinfer_jax.device.step import step  # noqa: E402
 from deepinfer_jax.engine.transfer import Wire  # noqa: E402
@@ -39,7 +39,7 @@ from pallas_kernels.common import abstract_gpu  # noqa: E402
 
 
 def trace_seconds(layers: int, bucket: int, invariant: bool, profile: bool) -> float:
-    cfg = slice_config(REPO / "configs/deepseek-v4-flash.json", layers).replace(
+    cfg = slice_config(V4_FLASH, layers).replace(
         batch_invariant=invariant)
     ecfg = EngineConfig(max_num_seqs=64, max_model_len=2048, max_num_batched_tokens=bucket,
                         token_buckets=(bucket,), batch_invariant=invariant).resolve(cfg)
@@ -76,18 +76,13 @@ def main() -> None:
             print(rows[-1], flush=True)
     kernels = {op: os.environ.get(f"DEEPINFER_KERNEL_{op.upper()}") or os.environ["DEEPINFER_KERNELS"]
                for op in ("grouped_gemm", "sink_attention", "sinkhorn")}
-    forced = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
-                      if k.startswith("DEEPINFER_KERNEL"))
-    command = f"{forced} python bench/trace_time.py " + " ".join(sys.argv[1:])
     table = "| layers | mode | trace + lower s |\n|---:|---|---:|\n" + "".join(
         f"| {r['layers']} | {'batch-invariant' if r['batch_invariant'] else 'default'} | "
         f"{r['seconds']:.1f} |\n" for r in rows)
     table += (f"\nOne step variant (bucket {args.bucket}) at V4-Flash dimensions, lowered for "
-              f"CUDA on this machine with the Mosaic GPU kernels {kernels}. Command: "
-              f"`{command}`.")
+              f"CUDA on this machine with the Mosaic GPU kernels {kernels}.")
     write_results(f"trace-time-{jax.devices()[0].platform}",
-                  {"environment": environment(), "bucket": args.bucket, "kernels": kernels,
-                   "rows": rows, "command": command}, table)
+                  {"bucket": args.bucket, "kernels": kernels, "rows": rows}, table)
     print(table)
 
 

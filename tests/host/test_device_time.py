@@ -1,11 +1,11 @@
-"""bench/device_time.py: a trace's kernel events summed by name, and the GPU's busy time
-against its span (overlapping kernels counted once, gaps not at all)."""
+"""bench/lib/device_time.py: a trace's kernel events summed by name, and the GPU's busy time
+against its span (overlapping kernels counted once, gaps not at all), and each call's share."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.device_time import busy_and_span_of, kernel_totals
+from bench.lib.device_time import busy_and_span_of, kernel_totals, per_call_ms
 
 
 def event(name: str, ts: float, dur: float) -> dict:
@@ -28,3 +28,10 @@ def test_kernel_totals_per_call_by_name():
     totals = kernel_totals(events, calls=2)
     assert totals["gemm"] == (pytest.approx(0.2), 1)      # 400 us over 2 calls, 1 launch each
     assert totals["copy"] == (pytest.approx(0.04), 1)
+
+
+def test_per_call_splits_launch_ordered_events_into_calls():
+    # Two calls of two kernels each, given out of order: call 0 = 10 + 20 us, call 1 = 15 + 5.
+    events = [event("b", 20, 20), event("a", 0, 10), event("c", 50, 15), event("d", 70, 5)]
+    assert per_call_ms(events, calls=2) == [pytest.approx(0.03), pytest.approx(0.02)]
+    assert per_call_ms(events[:3], calls=2) is None       # a kernel not every call launched

@@ -1,4 +1,4 @@
-"""bench/hlo_sources.py: a compiled kernel traced back to the model line that made it."""
+"""bench/lib/hlo_sources.py: a compiled kernel traced back to the model line that made it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import inspect
 import jax
 import jax.numpy as jnp
 
-from bench.hlo_sources import describe
+from bench.lib.hlo_sources import describe
 
 
 def step(ring, index, rows, w):

@@ -1,6 +1,6 @@
 """Sequential Hugging Face greedy generation, timed (runs in the oracle environment).
 
-Usage: python bench/hf_generate.py CHECKPOINT PROMPTS.json OUT.json
+Usage: python bench/peers/hf_generate.py CHECKPOINT PROMPTS.json OUT.json
 PROMPTS.json: {"prompts": [[ids...], ...], "max_tokens": n}. Writes the outputs and timings.
 """
 

@@ -1,35 +1,18 @@
-"""Timing and the two ceilings every GPU benchmark compares against, measured in its own run:
-XLA's dense bf16 matmul rate and the device copy bandwidth (torch's copy where torch is
-there, as the measured-facts reference; XLA's elementwise copy otherwise)."""
+"""The two ceilings every GPU benchmark compares against, measured in its own run: XLA's
+dense bf16 matmul rate and the device copy bandwidth (torch's copy where torch is there, as
+the measured-facts reference; XLA's elementwise copy otherwise). A ceiling from another run
+would compare a kernel with another GPU's clock and temperature."""
 
 from __future__ import annotations
 
 import statistics
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-
-def timed_ms(fn, *args, calls: int = 10, repeats: int = 5) -> float:
-    """Median over `repeats` of the mean time of `calls` back-to-back launches."""
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / calls * 1e3)
-    return statistics.median(samples)
-
-
-def rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+from bench.lib.timing import timed_ms
 
 
 def xla_matmul_tflops(n: int) -> float:

@@ -1,6 +1,6 @@
 """The Hugging Face peer for bench/e2e.py: DeepseekV4ForCausalLM on the same slice and prompts.
 
-Usage: python bench/hf_e2e_peer.py SPEC.json OUT.json   (run by bench/e2e.py, own process)
+Usage: python bench/peers/hf_e2e.py SPEC.json OUT.json   (run by bench/e2e.py, own process)
 SPEC.json: {"config": the slice's HF config dict (ModelConfig.to_hf_dict), "prefill":
 [lengths], "decode": [[batch, context]], "new_tokens": n, "seed": s}. Random bf16 weights
 (HF's init), on the GPU when there is one.

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import jax
 
+from bench.lib.timing import Timing
+
 
 def trace_events(trace_dir: Path) -> list[dict]:
     files = sorted(trace_dir.rglob("*.trace.json.gz")) or sorted(trace_dir.rglob("*.json.gz"))
@@ -77,3 +79,27 @@ def busy_and_span_of(events: list[dict], calls: int) -> tuple[float, float]:
 def device_ms(fn, *args, calls: int = 20) -> float:
     """Kernel time per call of `fn(*args)` on the GPU (the sum of its kernels' durations)."""
     return sum(ms for ms, _ in device_kernels(fn, *args, calls=calls).values())
+
+
+def per_call_ms(events: list[dict], calls: int) -> list[float] | None:
+    """Each call's kernel time (ms), from complete events in launch order: the calls run one
+    after another on one stream and launch the same kernels, so the i-th run of
+    len(events) / calls events is call i. None where the events do not divide evenly (a
+    kernel that not every call launched): then only the total per call can be trusted."""
+    if not events or len(events) % calls:
+        return None
+    events = sorted(events, key=lambda e: e["ts"])
+    size = len(events) // calls
+    return [sum(e.get("dur", 0) for e in events[i * size:(i + 1) * size]) / 1e3
+            for i in range(calls)]
+
+
+def device_timing(fn, *args, calls: int = 20) -> Timing:
+    """fn(*args)'s kernel time on the GPU as a median over the traced calls, with the spread
+    between calls (one sample of the mean per call where the calls cannot be told apart)."""
+    events = device_events(traced(fn, *args, calls=calls))
+    samples = per_call_ms(events, calls)
+    if samples is None:
+        mean = sum(e.get("dur", 0) for e in events) / 1e3 / calls
+        return Timing(mean, mean, mean, 1)
+    return Timing.of(samples)

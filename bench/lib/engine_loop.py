@@ -1,0 +1,60 @@
+"""Steady-state decode in the engine, timed two ways: the loop's wall time per step (host
+planning, launch and bookkeeping included) and the same compiled step launched back to back
+on one plan (the device's share). Their difference is the time the device waits on the
+host."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from deepinfer_jax import LLM, SamplingParams
+from deepinfer_jax.host.buckets import token_bucket
+from deepinfer_jax.host.plan_builder import build_plan
+
+
+def steady_decode(llm: LLM, batch: int, steps: int) -> dict:
+    """`batch` requests of 16 prompt tokens decoding: ms per step of wall, device, host."""
+    engine = llm.engine
+    rng = np.random.default_rng(0)
+    vocab = llm.model.config.vocab_size
+    for i in range(batch):
+        engine.add_request(f"r{i}", rng.integers(2, vocab, 16).tolist(),
+                           SamplingParams(max_tokens=10_000, ignore_eos=True))
+    while not (len(engine.scheduler.running) == batch
+               and all(len(r.generated) >= 2 for r in engine.scheduler.running)):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    engine.stats.host_seconds = engine.stats.wait_seconds = 0.0
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = (time.perf_counter() - start) / steps
+    host = engine.stats.host_seconds / steps
+    device = compiled_step_seconds(engine, steps)
+    for req in list(engine.scheduler.running):
+        engine.abort(req.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    return {"wall_ms": wall * 1e3, "device_ms": device * 1e3, "host_ms": host * 1e3,
+            "idle_share": max(0.0, 1 - device / wall)}
+
+
+def compiled_step_seconds(engine, steps: int) -> float:
+    """The compiled decode step alone, launched back to back on one plan (the state is
+    donated and handed back to the engine)."""
+    decision = engine.scheduler.schedule()
+    bucket = token_bucket(engine.ecfg.token_buckets, decision.num_tokens)
+    plan = build_plan(decision, bucket, engine.ecfg)
+    compiled, state = engine.steps.for_plan(bucket, plan), engine.state
+    state, out = compiled(engine.params, state, plan)
+    jax.block_until_ready(out)
+    start = time.perf_counter()
+    for _ in range(steps):
+        state, out = compiled(engine.params, state, plan)
+    jax.block_until_ready(out)
+    engine.state = state
+    return (time.perf_counter() - start) / steps

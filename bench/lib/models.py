@@ -1,0 +1,39 @@
+"""The models the engine benchmarks run: a DeepSeek-V4-Flash slice (its real dimensions, a
+few layers, alternating CSA and HCA attention, routed MoE in every layer, random weights: a
+GPU holds it and its figures scale to the full model per layer), or a small config file for
+CPU runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from deepinfer_jax.config.model import AttentionKind, MlpKind, ModelConfig
+
+REPO = Path(__file__).resolve().parents[2]
+V4_FLASH = REPO / "configs" / "deepseek-v4-flash.json"
+SMALL_CPU = REPO / "configs" / "bench" / "small-cpu.json"
+KINDS = [AttentionKind.CSA, AttentionKind.HCA]
+
+
+def slice_config(path: Path, layers: int) -> ModelConfig:
+    """The config at `path` cut to `layers` layers (CSA, HCA, CSA, ...), MoE in each, no MTP
+    layers, unquantized."""
+    cfg = ModelConfig.from_json_file(path)
+    kinds = tuple((KINDS * layers)[:layers])
+    return cfg.replace(num_layers=layers, layer_types=kinds, mlp_types=(MlpKind.MOE,) * layers,
+                       num_mtp_layers=0, quantization=None)
+
+
+def model_config(args) -> ModelConfig:
+    """args.v4_flash_layers > 0: that V4-Flash slice; else the config file args.config."""
+    if not args.v4_flash_layers:
+        return ModelConfig.from_json_file(args.config)
+    return slice_config(V4_FLASH, args.v4_flash_layers)
+
+
+def model_label(args, cfg: ModelConfig) -> str:
+    """What a result's table says about the model."""
+    if args.v4_flash_layers:
+        return f"V4-Flash dimensions, {cfg.num_layers} layers"
+    path = Path(args.config).resolve()
+    return str(path.relative_to(REPO) if path.is_relative_to(REPO) else path)
