@@ -1,0 +1,214 @@
+"""The GPU suite: named runs of the GPU tests and benchmarks, each under its own time limit,
+so that one that fails or hangs leaves the others' logs and results.
+
+    python bench/gpu_suite.py --list
+    python bench/gpu_suite.py e2e kernels-moe --out DIR     # DIR, else $OUT, else .cache/gpu-suite
+    python bench/gpu_suite.py kernel-tests --pack           # DIR holds three files (below)
+
+What a run leaves in the output directory: logs/NAME.log (the run's whole output),
+results/*.{json,md} (the benchmarks' result files, stamped; copy the ones to keep into
+bench/results/), gpu.txt (nvidia-smi: clocks, temperature, power at the start),
+summary.md (each run's exit status and time) and autotune.tgz (XLA's autotuning cache,
+.cache/autotune: unpack it there on a fresh machine and its compiles skip the timing runs).
+--pack leaves summary.md, autotune.tgz and suite.tgz (logs, results, gpu.txt) only, for a
+runner that brings back a few files; both are rewritten after every run.
+
+Wheels the GPU machine lacks travel in .whl/ (bench/gpu-wheels.txt): installed, when there,
+into .cache/gpu-site, which the runs find first on their path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+PYTEST = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+V4_BATCH_INVARIANT = ["--v4-flash-layers", "2", "--prefill", "8192", "--decode-batch", "64",
+                      "--buckets", "64", "256"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    limit_s: int                    # for all its commands together; under a 10-minute call
+    what: str
+    commands: tuple[tuple[str, ...], ...]
+
+
+def bench(script: str, *args: str) -> tuple[str, ...]:
+    return (PY, f"bench/{script}", *args)
+
+
+RUNS = {
+    "kernel-tests": Run(540, "the kernels against their jnp references, compiled for the GPU",
+                        ((*PYTEST, "tests/kernels"),)),
+    "engine-tests": Run(540, "every kernel forced on in the engine; the model's MoE and mHC on "
+                             "the kernels", ((*PYTEST, "tests/engine/test_kernels_in_engine.py",
+                                              "tests/model/test_mhc.py"),
+                                             (*PYTEST, "tests/model/test_moe.py", "-k", "kernel"))),
+    "invariance-tests": Run(540, "batch invariance: logprobs bitwise equal alone and in batches, "
+                                 "on the tiny model and on the kernels",
+                            ((*PYTEST, "tests/engine/test_batch_invariance.py", "-k",
+                              "not computes_the_same_model"),)),
+    "e2e": Run(540, "end to end on a 4-layer V4-Flash slice, beside its roofline and HF's "
+                    "(needs transformers >= 5.23: .whl)",
+               (bench("e2e.py", "--peer-timeout", "150"),)),
+    "kernels-moe": Run(420, "grouped MoE GEMM vs XLA and tokamax (.whl)",
+                       (bench("kernels_moe.py"),)),
+    "kernels-attention": Run(480, "sink attention kernels vs the XLA path",
+                             (bench("kernels_attention.py"),)),
+    "kernels-indexer": Run(240, "lightning indexer kernel vs the XLA path",
+                           (bench("kernels_indexer.py"),)),
+    "kernels-dense": Run(240, "batch-invariant dense GEMM vs XLA's dot",
+                         (bench("kernels_dense.py"),)),
+    "batch-invariant": Run(420, "the batch-invariant mode's cost, decode and chunked prefill",
+                           (bench("batch_invariant.py", *V4_BATCH_INVARIANT),)),
+    "speculative": Run(480, "MTP speculative decoding on the tiny model (cold: ~5 min compiling)",
+                       (bench("speculative.py", "--buckets", "16", "64", "256"),)),
+    "prefix-cache": Run(300, "TTFT with a 16k cached prefix vs cold",
+                        (bench("prefix_cache.py", "--v4-flash-layers", "2", "--prefix", "16384",
+                               "--chunk", "2048", "--buckets", "16", "128", "512", "2048",
+                               "--repeats", "2"),)),
+    "step-profile": Run(480, "batch-1 decode (4 V4-Flash layers, 4k context) and an 8k prefill "
+                             "step (2 layers): host vs device, kernels ranked",
+                        (bench("step_profile.py", "--v4-flash-layers", "4", "--context", "4096",
+                               "--batch", "1", "--steps", "30", "--out", "{scratch}/b1"),
+                         bench("step_profile.py", "--v4-flash-layers", "2", "--prefill", "8192",
+                               "--steps", "5", "--out", "{scratch}/prefill"))),
+}
+
+
+def install_wheels() -> Path | None:
+    """.whl/*.whl into .cache/gpu-site (again only when the set of wheels changed)."""
+    wheels = sorted((REPO / ".whl").glob("*.whl"))
+    if not wheels:
+        return None
+    site = REPO / ".cache" / "gpu-site"
+    stamp, names = site / ".wheels", "\n".join(w.name for w in wheels)
+    if not (stamp.exists() and stamp.read_text() == names):
+        subprocess.run([PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, wheels)],
+                       check=True)
+        stamp.write_text(names)
+    return site
+
+
+def environment(results: Path, site: Path | None) -> dict[str, str]:
+    """The runs' environment: this repository (and the wheels) first on the path, results
+    to the output directory, XLA's autotuning kept in .cache/autotune between runs (without
+    autotuning XLA picked a 10 TFLOP/s GEMM for 8192^3, so it stays on)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", BENCH_RESULTS_DIR=str(results))
+    env["PYTHONPATH"] = os.pathsep.join(
+        [*([str(site)] if site else []), str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    autotune = REPO / ".cache" / "autotune"
+    autotune.mkdir(parents=True, exist_ok=True)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                        f" --xla_gpu_per_fusion_autotune_cache_dir={autotune}").strip()
+    return env
+
+
+def gpu_snapshot(path: Path) -> None:
+    query = "name,clocks.sm,clocks.mem,temperature.gpu,power.draw,memory.used"
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv"],
+                             capture_output=True, text=True, timeout=30)
+        path.write_text(out.stdout + out.stderr)
+    except (OSError, subprocess.SubprocessError) as error:
+        path.write_text(f"nvidia-smi: {error}\n")
+
+
+def shown(command) -> str:
+    return shlex.join(["python", *command[1:]] if command[0] == PY else command)
+
+
+def run_one(name: str, run: Run, log: Path, env: dict, scratch: Path) -> tuple[int, float]:
+    """The run's commands in turn (all of them: one failing test file says nothing of the
+    next), until the run's time is up; its status is the first failure's. A command past the
+    limit gets SIGTERM (step_profile.py prints its stacks then), 15 s later SIGKILL."""
+    start, status = time.monotonic(), 0
+    with log.open("w") as out:
+        for command in run.commands:
+            command = [part.replace("{scratch}", str(scratch)) for part in command]
+            left = run.limit_s - (time.monotonic() - start)
+            out.write(f"$ {shown(command)}   # {left:.0f} s left\n")
+            out.flush()
+            proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                code = proc.wait(timeout=max(left, 1))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                out.write(f"\n{name}: stopped at its limit of {run.limit_s} s\n")
+                return 124, time.monotonic() - start
+            status = status or code
+    return status, time.monotonic() - start
+
+
+def tail(path: Path, lines: int = 3) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def save(out: Path, work: Path, pack: bool) -> None:
+    """autotune.tgz, and with --pack the work directory as suite.tgz."""
+    with tarfile.open(out / "autotune.tgz", "w:gz") as tar:
+        tar.add(REPO / ".cache" / "autotune", arcname="autotune")
+    if pack:
+        with tarfile.open(out / "suite.tgz", "w:gz") as tar:
+            for part in ("logs", "results", "gpu.txt"):
+                if (work / part).exists():
+                    tar.add(work / part, arcname=part)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("names", nargs="*", help=f"runs, or 'all': {', '.join(RUNS)}")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="output directory (default: $OUT, else .cache/gpu-suite)")
+    ap.add_argument("--pack", action="store_true", help="leave three files in the output")
+    ap.add_argument("--list", action="store_true", help="the runs, their limits and commands")
+    args = ap.parse_args()
+    if args.list or not args.names:
+        for name, run in RUNS.items():
+            print(f"{name:18} {run.limit_s:4d} s  {run.what}")
+            for command in run.commands:
+                print(f"{'':25}{shown(command)}")
+        return
+    names = list(RUNS) if args.names == ["all"] else args.names
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        ap.error(f"unknown runs {unknown}; --list shows them")
+    out = (args.out or Path(os.environ.get("OUT") or REPO / ".cache" / "gpu-suite")).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="gpu-suite-")) if args.pack else out
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    env = environment(work / "results", install_wheels())
+    gpu_snapshot(work / "gpu.txt")
+    summary = ["| run | exit | seconds | last lines |", "|---|---:|---:|---|"]
+    for name in names:
+        log = work / "logs" / f"{name}.log"
+        code, seconds = run_one(name, RUNS[name], log, env, Path(tempfile.mkdtemp()))
+        print(f"{name}: exit {code} in {seconds:.0f} s\n{tail(log)}", flush=True)
+        summary.append(f"| {name} | {code} | {seconds:.0f} | "
+                       f"{tail(log, 1).replace('|', '/')[:200]} |")
+        (out / "summary.md").write_text("\n".join(summary) + "\n")
+        save(out, work, args.pack)      # after every run: a later one may outlast the caller
+    print("\n".join(summary))
+
+
+if __name__ == "__main__":
+    main()
