@@ -84,11 +84,8 @@ def case(name: str, tokens: int, rows: int, shapes: Shapes, impl: str) -> list[d
         config=WarpSpecializedConfig(num_splits=n, split_scores=scored)))
         for n in splits for scored in (False, True)]
     n = splits[min(1, len(splits) - 1)]
-    # (32-row blocks, 3 or 4 in flight: 2.55-2.61 ms on the 8k prefill against 1.90-1.96,
-    # kernels-attention-gpu-quick.md of 12-01, first run)
-    # (A program running several tokens back to back, Pallas's pipeline of pipelines: 2.58 ms
-    # on the 8k prefill against 1.96-1.99, its loop spilling registers; 12-01, third run.)
-    # (P @ V not in place: 1.7x slower on the 8k prefill, kernels-attention-gpu.md of 11-30)
+    # Ping-pong (the warpgroups taking turns on the tensor cores) is opt-in: timed here until
+    # it is clearly ahead (other variants tried: docs/performance-log.md, sink attention).
     variants += [(f"ours ws x {n} row splits, ping-pong", functools.partial(
         api.sink_attention, impl=impl,
         config=WarpSpecializedConfig(num_splits=n, ping_pong=True, split_scores=False)))]
