@@ -8,8 +8,8 @@ Runs steady decode at one batch size and reports (1) the engine loop's split bet
 work and waiting for the device, (2) the compiled step's device time alone (same inputs,
 called back to back), (3) with --out, a profiler trace and the device kernels ranked by total
 time (from the trace's Perfetto JSON), each with the model line it came from (the optimised
-HLO's source metadata, hlo_sources.py). With --prefill N: (2) and (3) for one N-token prompt
-in one step instead.
+HLO's source metadata, bench/lib/hlo_sources.py). With --prefill N: (2) and (3) for one
+N-token prompt in one step instead.
 """
 
 from __future__ import annotations
