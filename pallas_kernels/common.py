@@ -1,45 +1,48 @@
-"""What every kernel folder shares: which implementation runs where, and GPU interpret mode.
+"""What every kernel folder shares: the implementation tables' dispatch and GPU interpret mode.
 
-`implementation()` picks "mosaic_gpu" on an NVIDIA GPU of compute capability 9.0 or newer and
-"reference" (plain jnp) elsewhere. `DEEPINFER_KERNELS=reference|mosaic_gpu` overrides it for
-every op, `DEEPINFER_KERNEL_<OP>` (e.g. DEEPINFER_KERNEL_SINKHORN) for one, ahead of both.
-Until a kernel has been validated on the H200 its folder keeps the reference as the default
-on GPU too (see each api.py): an unmeasured kernel must be asked for.
+Each op's `api.py` maps implementation names to functions of the same contract: "mosaic_gpu"
+(the Hopper kernel, compiled), "interpret" (the same kernel simulated on the CPU, which is how
+CI tests it) and "reference" (plain jnp, which takes every shape). The caller passes one name
+or an ordered list; a kernel that cannot take the operands raises `NotSupported` before it
+emits anything, and the next name is tried. Which list a device gets by default is the
+engine's decision (deepinfer_jax/config/options.py), never the kernels'.
 
-`launch_bound()` says which formulation of jnp code to trace: for a device whose kernels the
-host launches one by one (GPUs: fewer, fused kernels; no loops of small ops) or for the CPU.
-
-`gpu_interpret()` runs Mosaic GPU kernels on the CPU (jax's GPU interpret mode: SMEM, TMA,
-barriers and wgmma simulated), which is how CI tests them; `abstract_gpu()` lets a CPU
-machine lower a kernel for CUDA (`jax.export`), which checks Mosaic's layout rules.
+`abstract_gpu()` lets a CPU machine lower a kernel for CUDA (`jax.export`), which checks
+Mosaic's layout rules without a GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
-
-IMPLEMENTATIONS = ("reference", "mosaic_gpu", "interpret")
-
-
-FORMULATIONS = ("cpu", "gpu")
+import jax.numpy as jnp
 
 
-def launch_bound() -> bool:
-    """Whether the code being traced runs where every kernel is launched from the host (GPUs):
-    there XLA runs a loop as launches per iteration and a `lax.cond` as a host synchronisation,
-    so jnp paths prefer unrolled, fused or dense formulations. On the CPU launches are cheap
-    and loops compile faster. DEEPINFER_STEP_FORMULATION=cpu|gpu overrides the backend's
-    choice (tests trace the GPU formulation on the CPU)."""
-    forced = os.environ.get("DEEPINFER_STEP_FORMULATION")
-    if forced:
-        if forced not in FORMULATIONS:
-            raise ValueError(f"DEEPINFER_STEP_FORMULATION must be one of {FORMULATIONS}, "
-                             f"got {forced!r}")
-        return forced == "gpu"
-    return jax.default_backend() != "cpu"
+class NotSupported(Exception):
+    """This implementation does not take these operands (shapes, dtypes, sizes); the op
+    falls through to the next implementation in the caller's list."""
+
+
+def implementation_names(implementation: str | Sequence[str]) -> tuple[str, ...]:
+    return (implementation,) if isinstance(implementation, str) else tuple(implementation)
+
+
+def dispatch(op: str, table: Mapping[str, Callable], implementation: str | Sequence[str],
+             *args, **kwargs):
+    """table[name](*args, **kwargs) for the first name in `implementation` that takes them."""
+    reasons = []
+    for name in implementation_names(implementation):
+        if name not in table:
+            raise ValueError(f"{op}: unknown implementation {name!r}; expected one of "
+                             f"{tuple(table)}")
+        try:
+            return table[name](*args, **kwargs)
+        except NotSupported as why:
+            reasons.append(f"{name}: {why}")
+    raise NotSupported(f"{op}: no implementation in {implementation!r} takes these operands "
+                       f"({'; '.join(reasons)})")
 
 
 def settled(*indices: jax.Array):
@@ -47,39 +50,24 @@ def settled(*indices: jax.Array):
 
     XLA's GPU fusion folds an index's arithmetic (divisions, block-table lookups, searches)
     into the gather or scatter kernel that consumes it, which then recomputes it for every
-    element of every row it moves (512 or 4096 times per row here). An optimization barrier
-    keeps the index its own small fusion, written once. Values are unchanged. GPU formulation
-    only (`launch_bound`); DEEPINFER_SETTLE_INDICES=0 turns it off, for comparison."""
-    if not launch_bound() or os.environ.get("DEEPINFER_SETTLE_INDICES") == "0":
-        return indices[0] if len(indices) == 1 else indices
+    element of every row it moves. An optimization barrier keeps the index its own small
+    fusion, written once. Values are unchanged."""
     out = jax.lax.optimization_barrier(indices)
     return out[0] if len(indices) == 1 else out
 
 
-def on_hopper_or_newer() -> bool:
-    device = jax.devices()[0]
-    if device.platform != "gpu":
-        return False
-    major = int(str(getattr(device, "compute_capability", "0")).split(".")[0])
-    return major >= 9
+def in_row_tiles(fn: Callable, tile: int, *args):
+    """fn (row-wise: pytrees of [tile, ...] -> a pytree of [tile, ...]) over fixed-size tiles
+    of the leading axis of every array in `args`, one tile after the other: a row's result
+    never depends on how many rows share its batch (batch-invariant mode's jnp paths)."""
+    rows = jax.tree.leaves(args)[0].shape[0]
+    pad = -rows % tile
 
+    def to_tiles(a):
+        return jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(-1, tile, *a.shape[1:])
 
-def overridden(op: str) -> bool:
-    """Whether an env variable chooses `op`'s implementation (then every size takes it)."""
-    return bool(os.environ.get(f"DEEPINFER_KERNEL_{op.upper()}") or
-                os.environ.get("DEEPINFER_KERNELS"))
-
-
-def implementation(validated: bool, op: str) -> str:
-    """The implementation of `op` to run: an env override (this op's, then every op's), else
-    the kernel where it is validated."""
-    for var in (f"DEEPINFER_KERNEL_{op.upper()}", "DEEPINFER_KERNELS"):
-        choice = os.environ.get(var)
-        if choice:
-            if choice not in IMPLEMENTATIONS:
-                raise ValueError(f"{var} must be one of {IMPLEMENTATIONS}, got {choice!r}")
-            return choice
-    return "mosaic_gpu" if validated and on_hopper_or_newer() else "reference"
+    out = jax.lax.map(lambda t: fn(*t), jax.tree.map(to_tiles, args))
+    return jax.tree.map(lambda o: o.reshape(-1, *o.shape[2:])[:rows], out)
 
 
 def abstract_gpu(device_kind: str = "NVIDIA H100 80GB HBM3"):
@@ -98,3 +86,8 @@ def gpu_interpret():
 
     with abstract_gpu(), plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
         yield
+
+
+def kernel_mode(interpret: bool):
+    """The kernel compiled for the GPU, or simulated on the CPU."""
+    return gpu_interpret() if interpret else contextlib.nullcontext()

@@ -37,11 +37,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_corpus import prepare  # noqa: E402
 from tiny_tokenizer import BOS, EOS  # noqa: E402
 
+from deepinfer_jax.config.compute import ComputeConfig  # noqa: E402
 from deepinfer_jax.config.model import AttentionKind, MlpKind, ModelConfig  # noqa: E402
 from deepinfer_jax.model import reference_forward  # noqa: E402
 from deepinfer_jax.model.mtp import mtp_input  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
 from deepinfer_jax.weights.export import save_checkpoint  # noqa: E402
+
+JNP = ComputeConfig()     # training computes with the jnp references, not in invariant mode
 
 SPECIALS = ["<|bos|>", "<|eos|>", "<|pad|>"]
 
@@ -97,14 +100,15 @@ def merge_trainable(floats, meta):
 
 def forward_with_mtp(params, tokens, cfg: ModelConfig):
     """tokens i32[B, S] -> (logits [B, S, V], MTP logits [B, S-2, V]; row t drafts x_{t+2})."""
-    streams = reference_forward.forward_streams(params, tokens, cfg)                 # [B, S, hc, D]
-    logits = reference_forward.project_logits(streams, params.hc_head, params.norm, params.head, cfg)
+    streams = reference_forward.forward_streams(params, tokens, cfg, JNP)            # [B, S, hc, D]
+    logits = reference_forward.project_logits(streams, params.hc_head, params.norm, params.head,
+                                              cfg, JNP)
     p = params.mtp[0]
-    z = mtp_input(p, params.embed, streams[:, :-2], tokens[:, 1:-1], cfg)   # H_t with x_{t+1}
+    z = mtp_input(p, params.embed, streams[:, :-2], tokens[:, 1:-1], cfg, JNP)   # H_t with x_{t+1}
     positions = jnp.arange(z.shape[1], dtype=jnp.int32)
     z = reference_forward.layer(p.layer, z, positions, tokens[:, 1:-1], AttentionKind.SLIDING,
-                                MlpKind.MOE, cfg)
-    return logits, reference_forward.project_logits(z, p.hc_head, p.norm, params.head, cfg)
+                                MlpKind.MOE, cfg, JNP)
+    return logits, reference_forward.project_logits(z, p.hc_head, p.norm, params.head, cfg, JNP)
 
 
 def losses(params, tokens, cfg: ModelConfig):

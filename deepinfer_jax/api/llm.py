@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from deepinfer_jax.api.model import Model, load
 from deepinfer_jax.config.engine import EngineConfig
 from deepinfer_jax.engine.core import EngineCore, failed_output
+from deepinfer_jax.engine.devices import local_device_facts
 from deepinfer_jax.host.request import (
     FinishReason,
     InvalidRequestError,
@@ -44,7 +45,7 @@ class CompletionDelta:
 
 _ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)}
 # The project's own trained checkpoint: the default model.
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "deepinfer-tiny-v4"
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "deepinfer-tiny-v4"
 
 
 class LLM:
@@ -71,7 +72,8 @@ class LLM:
         if tokenizer is not None:     # a tokenizer.json, or a directory holding one
             path = Path(tokenizer)
             self.tokenizer = TextTokenizer.from_model_dir(path.parent if path.is_file() else path)
-        self.engine_config = EngineConfig(**engine_options).resolve(self.model.config)
+        self.engine_config = EngineConfig(**engine_options).resolve(self.model.config,
+                                                                    local_device_facts())
         self.engine = EngineCore(self.model.config, self.model.params, self.engine_config,
                                  self.tokenizer)
         self._ids = itertools.count()

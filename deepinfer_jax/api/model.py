@@ -17,20 +17,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from deepinfer_jax.config.compute import ComputeConfig
 from deepinfer_jax.config.model import ModelConfig
+from deepinfer_jax.config.options import resolve_compute
+from deepinfer_jax.engine.devices import local_device_facts
 from deepinfer_jax.model import mtp, reference_forward
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.weights import load_params
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _logits(params: ModelParams, token_ids: jax.Array, cfg: ModelConfig) -> jax.Array:
-    return reference_forward.logits(params, token_ids, cfg)
+@functools.partial(jax.jit, static_argnames=("cfg", "compute"))
+def _logits(params: ModelParams, token_ids: jax.Array, cfg: ModelConfig,
+            compute: ComputeConfig) -> jax.Array:
+    return reference_forward.logits(params, token_ids, cfg, compute)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _mtp_logits(params: ModelParams, token_ids: jax.Array, cfg: ModelConfig) -> jax.Array:
-    return mtp.mtp_logits(params, token_ids, cfg)
+@functools.partial(jax.jit, static_argnames=("cfg", "compute"))
+def _mtp_logits(params: ModelParams, token_ids: jax.Array, cfg: ModelConfig,
+                compute: ComputeConfig) -> jax.Array:
+    return mtp.mtp_logits(params, token_ids, cfg, compute)
 
 
 def _as_batch(token_ids, vocab_size: int) -> np.ndarray:
@@ -51,6 +56,12 @@ class Model:
     config: ModelConfig
     params: ModelParams
     pad_to: int = 128
+    # how the forward computes; None: the local device's defaults (config/options.py)
+    compute: ComputeConfig | None = None
+
+    def __post_init__(self):
+        if self.compute is None:
+            object.__setattr__(self, "compute", resolve_compute(local_device_facts()))
 
     def _padded(self, token_ids) -> tuple[np.ndarray, int]:
         ids = _as_batch(token_ids, self.config.vocab_size)
@@ -61,14 +72,16 @@ class Model:
     def logits(self, token_ids) -> np.ndarray:
         """token_ids [S] or [B, S] -> float32 logits [B, S, V] (full forward, no cache)."""
         ids, seq = self._padded(token_ids)
-        return np.asarray(_logits(self.params, jnp.asarray(ids), self.config))[:, :seq]
+        return np.asarray(_logits(self.params, jnp.asarray(ids), self.config,
+                                  self.compute))[:, :seq]
 
     def mtp_logits(self, token_ids) -> np.ndarray:
         """The MTP block's drafts: [B, S-1, V], row t predicts token t+2 from tokens <= t+1."""
         if not self.params.mtp:
             raise ValueError("this checkpoint has no MTP weights")
         ids, seq = self._padded(token_ids)
-        return np.asarray(_mtp_logits(self.params, jnp.asarray(ids), self.config))[:, : seq - 1]
+        return np.asarray(_mtp_logits(self.params, jnp.asarray(ids), self.config,
+                                      self.compute))[:, : seq - 1]
 
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}

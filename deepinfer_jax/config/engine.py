@@ -9,18 +9,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from pathlib import Path
+from collections.abc import Mapping
 
+from deepinfer_jax.config import options
+from deepinfer_jax.config.compute import ComputeConfig, KernelChoices
 from deepinfer_jax.config.model import ModelConfig
 
 
 class EngineConfigError(ValueError):
     pass
-
-
-def default_cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return str(Path(base) / "deepinfer-jax" / "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,23 +50,21 @@ class SpeculativeConfig:
             raise EngineConfigError("speculative_config.verify_token_budget must be >= 1")
 
     @classmethod
-    def from_options(cls, options) -> "SpeculativeConfig | None":
-        """From LLM(speculative_config=...) or, when that is None, the environment:
-        DEEPINFER_ENABLE_MTP_VARLEN=1 turns MTP on with variable lengths and
-        DEEPINFER_USE_NEXTN_DECODE=k caps the drafts (default 5)."""
-        if isinstance(options, cls):
-            return options
-        if options is None:
-            if os.environ.get("DEEPINFER_ENABLE_MTP_VARLEN", "0") in ("", "0"):
+    def from_options(cls, given) -> "SpeculativeConfig | None":
+        """From LLM(speculative_config=...) or, when that is None, the environment
+        (config/options.py)."""
+        if isinstance(given, cls):
+            return given
+        if given is None:
+            given = options.speculative_from_environment()
+            if given is None:
                 return None
-            options = {"method": "mtp", "varlen": True,
-                       "num_speculative_tokens": int(os.environ.get("DEEPINFER_USE_NEXTN_DECODE", 5))}
-        if not isinstance(options, dict):
+        if not isinstance(given, dict):
             raise TypeError("speculative_config must be a dict or SpeculativeConfig")
-        unknown = set(options) - {f.name for f in dataclasses.fields(cls)}
+        unknown = set(given) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise TypeError(f"unknown speculative_config option(s): {sorted(unknown)}")
-        return cls(**options)
+        return cls(**given)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +75,7 @@ class EngineConfig:
     num_pages: int | None = None         # page pool size (None: every slot can reach max_model_len)
     max_num_batched_tokens: int = 256    # chunked-prefill budget: tokens per step
     token_buckets: tuple[int, ...] | None = None   # None: powers of two up to the budget
-    compilation_cache_dir: str | None = dataclasses.field(default_factory=default_cache_dir)
+    compilation_cache_dir: str | None = dataclasses.field(default_factory=options.default_cache_dir)
     show_progress: bool = True
     async_scheduling: bool = True        # plan step N+1 while step N runs
     # with async scheduling: each step's device calls on a worker thread (launcher.py), so
@@ -93,6 +88,13 @@ class EngineConfig:
     batch_invariant: bool | None = None
     # MTP speculation: a dict (see SpeculativeConfig); None: the DEEPINFER_* variables
     speculative_config: dict | SpeculativeConfig | None = None
+    # How the step computes (config/compute.py); None: DEEPINFER_* variables, then the
+    # device's defaults (config/options.py). kernels: one implementation list for every
+    # Pallas op, a dict op -> list, or a KernelChoices.
+    kernels: str | tuple[str, ...] | dict | KernelChoices | None = None
+    step_formulation: str | None = None     # "cpu" | "gpu"
+    invariant_tile: int | None = None
+    compile_threads: int | None = None      # buckets compiled at once at start-up
     # Prefix caching: sequences reuse the pages and slot snapshots of cached token blocks
     enable_prefix_caching: bool = False
     num_prefix_snapshots: int | None = None   # snapshot pool (None: 4 per slot)
@@ -106,7 +108,7 @@ class EngineConfig:
                                     "(every running sequence decodes one token per step)")
         if self.batch_invariant is None:
             object.__setattr__(self, "batch_invariant",
-                               os.environ.get("DEEPINFER_BATCH_INVARIANT", "0") not in ("", "0"))
+                               bool(options.flag("DEEPINFER_BATCH_INVARIANT")))
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.from_options(self.speculative_config))
         if self.token_buckets is not None:
@@ -118,8 +120,9 @@ class EngineConfig:
         if self.num_prefix_snapshots is not None and self.num_prefix_snapshots < 1:
             raise EngineConfigError("num_prefix_snapshots must be >= 1")
 
-    def resolve(self, model: ModelConfig) -> "ResolvedEngineConfig":
-        return ResolvedEngineConfig.build(self, model)
+    def resolve(self, model: ModelConfig, device: options.DeviceFacts = options.CPU,
+                environ: Mapping[str, str] | None = None) -> "ResolvedEngineConfig":
+        return ResolvedEngineConfig.build(self, model, device, environ)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,10 +144,15 @@ class ResolvedEngineConfig:
     max_logprobs: int
     grammar_compile_timeout_s: float
     vocab_size: int
-    batch_invariant: bool
     speculative: SpeculativeConfig | None
+    compute: ComputeConfig
+    compile_threads: int
     enable_prefix_caching: bool = False
     num_snapshots: int = 0            # snapshot pool of the prefix cache (0: no cache)
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.compute.batch_invariant
 
     @property
     def spec_tokens(self) -> int:
@@ -152,7 +160,8 @@ class ResolvedEngineConfig:
         return 0 if self.speculative is None else self.speculative.num_speculative_tokens
 
     @classmethod
-    def build(cls, ec: EngineConfig, model: ModelConfig) -> "ResolvedEngineConfig":
+    def build(cls, ec: EngineConfig, model: ModelConfig, device: options.DeviceFacts,
+              environ: Mapping[str, str] | None = None) -> "ResolvedEngineConfig":
         if ec.speculative_config is not None and model.num_mtp_layers == 0:
             raise EngineConfigError("speculative decoding with MTP needs a model with an MTP "
                                     "block (num_nextn_predict_layers > 0)")
@@ -180,6 +189,9 @@ class ResolvedEngineConfig:
                 ec.max_num_batched_tokens < ec.max_num_seqs * 2):
             raise EngineConfigError("with speculation, max_num_batched_tokens must leave room "
                                     "for drafts: at least 2 x max_num_seqs")
+        compute = options.resolve_compute(device, formulation=ec.step_formulation,
+                                          kernels=ec.kernels, batch_invariant=ec.batch_invariant,
+                                          invariant_tile=ec.invariant_tile, environ=environ)
         return cls(max_num_seqs=ec.max_num_seqs, max_model_len=ec.max_model_len,
                    page_size=page_size, num_pages=num_pages, max_blocks_per_seq=blocks,
                    max_num_batched_tokens=ec.max_num_batched_tokens, token_buckets=buckets,
@@ -190,8 +202,11 @@ class ResolvedEngineConfig:
                    seed=ec.seed,
                    max_logprobs=min(ec.max_logprobs, model.vocab_size),
                    grammar_compile_timeout_s=ec.grammar_compile_timeout_s,
-                   vocab_size=model.vocab_size, batch_invariant=ec.batch_invariant,
-                   speculative=ec.speculative_config,
+                   vocab_size=model.vocab_size,
+                   speculative=ec.speculative_config, compute=compute,
+                   compile_threads=options.compile_threads(ec.compile_threads,
+                                                           compute.formulation,
+                                                           os.cpu_count() or 1, environ),
                    enable_prefix_caching=ec.enable_prefix_caching,
                    num_snapshots=(ec.num_prefix_snapshots or 4 * ec.max_num_seqs)
                    if ec.enable_prefix_caching else 0)

@@ -98,9 +98,6 @@ class ModelConfig:
     bos_token_id: int | None = 0
     eos_token_ids: tuple[int, ...] = (1,)
     quantization: QuantConfig | None = None
-    # Not from config.json: how the engine computes. With batch_invariant, every reduction is
-    # ordered independently of the batch (see docs/batch_invariance.md).
-    batch_invariant: bool = False
 
     def __post_init__(self):
         def need(cond: bool, field: str, why: str):

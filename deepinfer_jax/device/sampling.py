@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from deepinfer_jax.device.branch import skip_unless
 from deepinfer_jax.device.chunked_top_k import chunked_top_k
 
 Array = jax.Array
@@ -130,9 +129,11 @@ def host_truncates(temperature, top_k, top_p, min_p) -> bool:
 def sampling_logits(processed: Array, rows: SamplingRows, truncation: bool | None) -> Array:
     """The logits sampled rows draw from (greedy rows ignore them). `truncation` True or False
     is the host's choice compiled in (a variant per choice, so nothing branches on the device);
-    None decides on the device (device_branch.py: a real branch where it does not stall)."""
+    None decides on the device with a real branch, which only the CPU formulation asks for
+    (device/branch.py says why a GPU must not)."""
     if truncation is None:
-        return skip_unless(truncates(rows), filter_logits, scale_by_temperature, processed, rows)
+        return jax.lax.cond(jnp.any(truncates(rows)), filter_logits, scale_by_temperature,
+                            processed, rows)
     return (filter_logits if truncation else scale_by_temperature)(processed, rows)
 
 

@@ -98,9 +98,9 @@ def draft(params: ModelParams, state: StateCache, plan, streams: Array, next_tok
     each one; committed bool[T]; last i32[N] flat index of each row's last committed token;
     cap i32[N] drafts wanted. Returns (state, drafts i32[N, k], draft probabilities f32[N, k])."""
     mp = params.mtp[0]
-    ctx = token_context(plan)
+    ctx = token_context(plan, ecfg.compute.launch_bound)
     ctx = dataclasses.replace(ctx, valid=committed)
-    z = mtp_input(mp, params.embed, streams, jnp.maximum(next_tokens, 0), cfg)
+    z = mtp_input(mp, params.embed, streams, jnp.maximum(next_tokens, 0), cfg, ecfg.compute)
     z, mtp_state = layer_step(mp.layer, z, next_tokens, ctx, AttentionKind.SLIDING, MlpKind.MOE,
                               state.mtp, cfg, ecfg)
     z_row, token = z[last], None
@@ -114,16 +114,17 @@ def draft(params: ModelParams, state: StateCache, plan, streams: Array, next_tok
                                 end=position + 1, block_table=plan.block_table)
 
             def again(z_row, token, mtp_state, ctx1=ctx1):
-                z1 = mtp_input(mp, params.embed, z_row, token, cfg)
+                z1 = mtp_input(mp, params.embed, z_row, token, cfg, ecfg.compute)
                 return layer_step(mp.layer, z1, token, ctx1, AttentionKind.SLIDING, MlpKind.MOE,
                                   mtp_state, cfg, ecfg)
 
             # skipped once no row wants this many drafts (large batches draft little), where
             # skipping does not stall the host; rows past their cap write nothing and their
             # drafts are ignored
-            z_row, mtp_state = skip_unless(jnp.any(ctx1.valid), again,
+            z_row, mtp_state = skip_unless(ecfg.compute.launch_bound, jnp.any(ctx1.valid), again,
                                            lambda z, t, st: (z, st), z_row, token, mtp_state)
-        logits = project_logits(z_row, mp.hc_head, mp.norm, params.head, cfg)  # [N, V]
+        logits = project_logits(z_row, mp.hc_head, mp.norm, params.head, cfg,
+                                ecfg.compute)                                      # [N, V]
         token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         drafts.append(token)
         probs.append(jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1))
@@ -143,7 +144,8 @@ def spec_step(params: ModelParams, state: StateCache, plan, *, cfg: ModelConfig,
     columns = first[:, None] + jnp.arange(s)[None]                         # [N, S]
     verify_at = jnp.clip(columns, 0, num_tokens - 1)
     positions = plan.positions[verify_at]
-    logits = project_logits(streams[verify_at], params.hc_head, params.norm, params.head, cfg)
+    logits = project_logits(streams[verify_at], params.hc_head, params.norm, params.head, cfg,
+                            ecfg.compute)
     rows = _repeat_rows(plan, positions)
     slot = jnp.minimum(plan.seq_slot, state.last_tokens.shape[0] - 1)
     drafted = plan.token_ids[jnp.clip(columns + 1, 0, num_tokens - 1)]

@@ -55,7 +55,7 @@ def step(params: ModelParams, state: StateCache, plan: BatchPlan, *, cfg: ModelC
     state = record_fed_tokens(state, plan, token_ids)
     state, streams = forward_step(params, state, plan, token_ids, cfg, ecfg)
     logits = project_logits(streams[plan.sample_index], params.hc_head, params.norm,
-                            params.head, cfg)                               # f32[N, V]
+                            params.head, cfg, ecfg.compute)                 # f32[N, V]
     rows = SamplingRows(temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p,
                         min_p=plan.min_p, repetition_penalty=plan.repetition_penalty,
                         presence_penalty=plan.presence_penalty,

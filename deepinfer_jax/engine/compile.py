@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import os
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
@@ -30,7 +29,6 @@ from deepinfer_jax.host.plan_builder import build_plan
 from deepinfer_jax.host.scheduler import ScheduleDecision
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.model.state import StateCache
-from pallas_kernels.common import launch_bound
 
 _cache_dir: str | None = None
 
@@ -100,18 +98,6 @@ BATCH_INVARIANT_COMPILER_OPTIONS = {"xla_allow_excess_precision": False,
                                     "xla_gpu_deterministic_ops": True}
 
 
-def compile_threads(jobs: int) -> int:
-    """How many steps compile at once: DEEPINFER_COMPILE_THREADS, else one per core on the
-    CPU and one on GPUs. There XLA autotunes its GEMMs by timing them on the device, and side
-    by side the compiles time them against each other: the H200 run that compiled 4 steps at
-    once (37 s for all 4 after tracing) logged the autotuner's "sub-optimal accuracy" warnings
-    and decoded 28% slower than the last serial build (6,777 vs 9,383 tok/s at batch 64, not
-    yet re-measured apart from the other changes since)."""
-    forced = os.environ.get("DEEPINFER_COMPILE_THREADS")
-    default = 1 if launch_bound() else os.cpu_count() or 1
-    return max(1, min(jobs, int(forced) if forced else default))
-
-
 # Engines of equal shapes in one process (a notebook that builds its LLM again, a test suite)
 # share their compiled steps: the persistent cache saves XLA's compile, but tracing the step
 # again still takes seconds a bucket. Bounded: the oldest entry goes first.
@@ -122,17 +108,15 @@ _memo: collections.OrderedDict[tuple, CompiledSteps] = collections.OrderedDict()
 def _trace_key(params: ModelParams, state: StateCache, cfg: ModelConfig,
                ecfg: ResolvedEngineConfig, speculative: bool) -> tuple:
     """What the compiled steps depend on: the configs (less the engine options the host alone
-    reads), the arguments' shapes, dtypes and shardings (not their values), and what the trace
-    reads from the process: the DEEPINFER_* switches (step formulation, kernels) and the
-    backend."""
+    reads; the ComputeConfig stays: formulation and kernels change the program), the
+    arguments' shapes, dtypes and shardings (not their values), and the backend."""
     host_only = dataclasses.replace(ecfg, compilation_cache_dir=None, show_progress=False,
                                     async_scheduling=True, launch_thread=True, seed=0,
                                     grammar_compile_timeout_s=0.0, enable_prefix_caching=False,
-                                    num_snapshots=0)
+                                    num_snapshots=0, compile_threads=1)
     leaves, tree = jax.tree.flatten((params, state))
     avals = tuple((x.shape, str(x.dtype), getattr(x, "sharding", None)) for x in leaves)
-    switches = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("DEEPINFER_")))
-    return (cfg, host_only, speculative, tree, avals, switches, jax.default_backend(),
+    return (cfg, host_only, speculative, tree, avals, jax.default_backend(),
             jax.config.jax_enable_x64)
 
 
@@ -154,8 +138,9 @@ def compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
 def _compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
                    ecfg: ResolvedEngineConfig, speculative: bool) -> CompiledSteps:
     enable_persistent_cache(ecfg.compilation_cache_dir)
-    options = BATCH_INVARIANT_COMPILER_OPTIONS if cfg.batch_invariant else None
-    truncations = (False, True) if launch_bound() else (None,)
+    options = BATCH_INVARIANT_COMPILER_OPTIONS if ecfg.batch_invariant else None
+    launch_bound = ecfg.compute.launch_bound
+    truncations = (False, True) if launch_bound else (None,)
     keys = [(t, truncation) for t in ecfg.token_buckets for truncation in truncations]
     # Tracing and lowering is Python (one at a time); XLA's compile releases the GIL and is
     # mostly single-threaded per module, so on the CPU the buckets compile side by side.
@@ -180,12 +165,12 @@ def _compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
     progress = tqdm(total=len(keys), unit="step", disable=not ecfg.show_progress,
                     desc=f"compiling {kind}")
     compiled = {}
-    with ThreadPoolExecutor(compile_threads(len(keys))) as pool:
+    with ThreadPoolExecutor(min(len(keys), ecfg.compile_threads)) as pool:
         futures = {pool.submit(lowered[key].compile, compiler_options=options): key
                    for key in keys}
         for future in as_completed(futures):
             key = futures[future]
-            compiled[key] = CompiledStep(future.result(), *wires[key], launch_bound())
+            compiled[key] = CompiledStep(future.result(), *wires[key], launch_bound)
             progress.set_postfix(tokens=key[0])
             progress.update()
     progress.close()

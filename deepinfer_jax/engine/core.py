@@ -77,7 +77,7 @@ class EngineCore:
         if ecfg.spec_tokens and not params.mtp:
             raise EngineConfigError("speculative decoding needs the checkpoint's MTP weights "
                                     "(mtp.* tensors); this checkpoint has none")
-        self.cfg = cfg.replace(batch_invariant=ecfg.batch_invariant)
+        self.cfg = cfg
         self.params, self.ecfg = params, ecfg
         self.tokenizer = tokenizer
         self.structured = None if tokenizer is None else StructuredOutputs(

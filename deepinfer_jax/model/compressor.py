@@ -17,15 +17,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from deepinfer_jax.config.compute import ComputeConfig
 from deepinfer_jax.model.invariant import f32_linear, ordered_softmax, ordered_sum
 from deepinfer_jax.model.norms import rms_norm
 from deepinfer_jax.model.params import CompressorParams
 from deepinfer_jax.model.rope import apply_rope, cos_sin
 
 
-def project(x: jax.Array, p: CompressorParams, invariant: bool = False) -> tuple[jax.Array, jax.Array]:
+def project(x: jax.Array, p: CompressorParams, compute: ComputeConfig
+            ) -> tuple[jax.Array, jax.Array]:
     """x [..., D] -> (kv, score) f32[..., c*d]; the score still lacks the block-position bias."""
-    return f32_linear(x, p.wkv, invariant), f32_linear(x, p.wgate, invariant)
+    return f32_linear(x, p.wkv, compute), f32_linear(x, p.wgate, compute)
 
 
 def pool_rows(kv: jax.Array, score: jax.Array, *, overlap: bool,
@@ -67,7 +69,7 @@ def finish_rows(pooled: jax.Array, norm: jax.Array, row_positions: jax.Array, fr
 
 
 def compress_sequence(x: jax.Array, p: CompressorParams, *, rate: int, overlap: bool,
-                      freqs: np.ndarray, eps: float) -> jax.Array:
+                      freqs: np.ndarray, eps: float, compute: ComputeConfig) -> jax.Array:
     """All complete blocks of a sequence that starts at position 0.
 
     x [B, S, D] -> rows [B, S // rate, d] (dtype of x); a trailing partial block is dropped.
@@ -77,7 +79,7 @@ def compress_sequence(x: jax.Array, p: CompressorParams, *, rate: int, overlap: 
     d = p.norm.shape[0]
     if n_rows == 0:
         return jnp.zeros((batch, 0, d), x.dtype)
-    kv, score = project(x[:, : n_rows * rate], p)
+    kv, score = project(x[:, : n_rows * rate], p, compute)
     kv = kv.reshape(batch, n_rows, rate, -1)
     score = score.reshape(batch, n_rows, rate, -1) + p.ape
     pooled = pool_rows(kv, score, overlap=overlap)

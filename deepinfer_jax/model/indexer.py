@@ -11,29 +11,28 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from deepinfer_jax.model.invariant import linear, per_row_tiles
+from deepinfer_jax.config.compute import ComputeConfig
+from deepinfer_jax.model.invariant import linear
 from deepinfer_jax.model.params import IndexerParams
 from deepinfer_jax.model.rope import apply_rope
 
 
 def index_queries(q_latent: jax.Array, p: IndexerParams, cos: jax.Array, sin: jax.Array,
-                  n_heads: int, invariant: bool = False) -> jax.Array:
+                  n_heads: int, compute: ComputeConfig) -> jax.Array:
     """q_latent [..., R] -> roped f32 queries [..., IH, Id] (cos/sin [..., rope_dim/2])."""
-    q = linear(q_latent, p.wq_b, invariant).astype(jnp.float32)
+    q = linear(q_latent, p.wq_b, compute).astype(jnp.float32)
     q = q.reshape(*q.shape[:-1], n_heads, -1)
     return apply_rope(q, cos[..., None, :], sin[..., None, :])
 
 
-def head_weights(x: jax.Array, p: IndexerParams, n_heads: int, invariant: bool = False) -> jax.Array:
+def head_weights(x: jax.Array, p: IndexerParams, n_heads: int, compute: ComputeConfig
+                 ) -> jax.Array:
     """x [..., D] -> f32[..., IH]."""
-    return linear(x, p.weights_proj, invariant).astype(jnp.float32) * (n_heads ** -0.5)
+    return linear(x, p.weights_proj, compute).astype(jnp.float32) * (n_heads ** -0.5)
 
 
-def index_scores(q: jax.Array, weights: jax.Array, keys: jax.Array,
-                 invariant: bool = False) -> jax.Array:
+def index_scores(q: jax.Array, weights: jax.Array, keys: jax.Array) -> jax.Array:
     """q f32[B, S, IH, Id], weights f32[B, S, IH], keys [B, T, Id] -> f32[B, S, T]."""
-    if invariant:
-        return per_row_tiles(index_scores, q, weights, keys)
     dots = jnp.einsum("bshd,btd->bsht", q, keys.astype(jnp.float32))
     scaled = jax.nn.relu(dots) * (q.shape[-1] ** -0.5)
     return jnp.einsum("bsht,bsh->bst", scaled, weights)

@@ -10,14 +10,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from deepinfer_jax.config.compute import ComputeConfig
 from deepinfer_jax.model.invariant import linear, ordered_sum, per_row_tiles
 from deepinfer_jax.model.norms import unweighted_rms_norm
 from deepinfer_jax.model.params import HyperConnectionParams, HyperHeadParams
-from pallas_kernels.common import launch_bound
-from pallas_kernels.sinkhorn import api as sinkhorn_kernel
+from pallas_kernels.sinkhorn import api as sinkhorn_op
 
 
-def _mixes(streams: jax.Array, fn: jax.Array, eps: float, invariant: bool) -> jax.Array:
+def _mixes(streams: jax.Array, fn: jax.Array, eps: float, compute: ComputeConfig) -> jax.Array:
     """streams [..., hc, D] -> f32[..., n_mix]: a linear map of the RMS-normalised flat streams.
 
     bf16 streams (the default mode): the norm is one factor per token, so it is applied to
@@ -28,8 +28,8 @@ def _mixes(streams: jax.Array, fn: jax.Array, eps: float, invariant: bool) -> ja
     at HIGHEST precision, plus 0.6 ms writing the normalised copy; this reads the streams
     twice). The batch-invariant mode keeps the form proven invariant on the H200."""
     flat = streams.reshape(*streams.shape[:-2], -1)
-    if invariant or flat.dtype != jnp.bfloat16:
-        return linear(unweighted_rms_norm(flat.astype(jnp.float32), eps), fn, invariant)
+    if compute.batch_invariant or flat.dtype != jnp.bfloat16:
+        return linear(unweighted_rms_norm(flat.astype(jnp.float32), eps), fn, compute)
     parts = bf16_parts(fn.astype(jnp.float32))                              # [3, K, n_mix]
     n_mix = fn.shape[-1]
     sums = jnp.matmul(flat, jnp.concatenate(parts, axis=-1), preferred_element_type=jnp.float32)
@@ -62,54 +62,49 @@ def collapse(pre: jax.Array, streams: jax.Array, invariant: bool) -> jax.Array:
     return ordered_sum(weighted, -2) if invariant else jnp.sum(weighted, axis=-2)
 
 
-def sinkhorn(comb_logits: jax.Array, iters: int, eps: float, unrolled: bool) -> jax.Array:
-    """f32[..., hc, hc] -> near doubly-stochastic: row softmax, then alternate column/row scaling
-    (1 softmax + `iters` column and `iters - 1` row normalisations).
-
-    Two formulations of the same arithmetic. `unrolled`: elementwise adds over the hc (4)
-    entries (pallas_kernels/sinkhorn: the jnp reference, or one kernel launch), which XLA fuses
-    into about a kernel per iteration; as a loop of reductions the GPU ran ~5 launches per
-    iteration (19 x 2 per layer), most of a small-batch decode step's time (H200, tiny model:
-    16.7 -> 6.6 ms per step). On the CPU launches are cheap and the loop compiles twice as
-    fast; and there XLA's vectorised elementwise code gives a row different last bits in
-    batches of different sizes, so batch-invariant mode keeps the loop (proven invariant on
-    the CPU and the H200) unless the kernel runs."""
-    if unrolled:
-        return sinkhorn_kernel.sinkhorn(comb_logits, iters, eps)
-    comb = jax.nn.softmax(comb_logits, axis=-1) + eps
-    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
-
-    def row_then_column(_, c):
-        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
-        return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
-
-    return jax.lax.fori_loop(0, iters - 1, row_then_column, comb)
+def sinkhorn_implementations(compute: ComputeConfig) -> tuple[str, ...]:
+    """The Sinkhorn op's implementations for this formulation. Two jnp forms of the same
+    arithmetic: the unrolled elementwise one ("reference"), which XLA fuses into about a
+    kernel per iteration, and a loop of reductions ("loop"), ~5 launches per iteration on a
+    GPU but cheap on the CPU, where it also compiles twice as fast. On the CPU XLA's
+    vectorised elementwise code gives a row other last bits in batches of other sizes, so the
+    CPU and batch-invariant mode off the kernel take the loop (proven invariant on the CPU
+    and the H200); the kernel runs every token in its own lanes through the same
+    instructions, invariant by construction."""
+    if not compute.launch_bound:
+        return ("loop",)
+    kernels = tuple(name for name in compute.kernels.sinkhorn if name != "reference")
+    return kernels + (("loop",) if compute.batch_invariant else ("reference",))
 
 
 def hc_pre(streams: jax.Array, p: HyperConnectionParams, *, hc_eps: float, norm_eps: float,
-           sinkhorn_iters: int, invariant: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+           sinkhorn_iters: int, compute: ComputeConfig
+           ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """streams [..., hc, D] -> (collapsed [..., D], post f32[..., hc], comb f32[..., hc, hc])."""
     hc = streams.shape[-2]
-    mixes = _mixes(streams, p.fn, norm_eps, invariant)
+    mixes = _mixes(streams, p.fn, norm_eps, compute)
     pre_w, post_w, comb_w = mixes[..., :hc], mixes[..., hc:2 * hc], mixes[..., 2 * hc:]
     pre = jax.nn.sigmoid(pre_w * p.scale[0] + p.base[:hc]) + hc_eps
     post = 2.0 * jax.nn.sigmoid(post_w * p.scale[1] + p.base[hc:2 * hc])
     comb_logits = (comb_w * p.scale[2] + p.base[2 * hc:]).reshape(*comb_w.shape[:-1], hc, hc)
-    # In batch-invariant mode the unrolled form only where it is the kernel: the kernel runs
-    # every token in its own lanes through the same instructions (row-invariant by
-    # construction), XLA's fused jnp chain is not proven so.
-    unrolled = launch_bound() and (not invariant or sinkhorn_kernel.kernel_runs(comb_logits))
-    comb = sinkhorn(comb_logits, sinkhorn_iters, hc_eps, unrolled)
-    return collapse(pre, streams, invariant).astype(streams.dtype), post, comb
+    comb = sinkhorn_op.sinkhorn(comb_logits, sinkhorn_iters, hc_eps,
+                                implementation=sinkhorn_implementations(compute))
+    return collapse(pre, streams, compute.batch_invariant).astype(streams.dtype), post, comb
 
 
 def hc_post(block_out: jax.Array, streams: jax.Array, post: jax.Array, comb: jax.Array,
-            invariant: bool = False) -> jax.Array:
+            compute: ComputeConfig) -> jax.Array:
     """X'_k = post_k * f + sum_j comb[j, k] X_j.  block_out [..., D], streams [..., hc, D]."""
-    if invariant:   # per token: [T', D], [T', hc, D], [T', hc], [T', hc, hc]
+    if compute.batch_invariant:   # per token: [T', D], [T', hc, D], [T', hc], [T', hc, hc]
         n = block_out.ndim - 1
         rows = [a.reshape(-1, *a.shape[n:]) for a in (block_out, streams, post, comb)]
-        return per_row_tiles(hc_post, *rows).reshape(streams.shape)
+        return per_row_tiles(_mix_streams, *rows, tile=compute.invariant_tile
+                             ).reshape(streams.shape)
+    return _mix_streams(block_out, streams, post, comb)
+
+
+def _mix_streams(block_out: jax.Array, streams: jax.Array, post: jax.Array, comb: jax.Array
+                 ) -> jax.Array:
     # The oracle's arithmetic (weights cast to the streams' dtype, the stream mix a product
     # summed in float32 and rounded once, then the bf16 add), written elementwise over the hc
     # streams: XLA fuses it into one pass over them, where the batched 4 x 4 dot was a GEMM
@@ -122,8 +117,8 @@ def hc_post(block_out: jax.Array, streams: jax.Array, post: jax.Array, comb: jax
 
 
 def hc_head(streams: jax.Array, p: HyperHeadParams, *, hc_eps: float, norm_eps: float,
-            invariant: bool = False) -> jax.Array:
+            compute: ComputeConfig) -> jax.Array:
     """Final collapse of the streams [..., hc, D] -> [..., D] (sigmoid weights, no Sinkhorn)."""
-    mixes = _mixes(streams, p.fn, norm_eps, invariant)
+    mixes = _mixes(streams, p.fn, norm_eps, compute)
     pre = jax.nn.sigmoid(mixes * p.scale[0] + p.base) + hc_eps
-    return collapse(pre, streams, invariant).astype(streams.dtype)
+    return collapse(pre, streams, compute.batch_invariant).astype(streams.dtype)

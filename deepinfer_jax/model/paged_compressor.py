@@ -17,9 +17,14 @@ import numpy as np
 
 from deepinfer_jax.model.compressor import finish_rows, pool_rows
 from deepinfer_jax.model.params import CompressorParams
-from deepinfer_jax.model.ragged import TokenContext, ring_or_flat_index, row_index, write_ring
+from deepinfer_jax.model.ragged import (
+    TokenContext,
+    ring_or_flat_index,
+    row_index,
+    settled,
+    write_ring,
+)
 from deepinfer_jax.model.state import CompressorTail
-from pallas_kernels.common import settled
 
 Array = jax.Array
 
@@ -41,8 +46,9 @@ def close_rows(kv: Array, score: Array, p: CompressorParams, tail: CompressorTai
     first = row * rate - (rate if overlap else 0)
     positions = first[:, None] + jnp.arange(span)                           # [n, span]
     ring = tail.kv.shape[1]
-    index = settled(ring_or_flat_index(ctx, closer[:, None] - (closer_pos[:, None] - positions),
-                                       positions, ring, num_tokens, closer))
+    flat_index = closer[:, None] - (closer_pos[:, None] - positions)
+    index = settled(ctx.launch_bound, ring_or_flat_index(ctx, flat_index, positions, ring,
+                                                         num_tokens, closer))
     exists = (positions >= 0)[..., None]
     g_kv = jnp.where(exists, jnp.concatenate([kv, tail.kv.reshape(-1, kv.shape[-1])])[index], 0.0)
     g_score = jnp.where(exists, jnp.concatenate([score, tail.score.reshape(
@@ -59,7 +65,8 @@ def close_rows(kv: Array, score: Array, p: CompressorParams, tail: CompressorTai
         return finish_rows(pooled[:, 0], p.norm, row * rate, freqs, eps, pool.dtype)
 
     rows = rowwise(pool_and_finish, g_kv, g_score, row)
-    dest = settled(row_index(ctx.block_table, ctx.seq[closer], row, rate, page_size))
+    dest = settled(ctx.launch_bound,
+                   row_index(ctx.block_table, ctx.seq[closer], row, rate, page_size))
     # unique (each closed row has its own page row) declared in batch-invariant mode only,
     # as for ragged.write_ring
     pool = pool.at[jnp.where(real, dest, pool.shape[0])].set(rows, mode="drop",
@@ -73,7 +80,8 @@ def visible_rows(pool: Array, ctx: TokenContext, *, rate: int, page_size: int,
                  max_rows: int) -> tuple[Array, Array]:
     """All rows each token may see (HCA): (rows [T, max_rows, d], visible bool[T, max_rows])."""
     rows = jnp.arange(max_rows)
-    index = settled(row_index(ctx.block_table, ctx.seq[:, None], rows, rate, page_size))
+    index = settled(ctx.launch_bound,
+                    row_index(ctx.block_table, ctx.seq[:, None], rows, rate, page_size))
     return pool[index], row_visibility(ctx, rate=rate, max_rows=max_rows)
 
 
@@ -84,11 +92,11 @@ def row_visibility(ctx: TokenContext, *, rate: int, max_rows: int) -> Array:
 
 
 def sequence_rows(pool: Array, block_table: Array, *, rate: int, page_size: int,
-                  max_rows: int) -> Array:
+                  max_rows: int, launch_bound: bool) -> Array:
     """Every row of each batch row's sequence, once per sequence (not per token):
     [N, max_rows, d]. What the indexer kernel scores each token against."""
     rows = jnp.arange(max_rows)
-    index = settled(row_index(block_table, jnp.arange(block_table.shape[0])[:, None], rows,
-                              rate, page_size))
+    index = settled(launch_bound, row_index(block_table, jnp.arange(block_table.shape[0])[:, None],
+                                            rows, rate, page_size))
     return pool[index]
 

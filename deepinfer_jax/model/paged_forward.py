@@ -1,54 +1,54 @@
 """The engine's forward pass over a ragged batch with the paged state cache.
 
-Same math as `forward.py`, but each token sees: its raw window (this step's rows of its
-sequence plus the slot's ring), and the compressed rows in its sequence's pages (all of them
-for HCA, the indexer's top-k for CSA). State in, state out.
+Same math as `reference_forward.py`, but each token sees: its raw window (this step's rows of
+its sequence plus the slot's ring), and the compressed rows in its sequence's pages (all of
+them for HCA, the indexer's top-k for CSA). State in, state out.
 
 A layer is four segments: per-token work before attention (hc_pre, projections), the
 cross-token part (window gathers, closing compressed rows, indexer selection), per-token
 attention (attention, output projection, hc_post), and the MoE sublayer. In batch-invariant
-mode each per-token (and per-new-row) segment runs over fixed-size tiles of rows, so every row
-is computed by the same program whatever else is in the batch (model/invariant.py); the MoE
-sublayer does so only where its experts are not on the row-invariant kernel (ffn_rowwise),
-and on a GPU the attention segments need not either (untiled_segments; measured on the
-H200, DEEPINFER_INVARIANT_UNTILED=0 restores the tiles).
+mode every matmul-like op is invariant by itself (model/invariant.py) and, where XLA's
+elementwise code is not (the CPU formulation), each per-token segment runs over fixed-size
+tiles of rows (`invariant.segments`), so every row is computed by the same program whatever
+else is in the batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
+from deepinfer_jax.config.compute import ComputeConfig
 from deepinfer_jax.config.engine import ResolvedEngineConfig
 from deepinfer_jax.config.model import AttentionKind, MlpKind, ModelConfig
 from deepinfer_jax.model import attention, compressor, indexer
-from deepinfer_jax.model.invariant import per_row_tiles, untiled_segments
+from deepinfer_jax.model.invariant import rowwise, segments
 from deepinfer_jax.model.mhc import hc_post, hc_pre
-from deepinfer_jax.model.moe import experts_on_kernel, moe
+from deepinfer_jax.model.moe import moe
 from deepinfer_jax.model.norms import rms_norm
-from deepinfer_jax.model.paged_compressor import close_rows, row_visibility, sequence_rows, visible_rows
+from deepinfer_jax.model.paged_compressor import (
+    close_rows,
+    row_visibility,
+    sequence_rows,
+    visible_rows,
+)
 from deepinfer_jax.model.params import LayerParams, ModelParams
-from deepinfer_jax.model.ragged import TokenContext, row_index, token_context, window_keys, write_ring
+from deepinfer_jax.model.ragged import (
+    TokenContext,
+    row_index,
+    settled,
+    token_context,
+    window_keys,
+    write_ring,
+)
 from deepinfer_jax.model.rope import cos_sin, layer_inv_freq
 from deepinfer_jax.model.state import LayerState, StateCache
-from pallas_kernels.common import settled
-from pallas_kernels.indexer import api as indexer_kernel
-from pallas_kernels.sink_attention import api as attention_kernel
+from pallas_kernels.indexer import api as indexer_op
 
 Array = jax.Array
-
-
-def _apply(fn, *arrays):
-    return fn(*arrays)
-
-
-def rowwise_for(cfg: ModelConfig) -> Callable:
-    """How per-row segments run: directly, or tile by tile in batch-invariant mode."""
-    return per_row_tiles if cfg.batch_invariant else _apply
 
 
 @struct.dataclass
@@ -67,96 +67,76 @@ class TokenInputs:
     index_w: Array | None        # f32[T, IH]
 
 
-def token_inputs(p: LayerParams, kind: AttentionKind, cfg: ModelConfig, streams: Array,
-                 positions: Array) -> TokenInputs:
+def token_inputs(p: LayerParams, kind: AttentionKind, cfg: ModelConfig, compute: ComputeConfig,
+                 streams: Array, positions: Array) -> TokenInputs:
     """Rows of tokens: streams [t, hc, D], positions i32[t] -> TokenInputs."""
-    inv = cfg.batch_invariant
     cos, sin = cos_sin(positions, layer_inv_freq(cfg, kind))
-    collapsed, post, comb = hc_pre(streams, p.attn_hc, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
-                                   sinkhorn_iters=cfg.hc_sinkhorn_iters, invariant=inv)
+    collapsed, post, comb = hc_pre(streams, p.attn_hc, hc_eps=cfg.hc_eps,
+                                   norm_eps=cfg.rms_norm_eps,
+                                   sinkhorn_iters=cfg.hc_sinkhorn_iters, compute=compute)
     x = rms_norm(collapsed, p.attn_norm, cfg.rms_norm_eps)
-    q, q_latent = attention.project_queries(x, p.attn, cos, sin, cfg)
-    kv = attention.project_kv(x, p.attn, cos, sin, cfg)
+    q, q_latent = attention.project_queries(x, p.attn, cos, sin, cfg, compute)
+    kv = attention.project_kv(x, p.attn, cos, sin, cfg, compute)
     comp = index = (None, None)
     index_q = index_w = None
     if kind is not AttentionKind.SLIDING:
         rate = cfg.compress_rate(kind)
-        kv_c, score_c = compressor.project(x, p.attn.compressor, inv)
+        kv_c, score_c = compressor.project(x, p.attn.compressor, compute)
         comp = (kv_c, score_c + p.attn.compressor.ape[positions % rate])
     if kind is AttentionKind.CSA:
         ip = p.attn.indexer
-        kv_i, score_i = compressor.project(x, ip.compressor, inv)
+        kv_i, score_i = compressor.project(x, ip.compressor, compute)
         index = (kv_i, score_i + ip.compressor.ape[positions % cfg.compress_rate_csa])
-        index_q = indexer.index_queries(q_latent, ip, cos, sin, cfg.index_n_heads, inv)
-        index_w = indexer.head_weights(x, ip, cfg.index_n_heads, inv)
+        index_q = indexer.index_queries(q_latent, ip, cos, sin, cfg.index_n_heads, compute)
+        index_w = indexer.head_weights(x, ip, cfg.index_n_heads, compute)
     return TokenInputs(post, comb, q, kv, *comp, *index, index_q, index_w)
 
 
-def attention_outputs(p: LayerParams, kind: AttentionKind, cfg: ModelConfig, t: TokenInputs,
-                      keys: tuple[Array, ...], visible: tuple[Array, ...], streams: Array,
-                      positions: Array) -> Array:
+def attention_outputs(p: LayerParams, kind: AttentionKind, cfg: ModelConfig,
+                      compute: ComputeConfig, t: TokenInputs, keys: tuple[Array, ...],
+                      visible: tuple[Array, ...], streams: Array, positions: Array) -> Array:
     """Rows of tokens: attention over their key sets (the window's [t, W, hd], then in
     CSA/HCA layers the compressed rows [t, R, hd]), the output projection and hc_post ->
     streams [t, hc, D] after the attention sublayer."""
     cos, sin = cos_sin(positions, layer_inv_freq(cfg, kind))
-    out = attention.sink_attention_parts(t.q, keys, visible, p.attn.sinks, cfg.batch_invariant)
-    return hc_post(attention.output_projection(out, p.attn, cos, sin, cfg), streams, t.post,
-                   t.comb, invariant=cfg.batch_invariant)
+    out = attention.sink_attention_parts(t.q, keys, visible, p.attn.sinks, compute)
+    return hc_post(attention.output_projection(out, p.attn, cos, sin, cfg, compute), streams,
+                   t.post, t.comb, compute)
 
 
-def ffn_outputs(p: LayerParams, mlp_kind: MlpKind, cfg: ModelConfig, streams: Array,
-                token_ids: Array, valid: Array | None = None) -> Array:
+def ffn_outputs(p: LayerParams, mlp_kind: MlpKind, cfg: ModelConfig, compute: ComputeConfig,
+                streams: Array, token_ids: Array, valid: Array | None = None) -> Array:
     """Rows of tokens: the MoE sublayer -> new streams [t, hc, D] (valid bool[t]: False for
     the bucket's padding rows, which then read no routed expert)."""
-    inv = cfg.batch_invariant
-    collapsed, post, comb = hc_pre(streams, p.ffn_hc, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
-                                   sinkhorn_iters=cfg.hc_sinkhorn_iters, invariant=inv)
+    collapsed, post, comb = hc_pre(streams, p.ffn_hc, hc_eps=cfg.hc_eps,
+                                   norm_eps=cfg.rms_norm_eps,
+                                   sinkhorn_iters=cfg.hc_sinkhorn_iters, compute=compute)
     f = moe(rms_norm(collapsed, p.ffn_norm, cfg.rms_norm_eps), token_ids, p.moe, mlp_kind, cfg,
-            valid)
-    return hc_post(f, streams, post, comb, invariant=inv)
-
-
-def ffn_rowwise(p: LayerParams, cfg: ModelConfig, streams: Array, rowwise: Callable) -> Callable:
-    """How the MoE sublayer runs. Where its routed experts run on the grouped-GEMM kernel (row
-    by row by construction) batch-invariant mode runs it over the whole batch at once: tile by
-    tile, every tile would read all the experts it hits again (about 4x the expert weights per
-    256-token chunk, which would account for most of the mode's measured prefill cost).
-    Its other ops are elementwise, row-wise or invariant by themselves (`invariant=`)."""
-    return _apply if experts_on_kernel(streams.shape[0], streams.dtype, p.moe, cfg) else rowwise
+            compute, valid)
+    return hc_post(f, streams, post, comb, compute)
 
 
 def select_rows(t_q: Array, t_w: Array, ls: LayerState, ctx: TokenContext, cfg: ModelConfig,
-                ecfg: ResolvedEngineConfig, rowwise: Callable) -> tuple[Array, Array]:
+                ecfg: ResolvedEngineConfig) -> tuple[Array, Array]:
     """CSA: the indexer's top-k rows per token -> (rows [T, k, hd], visible bool[T, k]).
 
-    Where the indexer kernel runs, each token's scores come from its sequence's keys
-    (gathered once per sequence) with its queries rounded to bf16, as HF's are; else from
-    keys gathered per token ([T, R, Id]) in float32."""
+    Each token scores its sequence's keys (gathered once per sequence, not per token). A
+    top-k is a selection (ties to the lower index), exact for any batch, so it needs no row
+    tiles even in batch-invariant mode."""
+    compute = ecfg.compute
     rate, max_rows = cfg.compress_rate_csa, ecfg.max_rows(cfg.compress_rate_csa)
     k = min(cfg.index_topk, max_rows)
-
-    def top_of(scores, visible):                                         # per token
-        _, top = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), k)
-        return top, jnp.take_along_axis(visible, top, axis=-1)
-
-    q_bf16 = t_q.astype(jnp.bfloat16)
-    if indexer_kernel.kernel_runs(q_bf16, ls.index_keys):
-        keys = sequence_rows(ls.index_keys, ctx.block_table, rate=rate, page_size=ecfg.page_size,
-                             max_rows=max_rows)                                  # [N, R, Id]
-        token_seq = jnp.where(ctx.valid, ctx.seq, -1)
-        scores = indexer_kernel.indexer_scores(q_bf16, keys, t_w, token_seq)    # [T, R]
-        # no row tiles even in batch-invariant mode: the kernel scores each token in its own
-        # program, and a top-k is a selection (ties to the lower index), exact for any batch
-        top, top_visible = top_of(scores, row_visibility(ctx, rate=rate, max_rows=max_rows))
-    else:
-        keys, visible = visible_rows(ls.index_keys, ctx, rate=rate, page_size=ecfg.page_size,
-                                     max_rows=max_rows)                          # [T, R, Id]
-
-        def top_rows(q, w, keys, visible):                               # per token
-            return top_of(indexer.index_scores(q[:, None], w[:, None], keys)[:, 0], visible)
-
-        top, top_visible = rowwise(top_rows, t_q, t_w, keys, visible)
-    index = settled(row_index(ctx.block_table, ctx.seq[:, None], top, rate, ecfg.page_size))
+    keys = sequence_rows(ls.index_keys, ctx.block_table, rate=rate, page_size=ecfg.page_size,
+                         max_rows=max_rows, launch_bound=ctx.launch_bound)      # [N, R, Id]
+    scores = indexer_op.indexer_scores(
+        t_q, keys, t_w, jnp.where(ctx.valid, ctx.seq, -1),
+        implementation=compute.kernels.indexer,
+        row_tile=compute.invariant_tile if compute.batch_invariant else None)   # [T, R]
+    visible = row_visibility(ctx, rate=rate, max_rows=max_rows)
+    _, top = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), k)
+    top_visible = jnp.take_along_axis(visible, top, axis=-1)
+    index = settled(ctx.launch_bound,
+                    row_index(ctx.block_table, ctx.seq[:, None], top, rate, ecfg.page_size))
     return ls.rows[index], top_visible
 
 
@@ -164,16 +144,17 @@ def layer_step(p: LayerParams, streams: Array, token_ids: Array, ctx: TokenConte
                kind: AttentionKind, mlp_kind: MlpKind, ls: LayerState, cfg: ModelConfig,
                ecfg: ResolvedEngineConfig) -> tuple[Array, LayerState]:
     """One block on the flat batch's residual streams [T, hc, D]."""
-    rowwise = rowwise_for(cfg)
-    untiled = cfg.batch_invariant and untiled_segments()
-    t = (_apply if untiled else rowwise)(lambda s, pos: token_inputs(p, kind, cfg, s, pos),
-                                         streams, ctx.positions)
+    compute = ecfg.compute
+    segment = segments(compute)
+    t = segment(lambda s, pos: token_inputs(p, kind, cfg, compute, s, pos), streams,
+                ctx.positions)
     keys, visible = window_keys(t.kv, ls.window, ctx, cfg.sliding_window)   # [T, W, hd]
-    ls = dataclasses.replace(ls, window=write_ring(ls.window, t.kv, ctx, cfg.batch_invariant))
+    ls = dataclasses.replace(ls, window=write_ring(ls.window, t.kv, ctx, compute.batch_invariant))
     if kind is not AttentionKind.SLIDING:
         rate = cfg.compress_rate(kind)
         common = dict(rate=rate, freqs=layer_inv_freq(cfg, kind), eps=cfg.rms_norm_eps,
-                      page_size=ecfg.page_size, rowwise=rowwise, invariant=cfg.batch_invariant,
+                      page_size=ecfg.page_size, rowwise=rowwise(compute),
+                      invariant=compute.batch_invariant,
                       max_new_rows=streams.shape[0] // rate + ctx.block_table.shape[0])
         rows, tail = close_rows(t.comp_kv, t.comp_score, p.attn.compressor, ls.tail, ls.rows, ctx,
                                 overlap=kind is AttentionKind.CSA, **common)
@@ -183,7 +164,7 @@ def layer_step(p: LayerParams, streams: Array, token_ids: Array, ctx: TokenConte
                                                 ls.index_tail, ls.index_keys, ctx, overlap=True,
                                                 **common)
             ls = dataclasses.replace(ls, index_keys=index_keys, index_tail=index_tail)
-            rows_seen, rows_visible = select_rows(t.index_q, t.index_w, ls, ctx, cfg, ecfg, rowwise)
+            rows_seen, rows_visible = select_rows(t.index_q, t.index_w, ls, ctx, cfg, ecfg)
         else:
             rows_seen, rows_visible = visible_rows(ls.rows, ctx, rate=rate,
                                                    page_size=ecfg.page_size,
@@ -191,20 +172,16 @@ def layer_step(p: LayerParams, streams: Array, token_ids: Array, ctx: TokenConte
         keys, visible = (keys, rows_seen), (visible, rows_visible)
     else:
         keys, visible = (keys,), (visible,)
-    # attention itself is row by row only on its kernel (one program per token)
-    untiled = untiled and attention_kernel.kernel_runs(t.q, keys[0], invariant=True)
-    streams = (_apply if untiled else rowwise)(lambda *a: attention_outputs(p, kind, cfg, *a),
-                                               t, keys, visible, streams, ctx.positions)
-    streams = ffn_rowwise(p, cfg, streams, rowwise)(
-        lambda s, ids, ok: ffn_outputs(p, mlp_kind, cfg, s, ids, ok), streams, token_ids,
-        ctx.valid)
-    return streams, ls
+    streams = segment(lambda *a: attention_outputs(p, kind, cfg, compute, *a), t, keys, visible,
+                      streams, ctx.positions)
+    return segment(lambda s, ids, ok: ffn_outputs(p, mlp_kind, cfg, compute, s, ids, ok),
+                   streams, token_ids, ctx.valid), ls
 
 
 def forward_step(params: ModelParams, state: StateCache, plan, token_ids: Array,
                  cfg: ModelConfig, ecfg: ResolvedEngineConfig) -> tuple[StateCache, Array]:
     """One ragged step over token_ids i32[T] -> (new state, final residual streams [T, hc, D])."""
-    ctx = token_context(plan)
+    ctx = token_context(plan, ecfg.compute.launch_bound)
     x = params.embed[token_ids]
     streams = jnp.broadcast_to(x[:, None, :], (x.shape[0], cfg.hc_mult, x.shape[-1]))
     layer_states = []

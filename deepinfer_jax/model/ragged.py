@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from pallas_kernels.common import settled
+from pallas_kernels import common
 
 Array = jax.Array
 
@@ -27,16 +27,28 @@ class TokenContext:
     start: Array         # i32[T]   first position of the sequence in this step
     end: Array           # i32[T]   one past its last position in this step
     block_table: Array   # i32[N, max_blocks]
+    # the GPU formulation (ComputeConfig.launch_bound): index arrays settled before use
+    launch_bound: bool = struct.field(pytree_node=False, default=False)
 
 
-def token_context(plan) -> TokenContext:
+def settled(launch_bound: bool, *indices: Array):
+    """Index arrays computed once before the wide gathers or scatters that use them, in the
+    GPU formulation (pallas_kernels.common.settled: XLA's GPU fusion would recompute an
+    index's arithmetic for every element it moves); as they are elsewhere."""
+    if not launch_bound:
+        return indices[0] if len(indices) == 1 else indices
+    return common.settled(*indices)
+
+
+def token_context(plan, launch_bound: bool) -> TokenContext:
     n = plan.seq_slot.shape[0]
     valid = plan.token_seq < n
     seq = jnp.minimum(plan.token_seq, n - 1)
     start = plan.seq_start[seq]
     return TokenContext(positions=plan.positions, valid=valid, seq=seq,
                         slot=plan.seq_slot[seq], start=start,
-                        end=start + plan.seq_len[seq], block_table=plan.block_table)
+                        end=start + plan.seq_len[seq], block_table=plan.block_table,
+                        launch_bound=launch_bound)
 
 
 def ring_or_flat_index(ctx: TokenContext, flat_index: Array, positions: Array, ring: int,
@@ -56,8 +68,8 @@ def window_keys(kv: Array, window: Array, ctx: TokenContext, width: int) -> tupl
     dist = jnp.arange(width)
     positions = ctx.positions[:, None] - dist                               # [T, W]
     token = jnp.arange(num_tokens)
-    index = settled(ring_or_flat_index(ctx, token[:, None] - dist, positions, ring, num_tokens,
-                                       token))
+    index = settled(ctx.launch_bound, ring_or_flat_index(ctx, token[:, None] - dist, positions,
+                                                         ring, num_tokens, token))
     source = jnp.concatenate([kv, window.reshape(-1, kv.shape[-1])])
     visible = (positions >= 0) & ctx.valid[:, None]
     return source[index], visible
@@ -75,7 +87,8 @@ def write_ring(ring: Array, values: Array, ctx: TokenContext, order_free: bool) 
     pool's) took 5x longer with it (2.8 -> 14 ms each, step-profile-gpu.md)."""
     slots, size = ring.shape[:2]
     keep = ctx.valid & (ctx.positions >= ctx.end - size)
-    dest = settled(jnp.where(keep, ctx.slot * size + ctx.positions % size, slots * size))
+    dest = settled(ctx.launch_bound,
+                   jnp.where(keep, ctx.slot * size + ctx.positions % size, slots * size))
     flat = ring.reshape(slots * size, -1).at[dest].set(values.astype(ring.dtype), mode="drop",
                                                         unique_indices=order_free)
     return flat.reshape(ring.shape)

@@ -1,24 +1,25 @@
-"""Grouped GEMM dispatch: the Mosaic GPU kernel or the jnp reference, same contract.
+"""The grouped GEMM: implementation tables ("mosaic_gpu", "interpret", "dense", "reference").
 
 `grouped_matmul(lhs, rhs, group_sizes, ...)` is reference.grouped_matmul's contract (rows
 sorted by group). On the kernel path the rows are laid out in whole tiles per group
 (layout.py), multiplied, and gathered back. `expert_mlp` chains the gate/up GEMM (SwiGLU in
 its epilogue) and the down GEMM in that tiled layout, so the intermediate is never re-laid.
-The batch-invariant mode's configs and its dense GEMM (the same kernel on one group) are in
-invariant.py.
+The batch-invariant mode's dense GEMM (the same kernel on one group) is in invariant.py.
 
-Shapes the kernel cannot tile (K or N not a multiple of its blocks, as in tiny test models)
-take the reference path; `kernel_runs(...)` says which path a shape gets.
+The kernels raise NotSupported for shapes they cannot tile (K or N not a multiple of their
+blocks, as in tiny test models) and dtypes other than 16-bit floats. "dense" is the jnp form
+for launch-bound devices (one einsum over every group, for small products; NotSupported for
+large ones), "reference" XLA's ragged_dot, which takes everything.
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import gpu_interpret, implementation
+from pallas_kernels.common import NotSupported, dispatch, kernel_mode
 from pallas_kernels.grouped_gemm import (
     layout,
     mosaic_gpu,
@@ -32,19 +33,16 @@ from pallas_kernels.grouped_gemm.mosaic_gpu_persistent import PersistentConfig
 from pallas_kernels.grouped_gemm.mosaic_gpu_ws import WarpSpecializedConfig
 
 Config = TileConfig | WarpSpecializedConfig | PersistentConfig
-
-# tests/kernels passed on the H200 (2026-11-29): the kernel is the default on SM90+ GPUs.
-VALIDATED_ON_GPU = True
+Implementation = str | tuple[str, ...]
 
 
 def default_config(num_rows: int, n_out: int, fp8: bool = False, swiglu: bool = False,
                    warp_specialized: bool = True) -> Config:
-    """Measured on the H200 (bench/results/kernels-moe-gpu.md). Small (decode) batches:
-    64-row tiles, since a hit expert usually has one or two rows and the padded layout grows
-    with the tile. Large batches: 128-row tiles, bf16 ones on the warp-specialised kernel
-    (gate/up 401 vs 334 TFLOP/s at 8k tokens, down 348 vs 334); on the one-warpgroup
-    kernel the SwiGLU epilogue's two accumulators 64 columns each (128 x 128 x 2 f32
-    accumulators spill: 111 vs 267 TFLOP/s)."""
+    """Small (decode) batches: 64-row tiles, since a hit expert usually has one or two rows
+    and the padded layout grows with the tile. Large batches: 128-row tiles, bf16 ones on the
+    warp-specialised kernel; on the one-warpgroup kernel the SwiGLU epilogue's two
+    accumulators 64 columns each (128 x 128 x 2 f32 accumulators spill). Each choice was
+    measured on the H200 (docs/performance-log.md)."""
     if num_rows >= 4096 and warp_specialized and not fp8:
         block_n = next((b for b in ((128, 64) if swiglu else (256, 128)) if n_out % b == 0), 0)
         if block_n:
@@ -73,40 +71,53 @@ def kernel_fits(k: int, n_out: int, config: Config, fp8: bool, dtype=jnp.bfloat1
     return True
 
 
-def kernel_runs(num_rows: int, k: int, n_out: int, fp8: bool = False,
-                impl: str | None = None, dtype=jnp.bfloat16, config: Config | None = None) -> bool:
-    """Whether grouped_matmul takes the kernel path for this shape and dtype (and config,
-    default_config's if None)."""
-    impl = impl or implementation(VALIDATED_ON_GPU, "grouped_gemm")
-    config = config or default_config(num_rows, n_out, fp8)
-    return impl != "reference" and kernel_fits(k, n_out, config, fp8, dtype)
+def _check_fits(k: int, n_out: int, config: Config, fp8: bool, dtype) -> None:
+    if not kernel_fits(k, n_out, config, fp8, dtype):
+        raise NotSupported(f"K={k}, N={n_out}, {jnp.dtype(dtype)} with {config}")
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                    rhs_scale: jax.Array | None = None, swiglu_limit: float | None = None,
-                   impl: str | None = None, config: Config | None = None) -> jax.Array:
+                   implementation: Implementation = "reference",
+                   config: Config | None = None) -> jax.Array:
     """lhs [M, K] rows sorted by group, rhs [G, K, N], group_sizes i32[G] -> [M, N]
-    ([M, N/2] with swiglu_limit). impl: "reference", "mosaic_gpu" or "interpret"; config:
-    the one-warpgroup kernel's TileConfig or the warp-specialised kernel's config."""
-    impl = impl or implementation(VALIDATED_ON_GPU, "grouped_gemm")
+    ([M, N/2] with swiglu_limit). config: the kernels' tile config (default_config's if
+    None)."""
+    return dispatch("grouped_gemm", _MATMUL, implementation, lhs, rhs, group_sizes,
+                    rhs_scale=rhs_scale, swiglu_limit=swiglu_limit, config=config)
+
+
+def _matmul_kernel(lhs, rhs, group_sizes, *, rhs_scale, swiglu_limit, config, interpret):
     n_out = rhs.shape[2] // (2 if swiglu_limit is not None else 1)
     config = config or default_config(lhs.shape[0], n_out, rhs_scale is not None,
                                       swiglu_limit is not None)
-    if impl == "reference" or not kernel_fits(lhs.shape[1], n_out, config,
-                                              rhs_scale is not None, lhs.dtype):
-        return reference.grouped_matmul(lhs, rhs, group_sizes, rhs_scale=rhs_scale,
-                                        swiglu_limit=swiglu_limit)
-    with kernel_mode(impl):
+    _check_fits(lhs.shape[1], n_out, config, rhs_scale is not None, lhs.dtype)
+    with kernel_mode(interpret):
         tiles = layout.tile_layout(group_sizes, lhs.shape[0], config.block_m)
         return _tiled(_rows_to_tiles(lhs, tiles, config.block_m), rhs, tiles, rhs_scale,
                       swiglu_limit, config, sorted_rows=lhs.shape[0])
 
 
+def _matmul_jnp(lhs, rhs, group_sizes, *, rhs_scale, swiglu_limit, config, dense):
+    if dense and lhs.shape[0] * rhs.shape[0] * rhs.shape[2] > reference.DENSE_PRODUCTS:
+        raise NotSupported("too many products for the dense form")
+    return reference.grouped_matmul(lhs, rhs, group_sizes, rhs_scale=rhs_scale,
+                                    swiglu_limit=swiglu_limit, dense=dense)
+
+
+_MATMUL = {
+    "mosaic_gpu": functools.partial(_matmul_kernel, interpret=False),
+    "interpret": functools.partial(_matmul_kernel, interpret=True),
+    "dense": functools.partial(_matmul_jnp, dense=True),
+    "reference": functools.partial(_matmul_jnp, dense=False),
+}
+
+
 def expert_mlp(x: jax.Array, w13: jax.Array, w2: jax.Array, group_sizes: jax.Array,
                swiglu_limit: float, *, w13_scale: jax.Array | None = None,
-               w2_scale: jax.Array | None = None, impl: str | None = None,
+               w2_scale: jax.Array | None = None, implementation: Implementation = "reference",
                configs: tuple[Config, Config] | None = None, source_rows: jax.Array | None = None,
-               out_order: jax.Array | None = None) -> jax.Array:
+               out_order: jax.Array | None = None, invariant: bool = False) -> jax.Array:
     """Each row through its group's clamped-SwiGLU expert: x [M, D] sorted by group,
     w13 [G, D, 2I] (gate | up), w2 [G, I, D] -> [M, D] in x's dtype. configs: the gate/up
     and down kernels' (their tiles must have the same rows).
@@ -114,8 +125,18 @@ def expert_mlp(x: jax.Array, w13: jax.Array, w2: jax.Array, group_sizes: jax.Arr
     source_rows i32[M]: x is [N, D] and sorted row i is x[source_rows[i]]; out_order i32[M]:
     row j of the result is sorted row out_order[j]. The routed experts pass both (tokens in,
     (token, slot) pairs out), and on the kernel path the rows then move straight between x,
-    the tiles and the result, without sorted copies in between."""
-    impl = impl or implementation(VALIDATED_ON_GPU, "grouped_gemm")
+    the tiles and the result, without sorted copies in between.
+
+    invariant: a row's result must not depend on the batch. The kernels' rows never do
+    (wgmma sums a row the same way whatever the tile's shape or the row's place in it); the
+    jnp forms then run each row on its own."""
+    return dispatch("expert_mlp", _EXPERT_MLP, implementation, x, w13, w2, group_sizes,
+                    swiglu_limit, w13_scale=w13_scale, w2_scale=w2_scale, configs=configs,
+                    source_rows=source_rows, out_order=out_order, invariant=invariant)
+
+
+def _expert_mlp_kernel(x, w13, w2, group_sizes, swiglu_limit, *, w13_scale, w2_scale,
+                       configs, source_rows, out_order, invariant, interpret):
     rows = x.shape[0] if source_rows is None else source_rows.shape[0]
     dim, inter = x.shape[1], w2.shape[1]
     fp8 = w13_scale is not None
@@ -123,14 +144,9 @@ def expert_mlp(x: jax.Array, w13: jax.Array, w2: jax.Array, group_sizes: jax.Arr
                                    default_config(rows, dim, fp8))
     if up_cfg.block_m != down_cfg.block_m:
         raise ValueError("the gate/up and down kernels must tile the same rows")
-    if (impl == "reference" or not kernel_fits(dim, inter, up_cfg, fp8, x.dtype)
-            or not kernel_fits(inter, dim, down_cfg, fp8, x.dtype)):
-        sorted_x = x if source_rows is None else x[source_rows]
-        hidden = reference.grouped_matmul(sorted_x, w13, group_sizes, rhs_scale=w13_scale,
-                                          swiglu_limit=swiglu_limit)
-        out = reference.grouped_matmul(hidden, w2, group_sizes, rhs_scale=w2_scale)
-        return out if out_order is None else out[out_order]
-    with kernel_mode(impl):
+    _check_fits(dim, inter, up_cfg, fp8, x.dtype)
+    _check_fits(inter, dim, down_cfg, fp8, x.dtype)
+    with kernel_mode(interpret):
         tiles = layout.tile_layout(group_sizes, rows, up_cfg.block_m)
         if source_rows is None:
             tiled = _rows_to_tiles(x, tiles, up_cfg.block_m)
@@ -145,13 +161,41 @@ def expert_mlp(x: jax.Array, w13: jax.Array, w2: jax.Array, group_sizes: jax.Arr
                                  out_order)
 
 
+def _expert_mlp_jnp(x, w13, w2, group_sizes, swiglu_limit, *, w13_scale, w2_scale, configs,
+                    source_rows, out_order, invariant, dense):
+    sorted_x = x if source_rows is None else x[source_rows]
+    if invariant:
+        if dense:
+            raise NotSupported("batch-invariant mode runs rows one by one")
+        if w13_scale is not None:
+            w13 = reference.dequantize(w13, w13_scale, x.dtype)
+            w2 = reference.dequantize(w2, w2_scale, x.dtype)
+        out = reference.expert_rows_one_by_one(sorted_x, w13, w2, group_sizes, swiglu_limit)
+    else:   # the dense form where each product is small enough (each GEMM decides)
+        def small(rows, w):
+            return dense and rows.shape[0] * w.shape[0] * w.shape[2] <= reference.DENSE_PRODUCTS
+
+        hidden = reference.grouped_matmul(sorted_x, w13, group_sizes, rhs_scale=w13_scale,
+                                          swiglu_limit=swiglu_limit, dense=small(sorted_x, w13))
+        out = reference.grouped_matmul(hidden, w2, group_sizes, rhs_scale=w2_scale,
+                                       dense=small(hidden, w2))
+    return out if out_order is None else out[out_order]
+
+
+_EXPERT_MLP = {
+    "mosaic_gpu": functools.partial(_expert_mlp_kernel, interpret=False),
+    "interpret": functools.partial(_expert_mlp_kernel, interpret=True),
+    "dense": functools.partial(_expert_mlp_jnp, dense=True),
+    "reference": functools.partial(_expert_mlp_jnp, dense=False),
+}
+
+
 # Tokens in (source_rows): a gather straight into the tiles writes every possible tile's rows,
 # used or not. A decode bucket's layout has room for far more tiles than it fills (16 tokens x
 # top-6: 96 rows, room for 96 tiles of 64 = 6144 rows, a 50 MB gather a layer at V4-Flash's
-# hidden size, 0.124 ms of a 4-layer batch-1 step on the H200, step-profile-gpu.md). Where the
-# tiles' room is this many times the rows, the rows are gathered in sorted order first (M rows)
-# and copied into their tiles by TMA (the used tiles' rows only); a prefill's tiles are mostly
-# full, and the one gather is cheaper there.
+# hidden size). Where the tiles' room is this many times the rows, the rows are gathered in
+# sorted order first (M rows) and copied into their tiles by TMA (the used tiles' rows only);
+# a prefill's tiles are mostly full, and the one gather is cheaper there.
 SPARSE_TILES = 4
 
 
@@ -183,8 +227,3 @@ def _tiled(lhs, rhs, tiles: layout.TileLayout, rhs_scale, swiglu_limit,
         out = mosaic_gpu.tiled_group_matmul(lhs, rhs, tiles.tile_group, rhs_scale,
                                             swiglu_limit=swiglu_limit, config=config)
     return out if sorted_rows is None else layout.from_tiles(out, tiles)
-
-
-def kernel_mode(impl: str):
-    """The kernel compiled for the GPU, or simulated on the CPU (impl="interpret")."""
-    return gpu_interpret() if impl == "interpret" else contextlib.nullcontext()

@@ -13,8 +13,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import launch_bound
-
 SCALE_BLOCK = 128
 
 
@@ -33,9 +31,9 @@ def swiglu(gate_up: jax.Array, limit: float) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
-# Up to this many products (rows x groups x columns) the jnp path off the CPU computes every
-# group's product for every row and keeps each row's own: XLA's GPU ragged_dot runs a loop
-# over the groups (a few launches each), which dominated a small model's decode step there.
+# Up to this many products (rows x groups x columns) the dense form (api's "dense") computes
+# every group's product for every row and keeps each row's own: XLA's GPU ragged_dot runs a
+# loop over the groups (a few launches each), most of a small model's decode step there.
 DENSE_PRODUCTS = 1 << 24
 
 
@@ -52,12 +50,11 @@ def dense_grouped_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) ->
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                    rhs_scale: jax.Array | None = None,
-                   swiglu_limit: float | None = None, dense: bool | None = None) -> jax.Array:
-    """dense: None picks dense_grouped_dot off the CPU for small products, ragged_dot else."""
+                   swiglu_limit: float | None = None, dense: bool = False) -> jax.Array:
+    """dense: dense_grouped_dot (one einsum, for small products on launch-bound devices);
+    else ragged_dot."""
     if rhs_scale is not None:
         rhs = dequantize(rhs, rhs_scale, lhs.dtype)
-    if dense is None:
-        dense = launch_bound() and lhs.shape[0] * rhs.shape[0] * rhs.shape[2] <= DENSE_PRODUCTS
     if dense:
         out = dense_grouped_dot(lhs, rhs, group_sizes)
     else:
@@ -65,3 +62,21 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     if swiglu_limit is not None:
         out = swiglu(out, swiglu_limit)
     return out.astype(lhs.dtype)
+
+
+def expert_rows_one_by_one(x: jax.Array, w13: jax.Array, w2: jax.Array, group_sizes: jax.Array,
+                           swiglu_limit: float) -> jax.Array:
+    """Each sorted row [M, D] through its group's expert on its own (batch-invariant mode's jnp
+    path: a grouped product's per-row result may depend on how many rows its group has).
+    Rows past the groups' total come out 0."""
+    num_groups = w13.shape[0]
+    ends = jnp.cumsum(group_sizes)
+    group = jnp.sum(ends[None, :] <= jnp.arange(x.shape[0])[:, None], axis=1)
+
+    def one(pair):
+        row, g = pair
+        e = jnp.minimum(g, num_groups - 1)
+        hidden = swiglu(row[None] @ w13[e], swiglu_limit).astype(row.dtype)
+        return jnp.where(g < num_groups, (hidden @ w2[e])[0], 0)
+
+    return jax.lax.map(one, (x, group))

@@ -1,28 +1,24 @@
-"""Indexer-score dispatch: the Mosaic GPU kernel or the jnp reference, same contract.
+"""Indexer scores: the implementation table ("mosaic_gpu", "interpret", "reference").
 
-`indexer_scores(q, keys, weights, token_seq)` is reference.indexer_scores's contract: each
-token scores its own sequence's compressed keys. On the kernel path the key rows are padded
-to the kernel's ranges (zero keys, their scores cut off after) and padding tokens' scores
-set to 0 (the kernel leaves them unwritten). Shapes or dtypes the kernel does not take go to
-the reference.
+`indexer_scores(q, keys, weights, token_seq, implementation=...)` is reference.indexer_scores's
+contract: each token scores its own sequence's compressed keys. The kernel multiplies in the
+keys' dtype (bf16: the queries are rounded to it, as the HF model's are); the reference in
+the queries' dtype. On the kernel path the key rows are padded to the kernel's ranges (zero
+keys, their scores cut off after) and padding tokens' scores set to 0 (the kernel leaves them
+unwritten).
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import gpu_interpret, implementation
+from pallas_kernels.common import NotSupported, dispatch, in_row_tiles, kernel_mode
 from pallas_kernels.indexer import reference
 from pallas_kernels.indexer.mosaic_gpu import HEADS, IndexerConfig
 from pallas_kernels.indexer.mosaic_gpu import indexer_scores as kernel
-
-# tests/kernels/test_indexer.py passed on the H200 (2026-11-30) and the kernel path ran 1.3-4.5x
-# faster than the XLA path with the same top-k (bench/results/kernels-indexer-gpu.md): the
-# default on SM90+ GPUs since. DEEPINFER_KERNEL_INDEXER=reference asks for the XLA path.
-VALIDATED_ON_GPU = True
 
 
 def default_config(tokens: int) -> IndexerConfig:
@@ -32,29 +28,41 @@ def default_config(tokens: int) -> IndexerConfig:
     return IndexerConfig(range_rows=256 if tokens < 512 else 1024)
 
 
-def kernel_fits(q: jax.Array, keys: jax.Array) -> bool:
-    return (q.dtype == keys.dtype == jnp.bfloat16 and q.shape[1] == HEADS
-            and q.shape[-1] % 64 == 0)
-
-
-def kernel_runs(q: jax.Array, keys: jax.Array, impl: str | None = None) -> bool:
-    """Whether indexer_scores takes the kernel path for these operands."""
-    impl = impl or implementation(VALIDATED_ON_GPU, "indexer")
-    return impl != "reference" and kernel_fits(q, keys)
-
-
 def indexer_scores(q: jax.Array, keys: jax.Array, weights: jax.Array, token_seq: jax.Array, *,
-                   impl: str | None = None, config: IndexerConfig | None = None) -> jax.Array:
+                   implementation: str | tuple[str, ...] = "reference",
+                   config: IndexerConfig | None = None, row_tile: int | None = None
+                   ) -> jax.Array:
     """q [T, H, d], keys [N, R, d], weights f32[T, H], token_seq i32[T] (-1: padding) ->
-    f32[T, R]."""
-    impl = impl or implementation(VALIDATED_ON_GPU, "indexer")
-    if not kernel_runs(q, keys, impl):
+    f32[T, R]. row_tile: the reference scores the tokens in tiles of this many, one after
+    the other (batch-invariant mode); the kernel scores each token in its own program."""
+    return dispatch("indexer", _TABLE, implementation, q, keys, weights, token_seq,
+                    config=config, row_tile=row_tile)
+
+
+def _reference(q, keys, weights, token_seq, *, config, row_tile):
+    if row_tile is None:
         return reference.indexer_scores(q, keys, weights, token_seq)
+    return in_row_tiles(lambda q, w, s: reference.indexer_scores(q, keys, w, s), row_tile,
+                        q, weights, token_seq)
+
+
+def _kernel(q, keys, weights, token_seq, *, config, row_tile, interpret: bool):
+    if keys.dtype != jnp.bfloat16 or q.shape[1] != HEADS or q.shape[-1] % 64:
+        raise NotSupported(f"q {q.dtype}{q.shape}, keys {keys.dtype} (the kernel takes bf16 "
+                           f"keys, {HEADS} heads, dims a multiple of 64)")
+    q = q.astype(keys.dtype)
     config = config or default_config(q.shape[0])
     rows = keys.shape[1]
     pad = -rows % config.row_multiple(rows)
     keys = jnp.pad(keys, ((0, 0), (0, pad), (0, 0)))
-    with gpu_interpret() if impl == "interpret" else contextlib.nullcontext():
+    with kernel_mode(interpret):
         out = kernel(q, keys, weights.astype(jnp.float32), token_seq.astype(jnp.int32),
                      config=config)
     return jnp.where((token_seq >= 0)[:, None], out[:, :rows], 0.0)
+
+
+_TABLE = {
+    "mosaic_gpu": functools.partial(_kernel, interpret=False),
+    "interpret": functools.partial(_kernel, interpret=True),
+    "reference": _reference,
+}

@@ -107,9 +107,9 @@ def test_invariant_mode_computes_the_same_model(workload):
 
 
 # Dimensions the Pallas kernels tile (head_dim a multiple of 128, hidden and expert width of
-# 64, the indexer's 64 heads of 64): the step runs the grouped GEMM for the experts (untiled,
-# see paged_forward.ffn_rowwise), the invariant dense GEMM for the projections, the sink
-# attention and the indexer's scores; compiled on a GPU, interpreted on the CPU.
+# 64, the indexer's 64 heads of 64): the step runs the grouped GEMM for the experts, the
+# invariant dense GEMM for the projections, the sink attention and the indexer's scores;
+# compiled on a GPU, interpreted on the CPU.
 KERNEL_CFG = ModelConfig.from_json_file(REPO / "configs/tiny/tiny-mixed.json").replace(
     hidden_size=128, head_dim=128, moe_intermediate_size=64, num_mtp_layers=0,
     index_n_heads=64, index_head_dim=64)
@@ -117,27 +117,26 @@ KERNEL_CFG = ModelConfig.from_json_file(REPO / "configs/tiny/tiny-mixed.json").r
 
 @pytest.mark.skipif(jax.default_backend() == "cpu", reason="GPU: interpreted on the CPU, this "
                     "engine takes over 15 minutes (test_kernels_in_engine runs the kernels there)")
-@pytest.mark.parametrize("untiled,split_k", [("0", False), ("1", False), ("1", True)],
-                         ids=["tiled", "untiled", "untiled-split-k"])
-def test_rows_stay_invariant_on_the_kernels(monkeypatch, untiled, split_k):
+@pytest.mark.parametrize("split_k", [False, True], ids=["whole-k", "split-k"])
+def test_rows_stay_invariant_on_the_kernels(monkeypatch, split_k):
     from pallas_kernels.grouped_gemm import api as gemm
     from pallas_kernels.grouped_gemm import invariant as gemm_invariant
-    from pallas_kernels.indexer import api as indexer
+    from pallas_kernels.indexer.mosaic_gpu import HEADS as INDEXER_HEADS
     from pallas_kernels.sink_attention import api as attention
 
     monkeypatch.setenv("DEEPINFER_KERNELS", "mosaic_gpu")
     inter, hidden = KERNEL_CFG.moe_intermediate_size, KERNEL_CFG.hidden_size
-    monkeypatch.setenv("DEEPINFER_INVARIANT_UNTILED", untiled)   # invariant.untiled_segments
     if split_k:     # the dense GEMM's K in ranges (invariant_split_k), small enough here
-        monkeypatch.setattr(gemm_invariant, "SPLIT_K_ON_GPU", True)
         monkeypatch.setattr(gemm_invariant, "MIN_SPLIT_K", 64)
         assert gemm_invariant.dense_invariant_config(64, hidden, hidden).split_k > 1
+    # the kernels take these shapes (else they would fall through to the jnp paths)
     q = jnp.zeros((1, KERNEL_CFG.num_heads, KERNEL_CFG.head_dim), jnp.bfloat16)
-    assert attention.kernel_runs(q, q)                              # the kernels really run
-    index_q = jnp.zeros((1, KERNEL_CFG.index_n_heads, KERNEL_CFG.index_head_dim), jnp.bfloat16)
-    assert indexer.kernel_runs(index_q, index_q)
-    assert gemm.kernel_runs(16, hidden, inter) and gemm.kernel_runs(16, inter, hidden)
-    assert gemm.kernel_runs(64, hidden, hidden, config=gemm_invariant.dense_invariant_config(64, hidden))
+    assert attention.kernel_fits(q, q, attention.default_config(1))
+    assert KERNEL_CFG.index_n_heads == INDEXER_HEADS and KERNEL_CFG.index_head_dim % 64 == 0
+    assert gemm.kernel_fits(hidden, inter, gemm.default_config(16, inter, swiglu=True), False)
+    assert gemm.kernel_fits(inter, hidden, gemm.default_config(16, hidden), False)
+    assert gemm.kernel_fits(hidden, hidden, gemm_invariant.dense_invariant_config(64, hidden),
+                            False)
     model = deepinfer_jax.Model(KERNEL_CFG, deepinfer_jax.random_params(KERNEL_CFG, 3,
                                                                         jnp.bfloat16))
     llm = deepinfer_jax.LLM(model, batch_invariant=True, max_num_seqs=8, max_model_len=320,
@@ -150,41 +149,40 @@ def test_rows_stay_invariant_on_the_kernels(monkeypatch, untiled, split_k):
     assert same(logprobs(llm.generate(prompts, params, use_tqdm=False)), alone)
 
 
-def test_untiled_segments_are_the_same_computation(monkeypatch):
-    """Untiled segments (the GPU formulation's default): the attention segments leave the tile
-    loop (fewer loops in the step as lowered for CUDA) and compute the same outputs (float32,
-    so to rounding: tokens equal, logprobs close). Whether rows stay bitwise invariant that
-    way is the GPU's test above."""
+def test_untiled_segments_are_the_same_computation():
+    """The GPU formulation runs the per-token segments untiled (each matmul-like op invariant
+    by itself, fewer loops in the step as lowered for CUDA); they compute what the CPU
+    formulation's row tiles do (float32, so to rounding: tokens equal, logprobs close).
+    Whether rows stay bitwise invariant that way is the GPU's test above."""
     from deepinfer_jax.device.step import step
     from deepinfer_jax.engine.transfer import Wire
     from deepinfer_jax.host.plan_builder import build_plan
     from deepinfer_jax.host.scheduler import ScheduleDecision
 
-    monkeypatch.setenv("DEEPINFER_STEP_FORMULATION", "gpu")
     cfg = ModelConfig.from_json_file(REPO / "configs/tiny/tiny-mixed.json").replace(
         num_mtp_layers=0)
     model = deepinfer_jax.Model(cfg, deepinfer_jax.random_params(cfg, 3, jnp.float32))
     rng = np.random.default_rng(2)
     prompts = [rng.integers(2, 512, size=int(n)).tolist() for n in (7, 90, 150)]
     results, loops = {}, {}
-    for untiled in ("0", "1"):
-        monkeypatch.setenv("DEEPINFER_INVARIANT_UNTILED", untiled)
+    for formulation in ("cpu", "gpu"):
         llm = deepinfer_jax.LLM(model, batch_invariant=True, max_num_seqs=4, max_model_len=256,
                                 max_num_batched_tokens=64, token_buckets=(64,), page_size=64,
-                                show_progress=False)
+                                show_progress=False, step_formulation=formulation)
         engine = llm.engine
+        assert engine.ecfg.compute.tile_segments == (formulation == "cpu")
         wire = Wire.of(build_plan(ScheduleDecision(()), 64, engine.ecfg))
-        traced = jax.jit(lambda p, s, b: step(p, s, wire.unpack_device(b), cfg=engine.cfg,
-                                              ecfg=engine.ecfg))
+        traced = jax.jit(lambda p, s, b, engine=engine, wire=wire: step(
+            p, s, wire.unpack_device(b), cfg=engine.cfg, ecfg=engine.ecfg, truncation=False))
         module = jax.export.export(traced, platforms=["cuda"])(
             engine.params, engine.state, wire.spec()).mlir_module()
-        loops[untiled] = module.count("stablehlo.while")
+        loops[formulation] = module.count("stablehlo.while")
         out = llm.generate(prompts, PARAMS, use_tqdm=False)
-        results[untiled] = ([o.token_ids for o in out], logprobs(out))
-    assert loops["1"] < loops["0"]
-    assert results["1"][0] == results["0"][0]
-    np.testing.assert_allclose(np.concatenate(results["1"][1]), np.concatenate(results["0"][1]),
-                               atol=1e-4)
+        results[formulation] = ([o.token_ids for o in out], logprobs(out))
+    assert loops["gpu"] < loops["cpu"]
+    assert results["gpu"][0] == results["cpu"][0]
+    np.testing.assert_allclose(np.concatenate(results["gpu"][1]),
+                               np.concatenate(results["cpu"][1]), atol=1e-4)
 
 
 @pytest.mark.parametrize("cfg", ["tiny-mixed", "kernel dims"])
@@ -203,9 +201,8 @@ def test_the_gpu_step_lowers_with_every_kernel(monkeypatch, cfg):
 
     monkeypatch.setenv("DEEPINFER_STEP_FORMULATION", "gpu")
     monkeypatch.setenv("DEEPINFER_KERNELS", "mosaic_gpu")      # read when the step is traced
-    config = (KERNEL_CFG if cfg == "kernel dims" else ModelConfig.from_json_file(
-        REPO / "configs/tiny/tiny-mixed.json").replace(num_mtp_layers=0)).replace(
-        batch_invariant=True)
+    config = KERNEL_CFG if cfg == "kernel dims" else ModelConfig.from_json_file(
+        REPO / "configs/tiny/tiny-mixed.json").replace(num_mtp_layers=0)
     params = deepinfer_jax.random_params(config, 3, jnp.bfloat16)
     ecfg = EngineConfig(batch_invariant=True, max_num_seqs=4, max_model_len=256,
                         max_num_batched_tokens=64, token_buckets=(64,), page_size=64

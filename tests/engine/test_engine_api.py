@@ -104,7 +104,7 @@ def test_no_compilation_after_startup(llm, workload):
     assert events == []
 
 
-def test_engines_of_equal_shapes_share_their_compiled_steps(llm, model, monkeypatch):
+def test_engines_of_equal_shapes_share_their_compiled_steps(llm, model):
     """A second engine whose steps would trace the same (the host-only options differ) reuses
     the first one's executables; one whose trace would differ does not."""
     from deepinfer_jax.engine.compile import _trace_key
@@ -121,6 +121,5 @@ def test_engines_of_equal_shapes_share_their_compiled_steps(llm, model, monkeypa
     assert key() != key(ecfg=deepinfer_jax.EngineConfig(
         **{**ENGINE, "max_logprobs": 3}).resolve(model.config))        # read by the step
     assert key() != key(state=jax.tree.map(lambda x: x.astype("float16"), core.state))
-    before = key()
-    monkeypatch.setenv("DEEPINFER_STEP_FORMULATION", "gpu")              # read at trace time
-    assert key() != before
+    assert key() != key(ecfg=deepinfer_jax.EngineConfig(
+        **{**ENGINE, "step_formulation": "gpu"}).resolve(model.config))  # another program

@@ -27,7 +27,7 @@ def traced_engine(**options):
     ecfg = EngineConfig(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=16,
                         token_buckets=(16,), speculative_config={"num_speculative_tokens": 3},
                         **options).resolve(model.config)
-    cfg = model.config.replace(batch_invariant=ecfg.batch_invariant)
+    cfg = model.config
     return cfg, ecfg, model.params, init_state(cfg, ecfg, model.params.embed.dtype)
 
 
@@ -45,20 +45,19 @@ def loops_and_branches(module: str) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("step_fn", [step, spec_step], ids=["plain", "speculative"])
-def test_gpu_step_has_no_conditionals_or_loops(monkeypatch, step_fn):
-    monkeypatch.setenv("DEEPINFER_STEP_FORMULATION", "gpu")
-    cfg, ecfg, params, state = traced_engine()
-    wire = Wire.of(build_plan(ScheduleDecision(()), 16, ecfg))
-
-    def lowered_for_cuda() -> str:      # a fresh jit each time: the formulation is read at trace
+def test_gpu_step_has_no_conditionals_or_loops(step_fn):
+    def lowered_for_cuda(formulation: str) -> str:
+        cfg, ecfg, params, state = traced_engine(step_formulation=formulation)
+        wire = Wire.of(build_plan(ScheduleDecision(()), 16, ecfg))
+        # the engine's variants: the sampler chosen by the host on GPUs, on the device else
+        truncation = True if formulation == "gpu" else None
         traced = jax.jit(lambda p, s, b: step_fn(p, s, wire.unpack_device(b), cfg=cfg,
-                                                 ecfg=ecfg))
+                                                 ecfg=ecfg, truncation=truncation))
         return jax.export.export(traced, platforms=["cuda"])(
             params, state, wire.spec()).mlir_module()
 
-    assert loops_and_branches(lowered_for_cuda()) == (0, 0)
-    monkeypatch.setenv("DEEPINFER_STEP_FORMULATION", "cpu")       # the test can fail:
-    whiles, cases = loops_and_branches(lowered_for_cuda())
+    assert loops_and_branches(lowered_for_cuda("gpu")) == (0, 0)
+    whiles, cases = loops_and_branches(lowered_for_cuda("cpu"))     # the test can fail:
     assert whiles > 0 and cases > 0
 
 
@@ -100,13 +99,13 @@ def test_order_dependent_scatter_is_recognised():
     assert len(order_dependent_scatters(text)) == 2
 
 
-def test_invariant_steps_scatter_without_order(monkeypatch):
+def test_invariant_steps_scatter_without_order():
     """The batch-invariant steps (plain and speculative) and the prefix cache's slot copies,
     as traced for a GPU, write only through order-free scatters."""
     from deepinfer_jax.device import snapshots
 
-    monkeypatch.setenv("DEEPINFER_STEP_FORMULATION", "gpu")
-    cfg, ecfg, params, state = traced_engine(batch_invariant=True, enable_prefix_caching=True)
+    cfg, ecfg, params, state = traced_engine(batch_invariant=True, enable_prefix_caching=True,
+                                             step_formulation="gpu")
     wire = Wire.of(build_plan(ScheduleDecision(()), 16, ecfg))
     for step_fn in (step, spec_step):
         traced = jax.jit(lambda p, s, b: step_fn(p, s, wire.unpack_device(b), cfg=cfg,

@@ -13,8 +13,9 @@ import numpy as np
 import deepinfer_jax
 from deepinfer_jax import SamplingParams
 from deepinfer_jax.config.model import ModelConfig
+from pallas_kernels.common import NotSupported
 from pallas_kernels.grouped_gemm import api as gemm
-from pallas_kernels.indexer import api as indexer
+from pallas_kernels.indexer.mosaic_gpu import HEADS as INDEXER_HEADS
 from pallas_kernels.sink_attention import api as attention
 from tests.conftest import REPO
 
@@ -38,19 +39,20 @@ INTERPRETED_ATTENTION_TOKENS = 16
 
 
 def run(monkeypatch, kernels: str):
-    monkeypatch.setenv("DEEPINFER_KERNELS", kernels)
     traced_on_kernel = []
-    if kernels == "interpret":   # (the step's trace key tells the two runs apart by the env)
-        every_size = attention.kernel_runs
+    if kernels == "interpret":
+        every_size = attention._TABLE["interpret"]
 
-        def decode_sized(q, rows, *args, **kwargs):
-            runs = q.shape[0] <= INTERPRETED_ATTENTION_TOKENS and every_size(q, rows, *args, **kwargs)
-            traced_on_kernel.append(runs)
-            return runs
-        monkeypatch.setattr(attention, "kernel_runs", decode_sized)
+        def decode_sized(q, *args, **kwargs):
+            if q.shape[0] > INTERPRETED_ATTENTION_TOKENS:
+                raise NotSupported("a prefill-sized batch, interpreted: too slow for this test")
+            traced_on_kernel.append(q.shape[0])
+            return every_size(q, *args, **kwargs)
+        monkeypatch.setitem(attention._TABLE, "interpret", decode_sized)
     model = deepinfer_jax.Model(CFG, deepinfer_jax.random_params(CFG, 3, jnp.bfloat16))
     llm = deepinfer_jax.LLM(model, max_num_seqs=2, max_model_len=256, max_num_batched_tokens=64,
-                            token_buckets=(16, 64), page_size=64, show_progress=False)
+                            token_buckets=(16, 64), page_size=64, show_progress=False,
+                            kernels=kernels)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, CFG.vocab_size, n).tolist() for n in PROMPT_LENGTHS]
     out = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2),
@@ -79,13 +81,13 @@ def compared_steps(reference, kernels):
 
 
 def test_engine_on_kernels_matches_the_reference_path(monkeypatch):
+    # the kernels take these shapes (else they would fall through to the jnp paths)
     q = jnp.zeros((1, CFG.num_heads, CFG.head_dim), jnp.bfloat16)
-    monkeypatch.setenv("DEEPINFER_KERNELS", KERNELS)
-    assert attention.kernel_runs(q, q)                              # the kernels really run
+    assert attention.kernel_fits(q, q, attention.default_config(1))
     inter, hidden = CFG.moe_intermediate_size, CFG.hidden_size
-    assert gemm.kernel_runs(16, hidden, inter) and gemm.kernel_runs(16, inter, hidden)
-    index_q = jnp.zeros((1, CFG.index_n_heads, CFG.index_head_dim), jnp.bfloat16)
-    assert indexer.kernel_runs(index_q, index_q)
+    assert gemm.kernel_fits(hidden, inter, gemm.default_config(16, inter, swiglu=True), False)
+    assert gemm.kernel_fits(inter, hidden, gemm.default_config(16, hidden), False)
+    assert CFG.index_n_heads == INDEXER_HEADS and CFG.index_head_dim % 64 == 0
     pairs = compared_steps(run(monkeypatch, "reference"), run(monkeypatch, KERNELS))
     # Same greedy tokens up to a near tie (the 40-token prompt's first step is one: 387 at
     # -4.238 against 270 at -4.270 on the reference path; the H200's kernels pick 270), and

@@ -8,9 +8,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from pallas_kernels.common import on_hopper_or_newer
+from tests.kernels.which import KERNEL
 
-KERNEL = "mosaic_gpu" if on_hopper_or_newer() else "interpret"
 K, N = 128, 256
 SIZES = {                                   # rows per group
     "balanced": [40, 40, 40, 40],

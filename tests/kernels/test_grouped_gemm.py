@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels.common import abstract_gpu
+from pallas_kernels.common import NotSupported, abstract_gpu, kernel_mode
 from pallas_kernels.grouped_gemm import (
     api,
     invariant,
@@ -34,7 +34,7 @@ from tests.kernels.gemm_cases import KERNEL, SIZES, K, N, close, expert_weights,
 def test_kernel_matches_reference_bf16(case, swiglu):
     lhs, rhs, sizes, _ = problem(SIZES[case], fp8=False)
     ref = reference.grouped_matmul(lhs, rhs, sizes, swiglu_limit=swiglu)
-    close(api.grouped_matmul(lhs, rhs, sizes, swiglu_limit=swiglu, impl=KERNEL), ref)
+    close(api.grouped_matmul(lhs, rhs, sizes, swiglu_limit=swiglu, implementation=KERNEL), ref)
 
 
 WS = WarpSpecializedConfig(block_n=64)
@@ -52,7 +52,7 @@ WS_PERSISTENT = mosaic_gpu_persistent.PersistentConfig(block_n=64, programs=3)
 def test_warp_specialized_kernel_matches_reference(case, swiglu, config):
     lhs, rhs, sizes, _ = problem(WS_SIZES[case], fp8=False)
     ref = reference.grouped_matmul(lhs, rhs, sizes, swiglu_limit=swiglu)
-    close(api.grouped_matmul(lhs, rhs, sizes, swiglu_limit=swiglu, impl=KERNEL, config=config),
+    close(api.grouped_matmul(lhs, rhs, sizes, swiglu_limit=swiglu, implementation=KERNEL, config=config),
           ref)
 
 
@@ -61,9 +61,9 @@ def test_persistent_expert_mlp_matches_the_reference_chain():
     sizes = jnp.asarray(WS_SIZES["halves at the edge"], jnp.int32)
     x = jnp.asarray(rng.standard_normal((int(sizes.sum()), K)), jnp.bfloat16)
     w13, w2 = expert_weights(rng, len(sizes))
-    close(api.expert_mlp(x, w13, w2, sizes, 7.0, impl=KERNEL,
+    close(api.expert_mlp(x, w13, w2, sizes, 7.0, implementation=KERNEL,
                          configs=(WS_PERSISTENT, dataclasses.replace(WS_PERSISTENT, block_n=128))),
-          api.expert_mlp(x, w13, w2, sizes, 7.0, impl="reference"))
+          api.expert_mlp(x, w13, w2, sizes, 7.0, implementation="reference"))
 
 
 def test_warp_specialized_expert_mlp_and_dense_invariance():
@@ -71,12 +71,13 @@ def test_warp_specialized_expert_mlp_and_dense_invariance():
     sizes = jnp.asarray(SIZES["one hot expert"], jnp.int32)
     x = jnp.asarray(rng.standard_normal((int(sizes.sum()), K)), jnp.bfloat16)
     w13, w2 = expert_weights(rng, len(sizes))
-    close(api.expert_mlp(x, w13, w2, sizes, 7.0, impl=KERNEL, configs=(WS, WS)),
-          api.expert_mlp(x, w13, w2, sizes, 7.0, impl="reference"))
-    full = np.asarray(invariant.matmul(x, w13[0], impl=KERNEL, config=WS), np.float32)
+    close(api.expert_mlp(x, w13, w2, sizes, 7.0, implementation=KERNEL, configs=(WS, WS)),
+          api.expert_mlp(x, w13, w2, sizes, 7.0, implementation="reference"))
+    full = np.asarray(invariant.matmul(x, w13[0], implementation=KERNEL, config=WS), np.float32)
     for m in (1, 3, 64):
         np.testing.assert_array_equal(
-            np.asarray(invariant.matmul(x[:m], w13[0], impl=KERNEL, config=WS), np.float32), full[:m])
+            np.asarray(invariant.matmul(x[:m], w13[0], implementation=KERNEL, config=WS),
+                       np.float32), full[:m])
 
 
 @pytest.mark.parametrize("rows", [100, 5000])
@@ -88,7 +89,7 @@ def test_default_configs_small_and_large_batches(rows):
     rhs = jnp.asarray(rng.standard_normal((6, K, N)) / 8, jnp.bfloat16)
     assert api.default_config(rows, N // 2, swiglu=True).block_m == (64 if rows < 4096 else 128)
     ref = reference.grouped_matmul(lhs, rhs, sizes, swiglu_limit=7.0)
-    close(api.grouped_matmul(lhs, rhs, sizes, swiglu_limit=7.0, impl=KERNEL), ref)
+    close(api.grouped_matmul(lhs, rhs, sizes, swiglu_limit=7.0, implementation=KERNEL), ref)
 
 
 @pytest.mark.parametrize("case", ["balanced", "empty experts"])
@@ -96,7 +97,7 @@ def test_default_configs_small_and_large_batches(rows):
 def test_kernel_matches_reference_fp8_block_scales(case, swiglu):
     lhs, rhs, sizes, scale = problem(SIZES[case], fp8=True)
     ref = reference.grouped_matmul(lhs, rhs, sizes, rhs_scale=scale, swiglu_limit=swiglu)
-    out = api.grouped_matmul(lhs, rhs, sizes, rhs_scale=scale, swiglu_limit=swiglu, impl=KERNEL,
+    out = api.grouped_matmul(lhs, rhs, sizes, rhs_scale=scale, swiglu_limit=swiglu, implementation=KERNEL,
                              config=TileConfig(block_n=128))
     close(out, ref)
 
@@ -106,8 +107,8 @@ def test_expert_mlp_matches_reference_chain():
     sizes = jnp.asarray(SIZES["empty experts"], jnp.int32)
     x = jnp.asarray(rng.standard_normal((int(sizes.sum()), K)), jnp.bfloat16)
     w13, w2 = expert_weights(rng, len(sizes))
-    ref = api.expert_mlp(x, w13, w2, sizes, 7.0, impl="reference")
-    close(api.expert_mlp(x, w13, w2, sizes, 7.0, impl=KERNEL), ref)
+    ref = api.expert_mlp(x, w13, w2, sizes, 7.0, implementation="reference")
+    close(api.expert_mlp(x, w13, w2, sizes, 7.0, implementation=KERNEL), ref)
 
 
 @pytest.mark.parametrize("impl, sparse_tiles", [(KERNEL, 1), (KERNEL, 10**6), ("reference", 1)],
@@ -124,9 +125,9 @@ def test_expert_mlp_gathers_its_rows_and_orders_its_result(impl, sparse_tiles, m
     source_rows = jnp.asarray(rng.integers(0, tokens.shape[0], rows), jnp.int32)
     out_order = jnp.asarray(rng.permutation(rows), jnp.int32)
     w13, w2 = expert_weights(rng, len(sizes))
-    sorted_first = api.expert_mlp(tokens[source_rows], w13, w2, sizes, 7.0, impl=impl)
+    sorted_first = api.expert_mlp(tokens[source_rows], w13, w2, sizes, 7.0, implementation=impl)
     np.testing.assert_array_equal(
-        np.asarray(api.expert_mlp(tokens, w13, w2, sizes, 7.0, impl=impl, source_rows=source_rows,
+        np.asarray(api.expert_mlp(tokens, w13, w2, sizes, 7.0, implementation=impl, source_rows=source_rows,
                                   out_order=out_order), np.float32),
         np.asarray(sorted_first[out_order], np.float32))
 
@@ -135,21 +136,34 @@ def test_a_rows_result_does_not_depend_on_its_groups_size():
     """What batch-invariant MoE needs: the same (row, expert) pair gives the same bits
     whether the expert got one row or many."""
     lhs, rhs, sizes, _ = problem(SIZES["one hot expert"], fp8=False)
-    many = np.asarray(api.grouped_matmul(lhs, rhs, sizes, swiglu_limit=7.0, impl=KERNEL),
+    many = np.asarray(api.grouped_matmul(lhs, rhs, sizes, swiglu_limit=7.0, implementation=KERNEL),
                       np.float32)
     one = api.grouped_matmul(lhs[:1], rhs, jnp.asarray([0, 0, 1, 0], jnp.int32),
-                             swiglu_limit=7.0, impl=KERNEL)
+                             swiglu_limit=7.0, implementation=KERNEL)
     np.testing.assert_array_equal(np.asarray(one, np.float32), many[:1])
 
 
-def test_unfit_shapes_take_the_reference_path():
-    assert not api.kernel_runs(8, 96, 40, impl="mosaic_gpu")       # K not a multiple of 64
-    assert api.kernel_runs(8, 128, 128, impl="mosaic_gpu")
-    assert not api.kernel_runs(8, 128, 128, impl="reference")
+def test_unfit_shapes_fall_through_to_the_reference():
+    assert not api.kernel_fits(96, 40, api.default_config(8, 40), False)   # K not a multiple of 64
+    assert api.kernel_fits(128, 128, api.default_config(8, 128), False)
     lhs = jnp.ones((5, 96), jnp.bfloat16)
     rhs = jnp.ones((2, 96, 40), jnp.bfloat16)
-    out = api.grouped_matmul(lhs, rhs, jnp.asarray([2, 3], jnp.int32), impl="mosaic_gpu")
+    sizes = jnp.asarray([2, 3], jnp.int32)
+    with pytest.raises(NotSupported, match="K=96"):
+        api.grouped_matmul(lhs, rhs, sizes, implementation="mosaic_gpu")
+    out = api.grouped_matmul(lhs, rhs, sizes, implementation=("mosaic_gpu", "reference"))
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.full((5, 40), 96.0))
+
+
+def test_the_dense_form_takes_small_products_only():
+    """"dense" (one einsum over every group, for launch-bound devices) equals ragged_dot, and
+    refuses products past reference.DENSE_PRODUCTS."""
+    lhs, rhs, sizes, _ = problem(SIZES["empty experts"], fp8=False, seed=4)
+    dense = api.grouped_matmul(lhs, rhs, sizes, swiglu_limit=7.0, implementation="dense")
+    close(dense, api.grouped_matmul(lhs, rhs, sizes, swiglu_limit=7.0))
+    big = jnp.zeros((reference.DENSE_PRODUCTS // (rhs.shape[0] * N) + 1, K), jnp.bfloat16)
+    with pytest.raises(NotSupported, match="dense"):
+        api.grouped_matmul(big, rhs, sizes, implementation="dense")
 
 
 def test_reference_against_float64():
@@ -203,7 +217,7 @@ def test_rows_copied_into_tiles_land_in_their_slots():
     total, bm = int(sizes.sum()), 64
     x = jnp.asarray(np.random.default_rng(4).standard_normal((total + 5, 192)), jnp.bfloat16)
     tiles = layout.tile_layout(sizes, total + 5, bm)
-    with api.kernel_mode("interpret" if KERNEL == "interpret" else "mosaic_gpu"):
+    with kernel_mode(KERNEL == "interpret"):
         copied = mosaic_gpu_rows.copy_to_tiles(x, tiles.tile_first_row, tiles.tile_rows,
                                                tiles=tiles.tile_group.shape[0], block_m=bm,
                                                block_k=64)
@@ -235,10 +249,10 @@ def test_expert_mlp_rows_in_groups_ignore_rows_past_the_total():
     total = int(sizes.sum())
     x = jnp.asarray(rng.standard_normal((total + 30, K)), jnp.bfloat16)
     w13, w2 = expert_weights(rng, len(sizes))
-    ref = api.expert_mlp(x[:total], w13, w2, sizes, 7.0, impl="reference")
-    close(api.expert_mlp(x, w13, w2, sizes, 7.0, impl=KERNEL)[:total], ref)
+    ref = api.expert_mlp(x[:total], w13, w2, sizes, 7.0, implementation="reference")
+    close(api.expert_mlp(x, w13, w2, sizes, 7.0, implementation=KERNEL)[:total], ref)
     np.testing.assert_array_equal(
-        np.asarray(api.expert_mlp(x, w13, w2, sizes, 7.0, impl="reference")[total:]), 0)
+        np.asarray(api.expert_mlp(x, w13, w2, sizes, 7.0, implementation="reference")[total:]), 0)
 
 
 @pytest.mark.parametrize("block_n, swiglu", [(64, 10.0), (128, 10.0), (256, None)])

@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 
 from deepinfer_jax.model.indexer import index_scores
-from pallas_kernels.common import abstract_gpu, on_hopper_or_newer
+from pallas_kernels.common import NotSupported, abstract_gpu
 from pallas_kernels.indexer import api, reference
 from pallas_kernels.indexer.mosaic_gpu import IndexerConfig
 from pallas_kernels.indexer.mosaic_gpu import indexer_scores as kernel
-
-KERNEL = "mosaic_gpu" if on_hopper_or_newer() else "interpret"
+from tests.kernels.which import KERNEL
 
 
 def problem(token_seq, seqs: int, rows: int, head_dim: int = 128, seed: int = 0):
@@ -38,7 +37,7 @@ def test_kernel_matches_reference(rows, config):
     """Tokens of three sequences, one sequence with none, padding tokens between."""
     q, keys, weights, token_seq = problem([0, 0, 2, -1, 2, 2, 0, -1], seqs=4, rows=rows,
                                           seed=rows)
-    out = api.indexer_scores(q, keys, weights, token_seq, impl=KERNEL, config=config)
+    out = api.indexer_scores(q, keys, weights, token_seq, implementation=KERNEL, config=config)
     expected = reference.indexer_scores(q, keys, weights, token_seq)
     assert out.shape == expected.shape == (8, rows)
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-5,
@@ -58,24 +57,26 @@ def test_reference_is_the_models_per_token_score():
 
 def test_a_tokens_scores_do_not_depend_on_the_batch():
     q, keys, weights, token_seq = problem([0, 1, 1, 0, 1], seqs=2, rows=128, seed=7)
-    together = api.indexer_scores(q, keys, weights, token_seq, impl=KERNEL)
-    alone = api.indexer_scores(q[2:3], keys, weights[2:3], token_seq[2:3], impl=KERNEL)
+    together = api.indexer_scores(q, keys, weights, token_seq, implementation=KERNEL)
+    alone = api.indexer_scores(q[2:3], keys, weights[2:3], token_seq[2:3], implementation=KERNEL)
     np.testing.assert_array_equal(np.asarray(together[2:3]), np.asarray(alone))
 
 
 def test_the_range_split_does_not_change_a_score():
     """default_config picks ranges by batch size; with the block fixed, the bits stay."""
     q, keys, weights, token_seq = problem([0, 1, 0], seqs=2, rows=512, seed=9)
-    split = [api.indexer_scores(q, keys, weights, token_seq, impl=KERNEL,
+    split = [api.indexer_scores(q, keys, weights, token_seq, implementation=KERNEL,
                                 config=IndexerConfig(range_rows=r)) for r in (128, 512)]
     np.testing.assert_array_equal(np.asarray(split[0]), np.asarray(split[1]))
 
 
 def test_shapes_the_kernel_does_not_take_go_to_the_reference():
     q, keys, weights, token_seq = problem([0, 0], seqs=1, rows=16, head_dim=32)
-    assert not api.kernel_runs(q, keys, impl="mosaic_gpu")
+    with pytest.raises(NotSupported, match="dims a multiple of 64"):
+        api.indexer_scores(q, keys, weights, token_seq, implementation="mosaic_gpu")
     np.testing.assert_array_equal(
-        np.asarray(api.indexer_scores(q, keys, weights, token_seq, impl="mosaic_gpu")),
+        np.asarray(api.indexer_scores(q, keys, weights, token_seq,
+                                      implementation=("mosaic_gpu", "reference"))),
         np.asarray(reference.indexer_scores(q, keys, weights, token_seq)))
 
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.common import abstract_gpu
+from pallas_kernels.common import abstract_gpu, kernel_mode
 from pallas_kernels.grouped_gemm import api, invariant, mosaic_gpu_persistent, reference
 from pallas_kernels.grouped_gemm.mosaic_gpu import TileConfig, tiled_group_matmul
 from pallas_kernels.grouped_gemm.mosaic_gpu_ws import WarpSpecializedConfig
@@ -23,11 +23,11 @@ from tests.kernels.gemm_cases import KERNEL, SIZES, K, N, bitwise_operands, clos
 def test_dense_gemm_rows_do_not_depend_on_the_number_of_rows():
     rng = np.random.default_rng(5)
     x, w = bitwise_operands(rng, (1000, K), (K, N))
-    full = np.asarray(invariant.matmul(x, w, impl=KERNEL), np.float32)
-    close(full, invariant.matmul(x, w, impl="reference"))
+    full = np.asarray(invariant.matmul(x, w, implementation=KERNEL), np.float32)
+    close(full, invariant.matmul(x, w, implementation="reference"))
     for m in (1, 3, 64):
-        np.testing.assert_array_equal(np.asarray(invariant.matmul(x[:m], w, impl=KERNEL), np.float32),
-                                      full[:m])
+        np.testing.assert_array_equal(
+            np.asarray(invariant.matmul(x[:m], w, implementation=KERNEL), np.float32), full[:m])
 
 
 PERSISTENT = mosaic_gpu_persistent.PersistentConfig(block_n=128, store_n=64, programs=3)   # (loops)
@@ -41,17 +41,16 @@ def test_persistent_dense_gemm_gives_the_split_k_kernels_bits(splits, ranges):
     the rows a small batch gets from the other (M = 200: padded tiles)."""
     rng = np.random.default_rng(11)
     x, w = bitwise_operands(rng, (200, 4 * K), (4 * K, N))
-    per_tile = invariant.matmul(x, w, impl=KERNEL, config=TileConfig(64, 128, split_k=splits))
+    per_tile = invariant.matmul(x, w, implementation=KERNEL, config=TileConfig(64, 128, split_k=splits))
     config = dataclasses.replace(PERSISTENT, ranges=ranges)
-    with api.kernel_mode(KERNEL):
+    with kernel_mode(KERNEL == "interpret"):
         chained = mosaic_gpu_persistent.chained_matmul(x, w, splits=splits, config=config)
     np.testing.assert_array_equal(np.asarray(chained, np.float32),
                                   np.asarray(per_tile, np.float32))
-    close(chained, invariant.matmul(x, w, impl="reference"))
+    close(chained, invariant.matmul(x, w, implementation="reference"))
 
 
 def test_large_batches_take_the_persistent_kernel_with_the_weights_k_ranges(monkeypatch):
-    monkeypatch.setattr(invariant, "SPLIT_K_ON_GPU", True)
     for k, n in ((4096, 4096), (4096, 1024), (1024, 32768)):
         small = invariant.dense_invariant_config(64, n, k)
         large = invariant.dense_invariant_config(8192, n, k)
@@ -64,8 +63,8 @@ def test_large_batches_take_the_persistent_kernel_with_the_weights_k_ranges(monk
     monkeypatch.setattr(invariant, "MIN_SPLIT_K", 128)       # (K = 512 splits at this size)
     monkeypatch.setattr(invariant, "SPLIT_PROGRAMS", 4)
     assert invariant.invariant_split_k(4 * K, N) == 2
-    big = np.asarray(invariant.matmul(x, w, impl=KERNEL, config=PERSISTENT), np.float32)
-    np.testing.assert_array_equal(np.asarray(invariant.matmul(x[:3], w, impl=KERNEL), np.float32),
+    big = np.asarray(invariant.matmul(x, w, implementation=KERNEL, config=PERSISTENT), np.float32)
+    np.testing.assert_array_equal(np.asarray(invariant.matmul(x[:3], w, implementation=KERNEL), np.float32),
                                   big[:3])
 
 
@@ -82,10 +81,10 @@ def test_the_large_batch_config_runs_on_the_persistent_kernel(monkeypatch):
     monkeypatch.setattr(mosaic_gpu_persistent, "chained_matmul",
                         lambda *a, **kw: calls.append(kw["config"]) or chained(*a, **kw))
     x, w = bitwise_operands(np.random.default_rng(13), (130, 4 * K), (4 * K, N))
-    out = invariant.matmul(x, w, impl=KERNEL, config=config)
+    out = invariant.matmul(x, w, implementation=KERNEL, config=config)
     assert calls == [config]
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(
-        invariant.matmul(x, w, impl=KERNEL), np.float32))     # the small batches' path
+        invariant.matmul(x, w, implementation=KERNEL), np.float32))     # the small batches' path
 
 
 @pytest.mark.parametrize("splits", [1, 2, 4])
@@ -110,18 +109,17 @@ def test_split_k_rows_do_not_depend_on_the_number_of_rows():
     the same for M = 1, 3, 64 as inside 200 rows, and is the product."""
     rng = np.random.default_rng(6)
     x, w = bitwise_operands(rng, (200, 4 * K), (4 * K, N))
-    full = np.asarray(invariant.matmul(x, w, impl=KERNEL, config=SPLIT), np.float32)
+    full = np.asarray(invariant.matmul(x, w, implementation=KERNEL, config=SPLIT), np.float32)
     close(full, np.asarray(x, np.float64) @ np.asarray(w, np.float64))
     for m in (1, 3, 64):
         np.testing.assert_array_equal(
-            np.asarray(invariant.matmul(x[:m], w, impl=KERNEL, config=SPLIT), np.float32), full[:m])
+            np.asarray(invariant.matmul(x[:m], w, implementation=KERNEL, config=SPLIT), np.float32), full[:m])
     # programs in groups of row tiles (the last group short): every (tile, column) once
     np.testing.assert_array_equal(
-        np.asarray(invariant.matmul(x, w, impl=KERNEL, config=GROUPED), np.float32), full)
+        np.asarray(invariant.matmul(x, w, implementation=KERNEL, config=GROUPED), np.float32), full)
 
 
-def test_split_k_follows_the_weight_shape_only(monkeypatch):
-    monkeypatch.setattr(invariant, "SPLIT_K_ON_GPU", True)
+def test_split_k_follows_the_weight_shape_only():
     assert invariant.invariant_split_k(4096, 512) == 8        # 4 column tiles: K in ranges of 512
     assert invariant.invariant_split_k(4096, 64) == 8         # one 64-column tile
     assert invariant.invariant_split_k(8192, 4096) == 2       # 32 column tiles
@@ -166,7 +164,7 @@ def test_dense_fallback_equals_ragged_dot(case):
     assert not np.asarray(got[-5:], np.float32).any()
 
 
-# What invariant.TILE_SHAPE_FREE_ON_GPU rests on: on the H200 (where it is the real question, wgmma's
+# What the invariant configs' free tile shapes rest on: on the H200 (where it is the real question, wgmma's
 # per-element sums) and in interpret mode. The SwiGLU epilogue is elementwise, so the plain
 # product is the whole question; block_k stays 64 in every config.
 TILE_SHAPES = [TileConfig(block_m=64, block_n=128), TileConfig(block_m=128, block_n=128),
@@ -179,29 +177,24 @@ TILE_SHAPES = [TileConfig(block_m=64, block_n=128), TileConfig(block_m=128, bloc
 def test_rows_do_not_depend_on_the_tile_shape():
     rng = np.random.default_rng(9)
     x, w = bitwise_operands(rng, (130, 4 * K), (4 * K, N))
-    outs = [np.asarray(invariant.matmul(x, w, impl=KERNEL, config=c), np.float32) for c in TILE_SHAPES]
-    close(outs[0], invariant.matmul(x, w, impl="reference"))
+    outs = [np.asarray(invariant.matmul(x, w, implementation=KERNEL, config=c), np.float32)
+            for c in TILE_SHAPES]
+    close(outs[0], invariant.matmul(x, w, implementation="reference"))
     for config, out in zip(TILE_SHAPES[1:], outs[1:]):
         np.testing.assert_array_equal(out, outs[0], err_msg=str(config))
 
 
-def test_invariant_configs_follow_the_batch_only_once_the_tile_shape_is_free(monkeypatch):
-    dim, inter = 4096, 2048
-    monkeypatch.setattr(invariant, "TILE_SHAPE_FREE_ON_GPU", False)
-    for rows in (1, 64, 5000):
-        assert invariant.expert_invariant_configs(rows, dim, inter) == \
-            invariant.expert_invariant_configs(1, dim, inter)
-        assert invariant.dense_invariant_config(rows, 512) == invariant.dense_invariant_config(1, 512)
-    monkeypatch.setattr(invariant, "TILE_SHAPE_FREE_ON_GPU", True)
+def test_invariant_configs_follow_the_batch_where_the_tile_shape_is_free():
+    """Tiles may follow the batch (wgmma's sums ignore the tile's shape:
+    test_rows_do_not_depend_on_the_tile_shape); the K ranges may not."""
     small = invariant.dense_invariant_config(64, 512)               # a decode batch's 4096 -> 512
     assert small.block_n == 16 and api.kernel_fits(4096, 512, small, False)
     wide = invariant.dense_invariant_config(64, 32768)              # already 256 programs at 128
     assert wide.block_n == 128
     assert invariant.dense_invariant_config(8192, 512) == api.default_config(
         invariant.LARGE_BATCH, 512, warp_specialized=False)
-    assert invariant.expert_invariant_configs(5000, dim, inter)[0].block_m == 128
-    assert not api.kernel_runs(64, 4096, 24, config=invariant.dense_invariant_config(64, 24),
-                               dtype=jnp.float32)          # mHC's: float32, not a wgmma type
+    assert not api.kernel_fits(4096, 24, invariant.dense_invariant_config(64, 24), False,
+                               jnp.float32)                # mHC's: float32, not a wgmma type
     # 8 columns (a tiny model's router): Mosaic GPU finds no shared-memory tiling for them
     assert not api.kernel_fits(4096, 8, invariant.dense_invariant_config(64, 8, 4096), False)
     assert not api.kernel_fits(4096, 8, api.default_config(64, 8), False)
@@ -212,11 +205,11 @@ def test_batched_matmul_is_each_groups_product_and_row_invariant():
     group's rows are its own product, and a row's result does not depend on M."""
     rng = np.random.default_rng(7)
     x, w = bitwise_operands(rng, (3, 70, K), (3, K, N))
-    full = np.asarray(invariant.batched_matmul(x, w, impl=KERNEL), np.float32)
+    full = np.asarray(invariant.batched_matmul(x, w, implementation=KERNEL), np.float32)
     close(full, np.einsum("gmk,gkn->gmn", np.asarray(x, np.float64), np.asarray(w, np.float64)))
     for m in (1, 5):
         np.testing.assert_array_equal(
-            np.asarray(invariant.batched_matmul(x[:, :m], w, impl=KERNEL), np.float32), full[:, :m])
+            np.asarray(invariant.batched_matmul(x[:, :m], w, implementation=KERNEL), np.float32), full[:, :m])
 
 
 @pytest.mark.parametrize("config", [TileConfig(block_m=64, block_n=128), SPLIT],
@@ -228,10 +221,10 @@ def test_dense_gemm_float32_out_keeps_the_float32_sum(config):
     rng = np.random.default_rng(8)
     x = jnp.asarray(rng.standard_normal((130, 4 * K)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((4 * K, N)) / 8, jnp.bfloat16)
-    out = invariant.matmul(x, w, impl=KERNEL, config=config, out_dtype=jnp.float32)
+    out = invariant.matmul(x, w, implementation=KERNEL, config=config, out_dtype=jnp.float32)
     assert out.dtype == jnp.float32
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     np.testing.assert_allclose(np.asarray(out), want, rtol=0, atol=1e-4 * np.abs(want).max())
     np.testing.assert_array_equal(
-        np.asarray(invariant.matmul(x[:3], w, impl=KERNEL, config=config, out_dtype=jnp.float32)),
+        np.asarray(invariant.matmul(x[:3], w, implementation=KERNEL, config=config, out_dtype=jnp.float32)),
         np.asarray(out)[:3])

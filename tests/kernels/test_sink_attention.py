@@ -11,15 +11,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from deepinfer_jax.config.compute import ComputeConfig, KernelChoices
 from deepinfer_jax.model.attention import sink_attention as model_sink_attention
-from pallas_kernels.common import abstract_gpu, on_hopper_or_newer
+from deepinfer_jax.model.attention import sink_attention_parts
+from pallas_kernels.common import NotSupported, abstract_gpu
 from pallas_kernels.sink_attention import api, reference
 from pallas_kernels.sink_attention.mosaic_gpu import AttentionConfig
 from pallas_kernels.sink_attention.mosaic_gpu import sink_attention as kernel_one_wg
 from pallas_kernels.sink_attention.mosaic_gpu_ws import WarpSpecializedConfig
 from pallas_kernels.sink_attention.mosaic_gpu_ws import sink_attention as kernel_ws
+from tests.kernels.which import KERNEL
 
-KERNEL = "mosaic_gpu" if on_hopper_or_newer() else "interpret"
 HD = 512
 
 
@@ -55,7 +57,7 @@ def close(out, ref):
 @pytest.mark.parametrize("rows", [64, 100, 320])
 def test_kernel_matches_reference(rows, pattern):
     q, kv, visible, sinks = problem(3, 64, rows, pattern, seed=rows)
-    close(api.sink_attention(q, kv, visible, sinks, impl=KERNEL),
+    close(api.sink_attention(q, kv, visible, sinks, implementation=KERNEL),
           reference.sink_attention(q, kv, visible, sinks))
 
 
@@ -63,23 +65,24 @@ def test_one_warpgroup_kernel_column_blocks_of_64_and_many_tokens():
     """The one-warpgroup kernel's 64 and 128 output dims per program."""
     q, kv, visible, sinks = problem(70, 64, 64, "random", seed=5)
     ref = reference.sink_attention(q, kv, visible, sinks)
-    close(api.sink_attention(q, kv, visible, sinks, impl=KERNEL,
+    close(api.sink_attention(q, kv, visible, sinks, implementation=KERNEL,
                              config=AttentionConfig(block_d=128)), ref)
-    close(api.sink_attention(q[:3], kv[:3], visible[:3], sinks, impl=KERNEL,
+    close(api.sink_attention(q[:3], kv[:3], visible[:3], sinks, implementation=KERNEL,
                              config=AttentionConfig(block_d=64)), ref[:3])
 
 
-def test_the_model_takes_the_kernel_for_prefill_sized_batches_only(monkeypatch):
-    """On a GPU (stood in for here) the model's attention takes the kernel from MIN_TOKENS
-    tokens up and never in batch-invariant mode; an env override takes it at every size."""
-    monkeypatch.setattr(api, "implementation",
-                        lambda validated, op: "mosaic_gpu" if validated else "reference")
-    small, large = (jnp.zeros((n, 64, HD), jnp.bfloat16) for n in (api.MIN_TOKENS - 1,
-                                                                    api.MIN_TOKENS))
-    assert not api.kernel_runs(small, small) and api.kernel_runs(large, large)
-    assert not api.kernel_runs(large, large, invariant=True)
-    monkeypatch.setenv("DEEPINFER_KERNEL_SINK_ATTENTION", "mosaic_gpu")
-    assert api.kernel_runs(small, small) and api.kernel_runs(large, large, invariant=True)
+def test_the_kernels_refuse_batches_under_min_tokens():
+    """The size policy (config/options.py: 512 query tokens up on the H200, XLA's fused path
+    below) reaches the kernel as min_tokens: under it the kernel refuses before it traces
+    anything, and the next implementation runs."""
+    q, kv, visible, sinks = problem(3, 64, 64, "random", seed=2)
+    for impl in ("mosaic_gpu", "interpret"):
+        with pytest.raises(NotSupported, match="min_tokens=4"):
+            api.sink_attention(q, kv, visible, sinks, implementation=impl, min_tokens=4)
+    np.testing.assert_array_equal(
+        np.asarray(api.sink_attention(q, kv, visible, sinks, min_tokens=4,
+                                      implementation=("mosaic_gpu", "reference")), np.float32),
+        np.asarray(reference.sink_attention(q, kv, visible, sinks), np.float32))
 
 
 @pytest.mark.parametrize("splits", [2, 4])
@@ -88,7 +91,7 @@ def test_rows_split_over_programs(splits, pattern):
     """Flash-decoding: a token's rows in `splits` ranges, merged after. "first few" leaves
     the later ranges with no visible row, "none" every range (only the sink's term)."""
     q, kv, visible, sinks = problem(2, 64, 200, pattern, seed=splits)
-    close(api.sink_attention(q, kv, visible, sinks, impl=KERNEL,
+    close(api.sink_attention(q, kv, visible, sinks, implementation=KERNEL,
                              config=AttentionConfig(block_d=64, num_splits=splits)),
           reference.sink_attention(q, kv, visible, sinks))
 
@@ -103,7 +106,7 @@ def test_warp_specialized_kernel_matches_reference(rows, splits, pattern, split_
     and P: "first few" leaves a warpgroup's half with no visible row in every block."""
     q, kv, visible, sinks = problem(3, 64, rows, pattern, seed=rows + splits)
     config = WarpSpecializedConfig(num_splits=splits, split_scores=split_scores)
-    close(api.sink_attention(q, kv, visible, sinks, impl=KERNEL, config=config),
+    close(api.sink_attention(q, kv, visible, sinks, implementation=KERNEL, config=config),
           reference.sink_attention(q, kv, visible, sinks))
 
 
@@ -112,7 +115,7 @@ def test_warp_specialized_ping_pong(pattern):
     """The warpgroups taking turns on the tensor cores (a barrier both reach twice a block,
     one starting a turn behind): the same result, empty ranges included."""
     q, kv, visible, sinks = problem(2, 64, 300, pattern, seed=11)
-    close(api.sink_attention(q, kv, visible, sinks, impl=KERNEL,
+    close(api.sink_attention(q, kv, visible, sinks, implementation=KERNEL,
                              config=WarpSpecializedConfig(num_splits=2, ping_pong=True,
                                                           split_scores=False)),
           reference.sink_attention(q, kv, visible, sinks))
@@ -124,14 +127,14 @@ def test_split_scores_in_32_row_blocks_four_in_flight(pattern):
     pad to 320 (10 blocks), the exchanges' slots alternating over an even and an odd count."""
     q, kv, visible, sinks = problem(2, 64, 300, pattern, seed=13)
     config = WarpSpecializedConfig(block_r=32, max_concurrent_steps=4, split_scores=True)
-    close(api.sink_attention(q, kv, visible, sinks, impl=KERNEL, config=config),
+    close(api.sink_attention(q, kv, visible, sinks, implementation=KERNEL, config=config),
           reference.sink_attention(q, kv, visible, sinks))
 
 
 @pytest.mark.parametrize("heads", [16, 128])
 def test_head_counts_other_than_64(heads):
     q, kv, visible, sinks = problem(2, heads, 64, "random", seed=heads)
-    close(api.sink_attention(q, kv, visible, sinks, impl=KERNEL),
+    close(api.sink_attention(q, kv, visible, sinks, implementation=KERNEL),
           reference.sink_attention(q, kv, visible, sinks))
 
 
@@ -146,7 +149,7 @@ def test_reference_against_float64_and_the_model():
     expected = np.einsum("thr,trd->thd", probs[..., :-1], f64(kv))
     out = reference.sink_attention(q, kv, visible, sinks)
     np.testing.assert_allclose(f64(out), expected, rtol=2e-2, atol=2e-2 * np.abs(expected).max())
-    model = model_sink_attention(q[:, None], kv, visible[:, None], sinks)[:, 0]
+    model = model_sink_attention(q[:, None], kv, visible[:, None], sinks, ComputeConfig())[:, 0]
     np.testing.assert_array_equal(np.asarray(model, np.float32), np.asarray(out, np.float32))
 
 
@@ -169,14 +172,21 @@ def test_kernel_lowers_for_cuda(splits, warp_specialized):
     assert "mosaic_gpu" in exported.mlir_module()
 
 
-def test_the_models_decode_attention_dispatches_to_the_kernel(monkeypatch):
-    """The model's one-query-per-row attention (what the engine's step runs) on the kernel
-    path equals the reference path within bf16 tolerance."""
+def test_the_models_step_attention_dispatches_to_the_kernel():
+    """The model's one-query-per-token attention over two row sets (what the engine's step
+    runs) takes the kernel its ComputeConfig names, and equals the jnp path within bf16
+    tolerance."""
     q, kv, visible, sinks = problem(2, 64, 64, "random", seed=4)
-    expected = model_sink_attention(q[:, None], kv, visible[:, None], sinks)
-    monkeypatch.setenv("DEEPINFER_KERNELS", KERNEL)
-    assert api.kernel_runs(q, kv)
-    close(model_sink_attention(q[:, None], kv, visible[:, None], sinks), expected)
+    parts, seen = (kv[:, :24], kv[:, 24:]), (visible[:, :24], visible[:, 24:])
+    on_kernel = ComputeConfig(kernels=KernelChoices(sink_attention=(KERNEL,)))
+
+    def attend(compute):
+        return lambda q, *a: sink_attention_parts(q, a[:2], a[2:], sinks, compute)
+
+    jaxpr = str(jax.make_jaxpr(attend(on_kernel))(q, *parts, *seen))
+    assert any(mark in jaxpr for mark in ("Ref<smem>", "pallas_call", "mosaic"))
+    close(attend(on_kernel)(q, *parts, *seen),
+          model_sink_attention(q[:, None], kv, visible[:, None], sinks, ComputeConfig())[:, 0])
 
 
 def test_configs_that_overflow_shared_memory_are_refused():
@@ -188,5 +198,7 @@ def test_configs_that_overflow_shared_memory_are_refused():
     q, kv, visible, sinks = problem(2, 64, 128, "random")
     with pytest.raises(ValueError, match="shared memory"):
         too_big.check(64, 128, HD)
-    close(api.sink_attention(q, kv, visible, sinks, impl=KERNEL, config=too_big),
-          reference.sink_attention(q, kv, visible, sinks))
+    with pytest.raises(NotSupported):
+        api.sink_attention(q, kv, visible, sinks, implementation=KERNEL, config=too_big)
+    close(api.sink_attention(q, kv, visible, sinks, implementation=(KERNEL, "reference"),
+                             config=too_big), reference.sink_attention(q, kv, visible, sinks))

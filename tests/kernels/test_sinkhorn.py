@@ -7,12 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.common import abstract_gpu, on_hopper_or_newer
+from pallas_kernels.common import abstract_gpu
 from pallas_kernels.sinkhorn import api, reference
 from pallas_kernels.sinkhorn.mosaic_gpu import sinkhorn_entry_major
+from tests.kernels.which import KERNEL
 from tests.model.test_mhc import EPS, ITERS, numpy_sinkhorn
-
-KERNEL = "mosaic_gpu" if on_hopper_or_newer() else "interpret"
 
 
 def test_kernel_matches_the_formula_and_the_reference():
@@ -20,7 +19,7 @@ def test_kernel_matches_the_formula_and_the_reference():
     that the softmax needs its max."""
     logits = 3 * jax.random.normal(jax.random.key(0), (130, 4, 4), jnp.float32)
     logits = logits.at[:5].multiply(10.0)
-    got = np.asarray(api.sinkhorn(logits, ITERS, EPS, impl=KERNEL))
+    got = np.asarray(api.sinkhorn(logits, ITERS, EPS, implementation=KERNEL))
     np.testing.assert_allclose(got, numpy_sinkhorn(np.asarray(logits, np.float64)),
                                rtol=2e-6, atol=1e-7)
     np.testing.assert_allclose(got, np.asarray(reference.sinkhorn(logits, ITERS, EPS)),
@@ -42,25 +41,28 @@ def test_a_tokens_result_does_not_depend_on_its_batch():
     One call: each interpret-mode call compiles the kernel anew (~15 s here)."""
     logits = 3 * jax.random.normal(jax.random.key(1), (130, 4, 4), jnp.float32)
     logits = logits.at[129].set(logits[5]).at[77].set(logits[0])
-    out = np.asarray(api.sinkhorn(logits, ITERS, EPS, impl=KERNEL))
+    out = np.asarray(api.sinkhorn(logits, ITERS, EPS, implementation=KERNEL))
     np.testing.assert_array_equal(out[129], out[5])
     np.testing.assert_array_equal(out[77], out[0])
     assert not np.array_equal(out[0], out[5])          # different logits, different results
 
 
-def test_batch_invariant_mhc_runs_the_kernel_only_where_it_runs(monkeypatch):
-    """hc_pre in batch-invariant mode, GPU formulation: the kernel when it runs, else the loop."""
+def test_batch_invariant_mhc_runs_the_kernel_only_where_it_runs():
+    """hc_pre in batch-invariant mode, GPU formulation: the kernel when it is chosen, else the
+    loop (the unrolled jnp form is not proven invariant)."""
+    from deepinfer_jax.config.compute import ComputeConfig, KernelChoices
     from deepinfer_jax.model import mhc
     from deepinfer_jax.model.params import HyperConnectionParams
 
-    monkeypatch.setenv("DEEPINFER_STEP_FORMULATION", "gpu")
     hc, dim = 4, 8
     p = HyperConnectionParams(fn=jnp.zeros((hc * dim, (2 + hc) * hc)),
                               base=jnp.zeros(((2 + hc) * hc,)), scale=jnp.ones((3,)))
     streams = jnp.ones((3, hc, dim), jnp.bfloat16)
     for impl, kernel in ((KERNEL, True), ("reference", False)):
-        monkeypatch.setenv("DEEPINFER_KERNEL_SINKHORN", impl)
-        jaxpr = str(jax.make_jaxpr(lambda s: mhc.hc_pre(
-            s, p, hc_eps=EPS, norm_eps=1e-6, sinkhorn_iters=ITERS, invariant=True))(streams))
+        compute = ComputeConfig(formulation="gpu", kernels=KernelChoices(sinkhorn=(impl,)),
+                                batch_invariant=True)
+        assert mhc.sinkhorn_implementations(compute) == ((impl,) if kernel else ()) + ("loop",)
+        jaxpr = str(jax.make_jaxpr(lambda s, compute=compute: mhc.hc_pre(
+            s, p, hc_eps=EPS, norm_eps=1e-6, sinkhorn_iters=ITERS, compute=compute))(streams))
         # the kernel: its shared-memory buffers (interpreted) or its call (compiled)
         assert any(mark in jaxpr for mark in ("Ref<smem>", "pallas_call", "mosaic")) == kernel

@@ -8,7 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from deepinfer_jax.config.compute import ComputeConfig
 from deepinfer_jax.model.attention import sink_attention, sink_attention_parts
+
+JNP = ComputeConfig()
 
 
 @pytest.mark.parametrize("visible_case", ["mixed", "first_part_hidden", "nothing_visible"])
@@ -25,8 +28,8 @@ def test_parts_equal_the_concatenation(visible_case):
     visible = tuple(jnp.asarray(v) for v in visible)
     sinks = jnp.asarray(rng.normal(size=heads), jnp.float32)
     whole = sink_attention(q[:, None], jnp.concatenate(keys, 1),
-                           jnp.concatenate(visible, 1)[:, None], sinks)[:, 0]
-    parts = jax.jit(sink_attention_parts)(q, keys, visible, sinks)
+                           jnp.concatenate(visible, 1)[:, None], sinks, JNP)[:, 0]
+    parts = jax.jit(sink_attention_parts, static_argnums=4)(q, keys, visible, sinks, JNP)
     np.testing.assert_allclose(np.asarray(parts), np.asarray(whole), rtol=2e-6, atol=2e-6)
     if visible_case == "nothing_visible":
         assert not np.any(np.asarray(parts))
@@ -38,5 +41,6 @@ def test_one_part_is_sink_attention():
     k = jnp.asarray(rng.normal(size=(3, 7, 8)), jnp.bfloat16)
     v = jnp.asarray(rng.random((3, 7)) < 0.5)
     sinks = jnp.zeros(2, jnp.float32)
-    np.testing.assert_array_equal(np.asarray(sink_attention_parts(q, (k,), (v,), sinks)),
-                                  np.asarray(sink_attention(q[:, None], k, v[:, None], sinks)[:, 0]))
+    np.testing.assert_array_equal(np.asarray(sink_attention_parts(q, (k,), (v,), sinks, JNP)),
+                                  np.asarray(sink_attention(q[:, None], k, v[:, None], sinks,
+                                                             JNP)[:, 0]))

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from deepinfer_jax.config.compute import ComputeConfig
 from deepinfer_jax.model.invariant import ordered_softmax, ordered_sum, per_row_tiles
 
 
@@ -38,9 +39,9 @@ def test_rows_do_not_depend_on_the_batch():
         np.testing.assert_array_equal(np.asarray(ordered_softmax(x[:m].astype(jnp.float32), 1)),
                                       np.asarray(full_softmax[:m]))
     w = jnp.asarray(np.random.default_rng(1).standard_normal((16, 32)), jnp.bfloat16)
-    tiled = per_row_tiles(lambda t: t @ w, x[:, 0])
+    tiled = per_row_tiles(lambda t: t @ w, x[:, 0], tile=8)
     for m in (1, 5, 9):
-        np.testing.assert_array_equal(np.asarray(per_row_tiles(lambda t: t @ w, x[:m, 0])),
+        np.testing.assert_array_equal(np.asarray(per_row_tiles(lambda t: t @ w, x[:m, 0], tile=8)),
                                       np.asarray(tiled[:m]))
 
 
@@ -55,7 +56,8 @@ def test_float32_linears_ask_for_float32_products(invariant):
 
     def lowered(dtype):
         x, w = jnp.ones((16, 64), dtype), jnp.ones((64, 24), dtype)
-        return jax.jit(lambda a, b: linear(a, b, invariant)).lower(x, w).as_text()
+        return jax.jit(lambda a, b: linear(a, b, ComputeConfig(batch_invariant=invariant))
+                       ).lower(x, w).as_text()
 
     assert "HIGHEST" in lowered(jnp.float32)
     assert "HIGHEST" not in lowered(jnp.bfloat16)

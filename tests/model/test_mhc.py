@@ -6,9 +6,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deepinfer_jax.model.mhc import _mixes, bf16_parts, hc_post, sinkhorn
+from deepinfer_jax.config.compute import ComputeConfig
+from deepinfer_jax.model.mhc import _mixes, bf16_parts, hc_post
+from pallas_kernels.sinkhorn import api as sinkhorn_op
 
 ITERS, EPS = 20, 1e-6
+
+
+def sinkhorn(logits, iters, eps, unrolled: bool):
+    """The op's two jnp forms: unrolled elementwise ("reference") or a loop ("loop")."""
+    return sinkhorn_op.sinkhorn(logits, iters, eps,
+                                implementation="reference" if unrolled else "loop")
 
 
 def numpy_sinkhorn(logits: np.ndarray) -> np.ndarray:
@@ -24,7 +32,7 @@ def numpy_sinkhorn(logits: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("unrolled", [False, True])
 def test_sinkhorn_matches_the_formula(unrolled):
     logits = 3 * jax.random.normal(jax.random.key(0), (5, 7, 4, 4), jnp.float32)
-    got = jax.jit(lambda x: sinkhorn(x, ITERS, EPS, unrolled=unrolled))(logits)
+    got = jax.jit(lambda x: sinkhorn(x, ITERS, EPS, unrolled))(logits)
     want = numpy_sinkhorn(np.asarray(logits, np.float64))
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-6, atol=1e-7)
     np.testing.assert_allclose(np.asarray(got).sum(-2), 1.0, atol=1e-5)   # columns last
@@ -34,9 +42,9 @@ def test_unrolled_sinkhorn_is_one_fused_chain_without_loops():
     """The point of the unrolled form: no while loop and no reductions left for XLA to launch
     one by one."""
     logits = jnp.zeros((16, 4, 4), jnp.float32)
-    hlo = jax.jit(lambda x: sinkhorn(x, ITERS, EPS, unrolled=True)).lower(logits).as_text()
+    hlo = jax.jit(lambda x: sinkhorn(x, ITERS, EPS, True)).lower(logits).as_text()
     assert "stablehlo.while" not in hlo and "stablehlo.reduce" not in hlo
-    loop = jax.jit(lambda x: sinkhorn(x, ITERS, EPS, unrolled=False)).lower(logits).as_text()
+    loop = jax.jit(lambda x: sinkhorn(x, ITERS, EPS, False)).lower(logits).as_text()
     assert "stablehlo.while" in loop
 
 
@@ -55,7 +63,7 @@ def test_mixes_are_the_normalised_float32_projection(invariant):
     mode's float32 form), against float64 numpy."""
     streams = jax.random.normal(jax.random.key(2), (5, 3, 4, 256), jnp.bfloat16) * 3
     fn = jax.random.normal(jax.random.key(3), (4 * 256, 24), jnp.float32) * 0.02
-    got = jax.jit(lambda s, f: _mixes(s, f, 1e-6, invariant))(streams, fn)
+    got = jax.jit(lambda s, f: _mixes(s, f, 1e-6, ComputeConfig(batch_invariant=invariant)))(streams, fn)
     flat = np.asarray(streams, np.float64).reshape(5, 3, -1)
     normed = flat / np.sqrt(np.mean(flat**2, axis=-1, keepdims=True) + 1e-6)
     want = normed @ np.asarray(fn, np.float64)
@@ -69,8 +77,9 @@ def test_hc_post_is_the_oracles_arithmetic_to_bf16_rounding():
     streams = jax.random.normal(k[0], (6, 4, 128), jnp.bfloat16)
     block_out = jax.random.normal(k[1], (6, 128), jnp.bfloat16)
     post = 2 * jax.nn.sigmoid(jax.random.normal(k[2], (6, 4), jnp.float32))
-    comb = sinkhorn(jax.random.normal(k[3], (6, 4, 4), jnp.float32), ITERS, EPS, unrolled=False)
-    got = np.asarray(jax.jit(hc_post)(block_out, streams, post, comb), np.float32)
+    comb = sinkhorn(jax.random.normal(k[3], (6, 4, 4), jnp.float32), ITERS, EPS, False)
+    got = np.asarray(jax.jit(hc_post, static_argnums=4)(block_out, streams, post, comb,
+                                                        ComputeConfig()), np.float32)
     bf16 = jnp.bfloat16
     c = np.asarray(comb.astype(bf16), np.float64)
     mixed = np.einsum("njk,njd->nkd", c, np.asarray(streams, np.float64))

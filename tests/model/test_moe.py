@@ -9,12 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from deepinfer_jax.config.compute import ComputeConfig, KernelChoices
 from deepinfer_jax.config.model import MlpKind, ModelConfig, ScoringFunc
 from deepinfer_jax.model.moe import moe, route
 from deepinfer_jax.weights import random_params
 from tests.conftest import REPO
+from tests.kernels.which import KERNEL
 
 BASE = ModelConfig.from_json_file(REPO / "configs" / "tiny" / "tiny-mixed.json")
+ON_KERNEL = ComputeConfig(kernels=KernelChoices(grouped_gemm=(KERNEL,)))
 HASH_LAYER, ROUTED_LAYER = 0, 1
 
 
@@ -71,7 +74,8 @@ def test_moe_matches_numpy_loop(layers, scoring, kind, norm_topk):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((37, cfg.hidden_size)).astype(np.float32)
     ids = rng.integers(0, cfg.vocab_size, 37)
-    got = np.asarray(moe(jnp.asarray(x), jnp.asarray(ids), layers[kind], kind, cfg))
+    got = np.asarray(moe(jnp.asarray(x), jnp.asarray(ids), layers[kind], kind, cfg,
+                         ComputeConfig()))
     want = numpy_moe(x.astype(np.float64), ids, layers[kind], kind, cfg)
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
 
@@ -80,8 +84,9 @@ def test_selection_bias_steers_the_choice_but_not_the_weights(layers):
     p = layers[MlpKind.MOE]
     x = jnp.asarray(np.random.default_rng(1).standard_normal((64, BASE.hidden_size)), jnp.float32)
     ids = jnp.zeros(64, jnp.int32)
-    chosen, weights = route(x, ids, p, MlpKind.MOE, BASE)
-    unbiased, _ = route(x, ids, dataclasses.replace(p, bias=jnp.zeros_like(p.bias)), MlpKind.MOE, BASE)
+    chosen, weights = route(x, ids, p, MlpKind.MOE, BASE, ComputeConfig())
+    unbiased, _ = route(x, ids, dataclasses.replace(p, bias=jnp.zeros_like(p.bias)), MlpKind.MOE,
+                        BASE, ComputeConfig())
     assert (np.sort(chosen, -1) != np.sort(unbiased, -1)).any()   # the bias changed some choices
     scores = np.sqrt(np.log1p(np.exp(np.asarray(x, np.float64) @ np.asarray(p.gate, np.float64))))
     picked = np.take_along_axis(scores, np.asarray(chosen), -1)
@@ -89,21 +94,18 @@ def test_selection_bias_steers_the_choice_but_not_the_weights(layers):
     np.testing.assert_allclose(np.asarray(weights), want, rtol=1e-5)
 
 
-def test_moe_through_the_grouped_gemm_kernel(monkeypatch):
+def test_moe_through_the_grouped_gemm_kernel():
     """The model's MoE on the Mosaic GPU kernel path (interpreted on the CPU; compiled on a
     GPU) against the numpy loop: the wiring of layout, SwiGLU epilogue and down GEMM."""
-    from pallas_kernels.grouped_gemm import api as gemm
-
-    monkeypatch.setenv("DEEPINFER_KERNELS", "interpret" if jax.default_backend() == "cpu"
-                       else "mosaic_gpu")
     cfg = BASE.replace(hidden_size=128, moe_intermediate_size=64, swiglu_limit=1.5)
     p = random_params(cfg, 4, jnp.bfloat16).layers[ROUTED_LAYER].moe
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.standard_normal((9, cfg.hidden_size)), jnp.bfloat16)
     ids = rng.integers(0, cfg.vocab_size, 9)
-    rows = 9 * cfg.num_experts_per_tok
-    assert gemm.kernel_runs(rows, 128, 64) and gemm.kernel_runs(rows, 64, 128)
-    got = np.asarray(moe(x, jnp.asarray(ids), p, MlpKind.MOE, cfg), np.float32)
+    jaxpr = str(jax.make_jaxpr(lambda x: moe(x, jnp.asarray(ids), p, MlpKind.MOE, cfg,
+                                             ON_KERNEL))(x))
+    assert any(mark in jaxpr for mark in ("Ref<smem>", "pallas_call", "mosaic"))
+    got = np.asarray(moe(x, jnp.asarray(ids), p, MlpKind.MOE, cfg, ON_KERNEL), np.float32)
     want = numpy_moe(np.asarray(x, np.float64), ids, p, MlpKind.MOE, cfg)
     np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2 * np.abs(want).max())
 
@@ -116,9 +118,7 @@ def test_padding_rows_reach_no_routed_expert(monkeypatch, impl):
     from deepinfer_jax.model.moe import shared_expert
     from pallas_kernels.grouped_gemm import api as gemm
 
-    if impl == "kernel":
-        monkeypatch.setenv("DEEPINFER_KERNELS", "interpret" if jax.default_backend() == "cpu"
-                           else "mosaic_gpu")
+    compute = ON_KERNEL if impl == "kernel" else ComputeConfig()
     cfg = BASE.replace(hidden_size=128, moe_intermediate_size=64, swiglu_limit=1.5)
     p = random_params(cfg, 6, jnp.bfloat16).layers[ROUTED_LAYER].moe
     rng = np.random.default_rng(4)
@@ -133,35 +133,38 @@ def test_padding_rows_reach_no_routed_expert(monkeypatch, impl):
         return real_expert_mlp(x, w13, w2, group_sizes, *args, **kwargs)
 
     monkeypatch.setattr(gemm, "expert_mlp", counting)
-    run = jax.jit(lambda x, ids, valid: moe(x, ids, p, MlpKind.MOE, cfg, valid))
+    run = jax.jit(lambda x, ids, valid: moe(x, ids, p, MlpKind.MOE, cfg, compute, valid))
     got = np.asarray(run(x, ids, valid), np.float32)
     alone = np.asarray(run(x[:3], ids[:3], None), np.float32)
     assert seen == [3 * cfg.num_experts_per_tok, 3 * cfg.num_experts_per_tok]
     np.testing.assert_array_equal(got[:3], alone)
-    shared = np.asarray(shared_expert(x[3:], p.shared, cfg.swiglu_limit), np.float32)
+    shared = np.asarray(shared_expert(x[3:], p.shared, cfg.swiglu_limit, compute), np.float32)
     np.testing.assert_array_equal(got[3:], shared)
 
 
-def test_invariant_ffn_on_the_kernel_runs_untiled_and_row_by_row(monkeypatch):
-    """Batch-invariant mode runs the MoE sublayer over the whole batch at once where the routed
-    experts are on the grouped-GEMM kernel (one read of the expert weights per step, not one per
-    row tile): a token's new streams are then bitwise the same among few tokens as among many,
-    whatever rows share its experts' tiles. The default mode's are not on the CPU (the
-    control; on the H200 XLA's kernels for the other ops happened to keep these rows too)."""
+def test_invariant_ffn_on_the_kernel_runs_untiled_and_row_by_row():
+    """Batch-invariant mode's GPU formulation runs the MoE sublayer over the whole batch at
+    once (one read of the expert weights per step, not one per row tile), its routed experts
+    on the grouped-GEMM kernel: a token's new streams are then bitwise the same among few
+    tokens as among many, whatever rows share its experts' tiles. The default mode's are not
+    on the CPU (the control; on the H200 XLA's kernels for the other ops happened to keep
+    these rows too)."""
     from deepinfer_jax.model import paged_forward
+    from deepinfer_jax.model.invariant import segments
 
-    monkeypatch.setenv("DEEPINFER_KERNELS", "interpret" if jax.default_backend() == "cpu"
-                       else "mosaic_gpu")
+    assert segments(dataclasses.replace(ON_KERNEL, formulation="gpu", batch_invariant=True)
+                    )(lambda x: x + 1, 1) == 2                        # untiled: applied at once
     rng = np.random.default_rng(3)
     few = np.array([30, 2, 17, 5, 11])
     for invariant in (True, False):
-        cfg = BASE.replace(hidden_size=128, moe_intermediate_size=64, batch_invariant=invariant)
+        cfg = BASE.replace(hidden_size=128, moe_intermediate_size=64)
+        compute = dataclasses.replace(ON_KERNEL, batch_invariant=invariant)
         layer = random_params(cfg, 5, jnp.bfloat16).layers[ROUTED_LAYER]
         streams = jnp.asarray(rng.standard_normal((37, cfg.hc_mult, cfg.hidden_size)),
                               jnp.bfloat16)
         ids = jnp.asarray(rng.integers(0, cfg.vocab_size, 37))
-        assert paged_forward.ffn_rowwise(layer, cfg, streams, None) is paged_forward._apply
-        ffn = jax.jit(lambda s, i: paged_forward.ffn_outputs(layer, MlpKind.MOE, cfg, s, i))
+        ffn = jax.jit(lambda s, i, cfg=cfg, compute=compute, layer=layer:
+                      paged_forward.ffn_outputs(layer, MlpKind.MOE, cfg, compute, s, i))
         alone = np.asarray(ffn(streams[few], ids[few]), np.float32)
         among_all = np.asarray(ffn(streams, ids), np.float32)[few]
         if invariant or jax.default_backend() == "cpu":

@@ -1,0 +1,96 @@
+"""ComputeConfig: how the step computes the model (never what the model is).
+
+The same ModelConfig can be computed by other programs: jnp code traced for the CPU or for a
+launch-bound GPU, Pallas kernels or their jnp references, and the batch-invariant mode. Every
+such choice is a field here, resolved once at start-up (config/options.py) and passed
+explicitly to the model's functions, so traced code reads no environment and no globals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+FORMULATIONS = ("cpu", "gpu")
+# The Pallas ops and the names their implementation tables take (pallas_kernels/*/api.py):
+# "mosaic_gpu" the compiled Hopper kernel, "interpret" the same kernel simulated on the CPU,
+# "reference" plain jnp, which takes every shape.
+KERNEL_OPS = ("grouped_gemm", "sink_attention", "sinkhorn", "indexer")
+IMPLEMENTATIONS = ("mosaic_gpu", "interpret", "reference")
+
+
+class ComputeConfigError(ValueError):
+    pass
+
+
+def implementation_list(value: str | tuple[str, ...] | list[str], what: str) -> tuple[str, ...]:
+    """One name or an ordered list -> a tuple ending in "reference" (the fall-through that
+    takes every shape), each name checked."""
+    names = (value,) if isinstance(value, str) else tuple(value)
+    for name in names:
+        if name not in IMPLEMENTATIONS:
+            raise ComputeConfigError(f"{what}: unknown implementation {name!r}; expected one of "
+                                     f"{IMPLEMENTATIONS}")
+    return names if names and names[-1] == "reference" else names + ("reference",)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoices:
+    """Per Pallas op, the implementations to try in order: each falls through to the next on
+    the kernel's typed "not supported for these shapes" error (pallas_kernels.common)."""
+
+    grouped_gemm: tuple[str, ...] = ("reference",)
+    sink_attention: tuple[str, ...] = ("reference",)
+    sinkhorn: tuple[str, ...] = ("reference",)
+    indexer: tuple[str, ...] = ("reference",)
+    # The sink-attention kernel from this many query tokens up (0: every size). Below, XLA's
+    # fused jnp path is faster on the H200 (docs/performance-log.md); a fixed threshold would
+    # make a row's path follow its batch, so batch-invariant mode leaves the kernel out
+    # unless asked for explicitly.
+    attention_min_tokens: int = 0
+
+    def __post_init__(self):
+        for op in KERNEL_OPS:
+            object.__setattr__(self, op, implementation_list(getattr(self, op), op))
+        if self.attention_min_tokens < 0:
+            raise ComputeConfigError("attention_min_tokens must be >= 0")
+
+    @classmethod
+    def every_op(cls, implementation: str | tuple[str, ...], **fields) -> KernelChoices:
+        return cls(**{op: implementation for op in KERNEL_OPS}, **fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeConfig:
+    """formulation: which form of jnp code to trace. "gpu" for a device whose kernels the host
+    launches one by one: there XLA runs a loop as launches per iteration and a `lax.cond` as a
+    host synchronisation, so the step prefers unrolled, fused or dense forms and never
+    branches at run time. "cpu": launches are cheap and loops compile faster.
+
+    batch_invariant: every reduction ordered independently of the batch
+    (docs/batch_invariance.md); invariant_tile: the fixed row tile of that mode's jnp paths
+    (any fixed size is invariant, as long as runs compared use the same one)."""
+
+    formulation: str = "cpu"
+    kernels: KernelChoices = KernelChoices()
+    batch_invariant: bool = False
+    invariant_tile: int = 8
+
+    def __post_init__(self):
+        if self.formulation not in FORMULATIONS:
+            raise ComputeConfigError(f"formulation must be one of {FORMULATIONS}, got "
+                                     f"{self.formulation!r}")
+        if self.invariant_tile < 1:
+            raise ComputeConfigError("invariant_tile must be >= 1")
+
+    @property
+    def launch_bound(self) -> bool:
+        return self.formulation == "gpu"
+
+    @property
+    def tile_segments(self) -> bool:
+        """Batch-invariant mode runs whole per-token segments (projections, norms, mixing) in
+        row tiles where XLA's elementwise code may give a row other bits in a batch of another
+        size: the CPU's vectorised loops do, a GPU's per-element code does not. In the GPU
+        formulation each matmul-like op is invariant by itself (kernels by construction, jnp
+        references in row tiles) and the rest runs over the whole batch."""
+        return self.batch_invariant and not self.launch_bound
