@@ -26,10 +26,7 @@ from bench.lib.engine_loop import steady_decode  # noqa: E402
 from bench.lib.models import SMALL_CPU, model_config, model_label  # noqa: E402
 from bench.lib.results import write_results  # noqa: E402
 from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
-from deepinfer_jax.model.invariant import default_invariant_tile, invariant_tile, untiled_segments  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
-from pallas_kernels.common import launch_bound  # noqa: E402
-from pallas_kernels.grouped_gemm import invariant as gemm  # noqa: E402
 
 
 def prefill_rate(llm: LLM, length: int) -> float:
@@ -60,6 +57,7 @@ def main() -> None:
                   token_buckets=args.buckets and tuple(args.buckets),
                   compilation_cache_dir=str(REPO / ".cache" / "xla-bench"))
         decode = steady_decode(llm, args.decode_batch, args.steps)
+        tile = llm.engine.ecfg.compute.invariant_tile
         rows.append({"batch_invariant": invariant,
                      "decode_tokens_per_s": args.decode_batch / (decode["wall_ms"] / 1e3),
                      "prefill_tokens_per_s": prefill_rate(llm, args.prefill)})
@@ -78,17 +76,9 @@ def main() -> None:
                   f"{r['decode_tokens_per_s']:.0f} | {r['prefill_tokens_per_s']:.0f} |\n")
     table += (f"\nSlowdown of the batch-invariant mode: decode {cost['decode_tokens_per_s']:.0%}, "
               f"prefill {cost['prefill_tokens_per_s']:.0%}. Model: {label}, random bf16 weights.")
-    payload["invariant_tile"] = tile = invariant_tile()
-    payload["tile_shape_free"] = gemm.TILE_SHAPE_FREE_ON_GPU
-    suffix = "" if tile == default_invariant_tile() else f"-tile{tile}"   # a variant's own file
-    if not gemm.TILE_SHAPE_FREE_ON_GPU:
-        suffix += "-fixed-tiles"
-    payload["untiled_segments"] = untiled = untiled_segments()
-    if launch_bound() and not untiled:
-        suffix += "-tiled"
-    payload["split_k"] = gemm.SPLIT_K_ON_GPU
-    if launch_bound() and not gemm.SPLIT_K_ON_GPU:
-        suffix += "-no-split-k"
+    payload["invariant_tile"] = tile
+    default_tile = 8 if device == "cpu" else 64          # config/options.py's per device
+    suffix = "" if tile == default_tile else f"-tile{tile}"   # a variant's own file
     write_results(f"batch-invariant-{device}{suffix}", payload, table)
     print(table)
 

@@ -75,19 +75,19 @@ def case(name: str, tokens: int, rows: int, shapes: Shapes, impl: str) -> list[d
     flops = 2 * 2 * tokens * shapes.heads * rows * shapes.head_dim
     out, results = {}, []
     variants = [("xla (jnp)", reference.sink_attention),
-                ("ours", functools.partial(api.sink_attention, impl=impl))]
+                ("ours", functools.partial(api.sink_attention, implementation=impl))]
     variants += [("ours 1 wg, 128 dims/program", functools.partial(
-        api.sink_attention, impl=impl, config=AttentionConfig(block_d=128)))]
+        api.sink_attention, implementation=impl, config=AttentionConfig(block_d=128)))]
     splits = (1, 2, 5) if tokens <= 64 else (1,)   # decode: rows split over programs too
     variants += [(f"ours ws x {n} row splits{', scores split' * scored}", functools.partial(
-        api.sink_attention, impl=impl,
+        api.sink_attention, implementation=impl,
         config=WarpSpecializedConfig(num_splits=n, split_scores=scored)))
         for n in splits for scored in (False, True)]
     n = splits[min(1, len(splits) - 1)]
     # Ping-pong (the warpgroups taking turns on the tensor cores) is opt-in: timed here until
     # it is clearly ahead (other variants tried: docs/performance-log.md, sink attention).
     variants += [(f"ours ws x {n} row splits, ping-pong", functools.partial(
-        api.sink_attention, impl=impl,
+        api.sink_attention, implementation=impl,
         config=WarpSpecializedConfig(num_splits=n, ping_pong=True, split_scores=False)))]
     for label, fn in variants:
         row = {"case": name, "tokens": tokens, "rows_per_token": rows, "impl": label}

@@ -26,6 +26,7 @@ sys.path.insert(0, str(REPO))
 from bench.lib.ceilings import measure as measure_ceilings  # noqa: E402
 from bench.lib.results import write_results  # noqa: E402
 from bench.lib.timing import rel_err, spread, timing  # noqa: E402
+from pallas_kernels.common import kernel_mode  # noqa: E402
 from pallas_kernels.grouped_gemm import api, invariant, mosaic_gpu_persistent  # noqa: E402
 
 
@@ -42,11 +43,11 @@ def dense_case(m: int, hidden: int, impl: str) -> list[dict]:
     splits = invariant.invariant_split_k(k, n)
 
     def ours(config=None):
-        return jax.jit(functools.partial(invariant.matmul, impl=impl, config=config))
+        return jax.jit(functools.partial(invariant.matmul, implementation=impl, config=config))
 
     def persistent(splits, **kw):
         def run(x, w):
-            with api.kernel_mode(impl):
+            with kernel_mode(impl == "interpret"):
                 return mosaic_gpu_persistent.chained_matmul(
                     x, w, splits=splits, config=mosaic_gpu_persistent.PersistentConfig(**kw))
         return jax.jit(run)

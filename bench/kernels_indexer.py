@@ -57,7 +57,7 @@ def xla_path(pool, q, w, seq, visible, rows):
 
 def kernel_path(impl, pool, q, w, seq, visible, rows):
     keys = pool.reshape(-1, rows, DIM)                                          # per sequence
-    scores = api.indexer_scores(q.astype(jnp.bfloat16), keys, w, seq, impl=impl)
+    scores = api.indexer_scores(q.astype(jnp.bfloat16), keys, w, seq, implementation=impl)
     return jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), min(TOPK, rows))[1]
 
 
@@ -65,7 +65,7 @@ def scores_error(impl, pool, q, w, seq, rows) -> float:
     """The kernel's scores against the reference's on the same bf16 queries (relative)."""
     keys = pool.reshape(-1, rows, DIM)
     qb = q.astype(jnp.bfloat16)
-    out = api.indexer_scores(qb, keys, w, seq, impl=impl)
+    out = api.indexer_scores(qb, keys, w, seq, implementation=impl)
     ref = reference.indexer_scores(qb, keys, w, seq)
     return float(jnp.linalg.norm(out - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30))
 

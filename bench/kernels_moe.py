@@ -144,10 +144,10 @@ def moe_case(name: str, tokens: int, shapes: Shapes, experts: Experts, impl: str
                                  "reference path)")
             if name == "gate_up":
                 return api.grouped_matmul(a, w13, s, rhs_scale=s13, swiglu_limit=LIMIT,
-                                          impl=impl, config=cfg)
+                                          implementation=impl, config=cfg)
             if name == "down":
-                return api.grouped_matmul(a, w2, s, rhs_scale=s2, impl=impl, config=cfg)
-            return api.expert_mlp(a, w13, w2, s, LIMIT, w13_scale=s13, w2_scale=s2, impl=impl,
+                return api.grouped_matmul(a, w2, s, rhs_scale=s2, implementation=impl, config=cfg)
+            return api.expert_mlp(a, w13, w2, s, LIMIT, w13_scale=s13, w2_scale=s2, implementation=impl,
                                   configs=cfg)   # (gate/up, down) or None: the defaults
         return op, weights
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import os
 import pstats
 import sys
 import time
@@ -20,15 +19,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-os.environ.setdefault("DEEPINFER_KERNELS", "mosaic_gpu")
-os.environ.setdefault("DEEPINFER_STEP_FORMULATION", "gpu")
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench.lib.models import V4_FLASH, slice_config  # noqa: E402
 from bench.lib.results import write_results  # noqa: E402
+from deepinfer_jax.config.compute import KERNEL_OPS  # noqa: E402
 from deepinfer_jax.config.engine import EngineConfig  # noqa: E402
+from deepinfer_jax.config.options import DeviceFacts, default_kernels  # noqa: E402
 from deepinfer_jax.device.step import step  # noqa: E402
 from deepinfer_jax.engine.transfer import Wire  # noqa: E402
 from deepinfer_jax.host.plan_builder import build_plan  # noqa: E402
@@ -37,12 +35,14 @@ from deepinfer_jax.model.state import init_state  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
 from pallas_kernels.common import abstract_gpu  # noqa: E402
 
+H200 = DeviceFacts("gpu", "9.0")
+
 
 def trace_seconds(layers: int, bucket: int, invariant: bool, profile: bool) -> float:
-    cfg = slice_config(V4_FLASH, layers).replace(
-        batch_invariant=invariant)
+    cfg = slice_config(V4_FLASH, layers)
+    # the H200's step (kernels first, the GPU formulation), whatever this machine is
     ecfg = EngineConfig(max_num_seqs=64, max_model_len=2048, max_num_batched_tokens=bucket,
-                        token_buckets=(bucket,), batch_invariant=invariant).resolve(cfg)
+                        token_buckets=(bucket,), batch_invariant=invariant).resolve(cfg, H200)
     params = jax.eval_shape(lambda: random_params(cfg, 0, jnp.bfloat16))
     state = jax.eval_shape(lambda: init_state(cfg, ecfg, jnp.bfloat16))
     wire = Wire.of(build_plan(ScheduleDecision(()), bucket, ecfg))
@@ -74,8 +74,7 @@ def main() -> None:
             seconds = trace_seconds(layers, args.bucket, invariant, args.profile)
             rows.append({"layers": layers, "batch_invariant": invariant, "seconds": seconds})
             print(rows[-1], flush=True)
-    kernels = {op: os.environ.get(f"DEEPINFER_KERNEL_{op.upper()}") or os.environ["DEEPINFER_KERNELS"]
-               for op in ("grouped_gemm", "sink_attention", "sinkhorn")}
+    kernels = {op: list(getattr(default_kernels(H200), op)) for op in KERNEL_OPS}
     table = "| layers | mode | trace + lower s |\n|---:|---|---:|\n" + "".join(
         f"| {r['layers']} | {'batch-invariant' if r['batch_invariant'] else 'default'} | "
         f"{r['seconds']:.1f} |\n" for r in rows)
