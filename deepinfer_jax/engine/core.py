@@ -34,6 +34,7 @@ from deepinfer_jax.host.grammar import StructuredOutputs
 from deepinfer_jax.host.pages import pages_needed
 from deepinfer_jax.host.plan_builder import build_plan, suppress_stops
 from deepinfer_jax.host.request import (
+    PLACEHOLDER,
     FinishReason,
     InvalidRequestError,
     Request,
@@ -42,6 +43,7 @@ from deepinfer_jax.host.request import (
     SamplingParams,
 )
 from deepinfer_jax.host.scheduler import Restore, ScheduleDecision, Scheduler
+from deepinfer_jax.host.stop_strings import StopStrings
 from deepinfer_jax.host.tokenizer import TextTokenizer
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.model.state import init_state
@@ -113,8 +115,9 @@ class EngineCore:
             raise InvalidRequestError("; ".join(problems))
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
         matcher = self.structured.matcher(params) if self.structured is not None else None
+        stop_strings = StopStrings(self.tokenizer, params.stop) if params.stop else None
         request = Request(request_id, list(prompt), params, next(self._arrivals), seed=seed,
-                          matcher=matcher)
+                          matcher=matcher, stop_strings=stop_strings)
         self.scheduler.add(request)
         return request
 
@@ -246,20 +249,22 @@ class EngineCore:
 
 
     def _check_output(self, req: Request) -> None:
-        """Feed newly resolved tokens to the grammar; look for stop strings."""
-        known = req.resolved_tokens
-        for index in range(req.num_checked, len(known)):
+        """Feed the newly resolved tokens to the grammar and the stop strings, in order; the
+        first that ends the output cuts the tokens after it."""
+        generated = req.generated
+        while req.num_checked < len(generated) and generated[req.num_checked] != PLACEHOLDER:
+            index = req.num_checked
             req.num_checked = index + 1
             if req.matcher is not None:
-                req.matcher.consume_token(known[index])
+                req.matcher.consume_token(generated[index])
                 if req.matcher.is_stopped() or req.matcher.is_error():
                     self.scheduler.stop_at(req, index)
                     return
-            if req.params.stop and index + 1 >= req.params.min_tokens:
-                text = self.tokenizer.decode(known[: index + 1])
-                hits = [i for i in (text.find(s) for s in req.params.stop) if i >= 0]
-                if hits:
-                    req.stop_text_at = min(hits)
+            if req.stop_strings is not None:
+                at = req.stop_strings.add(generated[index],
+                                          search=index + 1 >= req.params.min_tokens)
+                if at is not None:
+                    req.stop_text_at = at
                     self.scheduler.stop_at(req, index)
                     return
 

@@ -11,7 +11,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from deepinfer_jax.host.stop_strings import StopStrings
 
 
 class RequestError(ValueError):
@@ -223,6 +226,7 @@ class Request:
     seed: int = 0                         # the request's random stream (params.seed or drawn)
     logprobs: list[TokenLogprobs | None] = dataclasses.field(default_factory=list)  # per token
     matcher: Any = None                   # llguidance matcher of a constrained request
+    stop_strings: StopStrings | None = None   # the stop-string search (with params.stop)
     num_checked: int = 0                  # generated tokens seen by stop strings / grammar
     stop_text_at: int | None = None       # where a stop string starts in the output text
     drafts: list[int] = dataclasses.field(default_factory=list)   # MTP drafts to verify next
