@@ -169,8 +169,7 @@ class LLM:
     def prefix_cache_stats(self):
         """Prefix-cache counters (hits, reused and replayed tokens, cached blocks), or None
         when prefix caching is off."""
-        cache = self.engine.scheduler.prefix_cache
-        return None if cache is None else cache.current_stats()
+        return self.engine.scheduler.kv_cache.prefix_stats()
 
     @property
     def spec_metrics(self):

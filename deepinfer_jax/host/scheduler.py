@@ -9,13 +9,13 @@ A running request that needs a page when none is free preempts the newest runnin
 (possibly itself): its slot and pages are freed and it goes back to the front of the queue,
 keeping its generated tokens, to be recomputed later. Nothing is lost.
 
-With prefix caching (prefix_blocks.py, prefix_cache.py), admission first looks the request's
-tokens up: the matched blocks' pages are shared and their snapshot restored
-(`ScheduleDecision.restores`), so computing starts after them; cached blocks no sequence uses
-are evicted before anything is preempted, and a preempted request resumes from its own cached
-blocks. Prefill chunks are cut at block boundaries so that each chunk's end can be snapshotted
-(`snapshot_saves`); the blocks a step completes enter the cache once their tokens are known on
-the host.
+Pages, the prefix index and its snapshots belong to the KV cache manager (kv_cache.py). With
+prefix caching, admission first looks the request's tokens up: the matched blocks' pages are
+shared and their snapshot restored (`ScheduleDecision.restores`), so computing starts after
+them; cached blocks no sequence uses are evicted before anything is preempted, and a
+preempted request resumes from its own cached blocks. Prefill chunks are cut at block
+boundaries so that each chunk's end can be snapshotted (`snapshot_saves`); the blocks a step
+completes enter the cache once their tokens are known on the host.
 
 A step's effects arrive in two parts, so that the runner can plan step N+1 while step N runs:
 `commit` when the step is launched (counts advance; each sampled token is a PLACEHOLDER that
@@ -31,9 +31,7 @@ import collections
 import dataclasses
 
 from deepinfer_jax.config.engine import ResolvedEngineConfig
-from deepinfer_jax.host.pages import PageAllocator, pages_needed
-from deepinfer_jax.host.prefix_blocks import PrefixBlocks
-from deepinfer_jax.host.prefix_cache import PrefixCache, SnapshotAllocator
+from deepinfer_jax.host.kv_cache import KVCacheManager
 from deepinfer_jax.host.request import PLACEHOLDER, FinishReason, Request, RequestStatus, TokenLogprobs
 
 
@@ -74,15 +72,11 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
-        self.pages = PageAllocator(ecfg.num_pages)
+        self.kv_cache = KVCacheManager(ecfg.num_pages, ecfg.page_size, ecfg.enable_prefix_caching,
+                                       ecfg.num_snapshots,
+                                       snapshots_need_next_token=ecfg.speculative is not None)
         self._free_slots = list(range(ecfg.max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
-        self.prefix_cache = self.prefix_blocks = None
-        if ecfg.enable_prefix_caching:
-            self.prefix_cache = PrefixCache(self.pages, SnapshotAllocator(ecfg.num_snapshots),
-                                            ecfg.page_size, snapshots_need_next_token=(
-                                                ecfg.speculative is not None))
-            self.prefix_blocks = PrefixBlocks(self.prefix_cache, self.pages, ecfg.page_size)
 
     # ---- queue management -----------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -118,8 +112,7 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> ScheduleDecision:
-        if self.prefix_blocks is not None:
-            self.prefix_blocks.cache_completed()
+        self.kv_cache.cache_completed()
         budget = self.ecfg.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         # A constrained request needs its last token on the host (its grammar mask depends on
@@ -149,19 +142,17 @@ class Scheduler:
             req = self.waiting[0]
             if req.has_placeholders:   # preempted with a token in flight: recompute needs it
                 break
-            match = None if self.prefix_blocks is None else self.prefix_blocks.reuse(req)
+            match = self.kv_cache.match_prefix(req)
             n = self._chunk(req, req.num_pending, budget)
-            need = pages_needed(req.num_computed + n, self.ecfg.page_size) - len(req.pages)
-            if not self._can_allocate(need):
-                self.pages.free(req.pages)
-                req.pages, req.num_computed = [], 0
+            if not self.kv_cache.grow(req, req.num_computed + n):
+                self.kv_cache.release(req)
+                req.num_computed = 0
                 break
             self.waiting.popleft()
             req.status, req.slot = RequestStatus.RUNNING, self._free_slots.pop()
-            req.pages += self.pages.allocate(need)
             self.running.append(req)
             if match is not None:
-                self.prefix_blocks.count_lookup(req, match)
+                self.kv_cache.count_lookup(req, match)
                 if match.snapshot is not None:
                     restores.append(Restore(req.slot, match.snapshot,
                                             tuple(req.tokens[: match.num_tokens]), len(req.prompt)))
@@ -178,9 +169,7 @@ class Scheduler:
         for seq in decision.seqs:
             req = seq.request
             req.num_computed = seq.start + seq.num_tokens
-            if self.prefix_cache is not None:
-                self.prefix_cache.stats.replayed_tokens += max(
-                    0, min(req.num_computed, req.replay_until) - seq.start)
+            self.kv_cache.count_replayed(max(0, min(req.num_computed, req.replay_until) - seq.start))
             req.replay_until = max(req.replay_until, req.num_computed)
             if not seq.samples:
                 token_index.append(None)
@@ -213,31 +202,24 @@ class Scheduler:
             touched.append(req)
             if self._is_stop(req, token):
                 self.stop_at(req, index)    # drops tokens computed after the stop
-        if self.prefix_blocks is not None:
-            self.prefix_blocks.cache_completed()
+        self.kv_cache.cache_completed()
         return touched
 
-    # ---- prefix caching (prefix_blocks.py) ------------------------------------------------
+    # ---- prefix caching (kv_cache.py) -----------------------------------------------------
     def snapshot_saves(self, decision: ScheduleDecision) -> list[tuple[int, int]]:
-        """Call when the step is launched (before `commit`); see PrefixBlocks.snapshot_saves."""
-        return [] if self.prefix_blocks is None else self.prefix_blocks.snapshot_saves(decision)
+        """Call when the step is launched (before `commit`); see KVCacheManager.snapshot_saves."""
+        return self.kv_cache.snapshot_saves(decision.seqs)
 
     def _chunk(self, req: Request, wanted: int, budget: int) -> int:
         """Tokens to feed `req` this step. With prefix caching a prefill chunk that stops
         short of the last token ends on a block boundary, where its state can be snapshotted."""
         n = min(wanted, budget)
-        if self.prefix_cache is not None and n < req.num_pending:
+        if self.kv_cache.caching and n < req.num_pending:
             end = req.num_computed + n
             aligned = end - end % self.ecfg.page_size
             if aligned > req.num_computed:
                 n = aligned - req.num_computed
         return n
-
-    def _can_allocate(self, n: int) -> bool:
-        """Whether n pages are free, after evicting idle cached blocks if need be."""
-        if self.prefix_cache is not None and not self.pages.can_allocate(n):
-            self.prefix_cache.evict(n)
-        return self.pages.can_allocate(n)
 
     # ---- internals ------------------------------------------------------------------------
     def resolve_spec(self, decision: ScheduleDecision, out) -> list[Request]:
@@ -303,16 +285,13 @@ class Scheduler:
     def _make_room(self, req: Request, end: int, scheduled: list[ScheduledSeq]) -> bool:
         """Give `req` the pages for positions < end, preempting the newest running requests
         not yet scheduled in this step (or `req` itself). False if `req` was preempted."""
-        need = pages_needed(end, self.ecfg.page_size) - len(req.pages)
-        while not self._can_allocate(need):
+        while not self.kv_cache.grow(req, end):
             taken = {s.request for s in scheduled}
             victims = [r for r in self.running if r is not req and r not in taken]
             victim = max(victims, key=lambda r: r.arrival_index) if victims else req
             self._preempt(victim)
             if victim is req:
                 return False
-        if need > 0:
-            req.pages += self.pages.allocate(need)
         return True
 
     def _preempt(self, req: Request) -> None:
@@ -325,8 +304,7 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _release(self, req: Request) -> None:
-        self.pages.free(req.pages)
-        req.pages = []
+        self.kv_cache.release(req)
         if req.slot is not None:
             self._free_slots.append(req.slot)
             req.slot = None

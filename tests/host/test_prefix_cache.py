@@ -156,9 +156,10 @@ def test_scheduler_cuts_chunks_at_blocks_and_reuses_the_cached_prefix():
     again = _run(sched, Request("b", prompt + [50], SamplingParams(max_tokens=1), 1))
     seq = again[0].seqs[0]
     assert seq.start == 64 and again[0].restores[0].tokens == tuple(prompt[:64])
-    stats = sched.prefix_cache.current_stats()
+    stats = sched.kv_cache.prefix_stats()
     assert stats.queries == 2 and stats.hits == 1 and stats.hit_tokens == 64
     # every page is either free or held by the cache alone
-    held = {b.page for b in sched.prefix_cache.blocks.values()}
-    assert sched.pages.num_free + len(held) == 32
-    assert all(sched.pages.refs(p) == 1 for p in held)
+    pages = sched.kv_cache.pages
+    held = {b.page for b in sched.kv_cache.prefix_cache.blocks.values()}
+    assert pages.num_free + len(held) == 32
+    assert all(pages.refs(p) == 1 for p in held)

@@ -77,7 +77,7 @@ def test_stop_conditions():
     assert stop.finish_reason is FinishReason.STOP
     run_step(sched, token=EOS)
     assert ignore.finish_reason is FinishReason.LENGTH and ignore.generated == [EOS, 9, EOS]
-    assert sched.pages.num_free == sched.ecfg.num_pages and not sched.has_work()
+    assert sched.kv_cache.num_free_pages == sched.ecfg.num_pages and not sched.has_work()
 
 
 def test_max_model_len_stops_generation():
@@ -155,7 +155,7 @@ def test_a_stop_token_is_seen_one_step_late_and_the_extra_token_dropped():
     sched.resolve(d0, i0, [EOS])
     assert req.finish_reason is FinishReason.STOP and req.generated == [EOS] and req.is_complete
     assert sched.resolve(d1, i1, [99]) == []   # ... and discarded
-    assert req.generated == [EOS] and sched.pages.num_free == sched.ecfg.num_pages
+    assert req.generated == [EOS] and sched.kv_cache.num_free_pages == sched.ecfg.num_pages
 
 
 def test_length_limits_are_known_at_launch():
