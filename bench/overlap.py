@@ -73,7 +73,7 @@ def device_time(engine, steps: int) -> float:
     decision = engine.scheduler.schedule()
     bucket = token_bucket(engine.ecfg.token_buckets, decision.num_tokens)
     plan = build_plan(decision, bucket, engine.ecfg)
-    compiled, state = engine.steps.for_plan(bucket, plan), engine.state
+    compiled, state = engine.steps.select(bucket, decision.truncating_sampler), engine.state
     state, out = compiled(engine.params, state, plan)
     jax.block_until_ready(out)
     start = time.perf_counter()

@@ -135,7 +135,7 @@ def main() -> None:
     decision = engine.scheduler.schedule()
     bucket = token_bucket(engine.ecfg.token_buckets, decision.num_tokens)
     plan = build_plan(decision, bucket, engine.ecfg)
-    compiled = engine.steps.for_plan(bucket, plan)
+    compiled = engine.steps.select(bucket, decision.truncating_sampler)
     state = engine.state
     for _ in range(3):
         state, out = compiled(engine.params, state, plan)

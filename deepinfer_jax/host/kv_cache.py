@@ -13,8 +13,9 @@ Without prefix caching only the request references exist.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
 
+from deepinfer_jax.host.decision import ScheduledSeq, SnapshotSave
 from deepinfer_jax.host.pages import PageAllocator, pages_needed
 from deepinfer_jax.host.prefix_cache import (
     Match,
@@ -24,9 +25,6 @@ from deepinfer_jax.host.prefix_cache import (
     extend_block_keys,
 )
 from deepinfer_jax.host.request import Request
-
-if TYPE_CHECKING:
-    from deepinfer_jax.host.scheduler import ScheduledSeq
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +58,9 @@ class KVCacheManager:
     # ---- a request's pages ----------------------------------------------------------------
     def grow(self, req: Request, num_tokens: int) -> bool:
         """Give `req` the pages for its positions < num_tokens, evicting idle cached blocks if
-        the free pages do not suffice. False (and nothing allocated) if they are not there."""
+        the free pages do not suffice. False (and nothing allocated) if they are not there.
+        `req.pages` is replaced, never extended in place: a scheduled row keeps the list it
+        was scheduled with."""
         need = pages_needed(num_tokens, self.page_size) - len(req.pages)
         if self.prefix_cache is not None and not self.pages.can_allocate(need):
             self.prefix_cache.evict(need)
@@ -104,12 +104,12 @@ class KVCacheManager:
         if self.prefix_cache is not None:
             self.prefix_cache.stats.replayed_tokens += num_tokens
 
-    def snapshot_saves(self, seqs: tuple[ScheduledSeq, ...]) -> list[tuple[int, int]]:
+    def snapshot_saves(self, seqs: Iterable[ScheduledSeq]) -> tuple[SnapshotSave, ...]:
         """At launch, before the step's counts advance: the blocks it completes wait to be
         cached, and where a row ends on a block boundary its slot is to be snapshotted after
-        the step. Returns (slot, snapshot) pairs to copy."""
+        the step."""
         if self.prefix_cache is None:
-            return []
+            return ()
         bs, saves = self.page_size, []
         for seq in seqs:
             req = seq.request
@@ -124,11 +124,11 @@ class KVCacheManager:
                 if cached is not None and (cached.snapshot is not None or not wants_snapshot):
                     continue
                 snapshot = self.prefix_cache.allocate_snapshot() if wants_snapshot else None
-                self.pages.share(req.pages[index])
-                self._pending.append(PendingBlock(req, index, req.pages[index], snapshot))
+                self.pages.share(seq.pages[index])
+                self._pending.append(PendingBlock(req, index, seq.pages[index], snapshot))
                 if snapshot is not None:
-                    saves.append((req.slot, snapshot))
-        return saves
+                    saves.append(SnapshotSave(seq.slot, snapshot))
+        return tuple(saves)
 
     def cache_completed(self) -> None:
         """Move pending blocks whose tokens the host now knows into the cache; drop those

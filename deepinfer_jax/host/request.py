@@ -13,6 +13,8 @@ import enum
 import time
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 if TYPE_CHECKING:
     from deepinfer_jax.host.stop_strings import StopStrings
 
@@ -97,6 +99,16 @@ class SamplingParams:
     @property
     def constrained(self) -> bool:
         return any(x is not None for x in (self.json_schema, self.regex, self.grammar))
+
+    @property
+    def truncates(self) -> bool:
+        """Whether sampling keeps only part of the distribution (top-k, top-p or min-p at a
+        positive temperature), which takes the sampler that sorts the vocabulary. Compared in
+        float32, as the plan carries the values, so that the host's choice of compiled sampler
+        agrees with what the step's rows ask for at the edges (a top_p of 1 - 1e-9 is 1)."""
+        f32 = np.float32
+        return bool(f32(self.temperature) > 0 and (self.top_k > 0 or f32(self.top_p) < 1
+                                                   or f32(self.min_p) > 0))
 
     def problems(self, vocab_size: int, max_logprobs: int, has_tokenizer: bool) -> list[str]:
         checks = [
