@@ -38,6 +38,7 @@ from deepinfer_jax.config.engine import ResolvedEngineConfig
 from deepinfer_jax.contract import SpecStepOutput, StepOutput
 from deepinfer_jax.host.decision import Restore, ScheduleDecision, ScheduledSeq
 from deepinfer_jax.host.kv_cache import KVCacheManager
+from deepinfer_jax.host.output_checks import end_of_output
 from deepinfer_jax.host.request import PLACEHOLDER, FinishReason, Request, RequestStatus, TokenLogprobs
 
 
@@ -96,7 +97,9 @@ class Scheduler:
         else:
             touched = self._apply_tokens(decision, output)
         for req in touched:
-            self._check_output(req)
+            index = end_of_output(req)     # grammar, stop strings
+            if index is not None:
+                self._stop_at(req, index)
         return touched
 
     # ---- schedule() -----------------------------------------------------------------------
@@ -276,26 +279,6 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING:
                 req.drafts = [int(t) for t in out.drafts[row, : int(out.num_drafts[row])]]
         return touched
-
-    def _check_output(self, req: Request) -> None:
-        """Feed the newly resolved tokens to the grammar and the stop strings, in order; the
-        first that ends the output cuts the tokens after it."""
-        generated = req.generated
-        while req.num_checked < len(generated) and generated[req.num_checked] != PLACEHOLDER:
-            index = req.num_checked
-            req.num_checked = index + 1
-            if req.matcher is not None:
-                req.matcher.consume_token(generated[index])
-                if req.matcher.is_stopped() or req.matcher.is_error():
-                    self._stop_at(req, index)
-                    return
-            if req.stop_strings is not None:
-                at = req.stop_strings.add(generated[index],
-                                          search=index + 1 >= req.params.min_tokens)
-                if at is not None:
-                    req.stop_text_at = at
-                    self._stop_at(req, index)
-                    return
 
     def _is_stop(self, req: Request, token: int) -> bool:
         p = req.params

@@ -11,7 +11,9 @@ from deepinfer_jax.contract import SpecStepOutput, StepOutput
 from deepinfer_jax.host.pages import OutOfPagesError, PageAllocator
 from deepinfer_jax.host.request import PLACEHOLDER, FinishReason, Request, RequestStatus, SamplingParams
 from deepinfer_jax.host.scheduler import Scheduler
+from deepinfer_jax.host.stop_strings import StopStrings
 from tests.conftest import REPO
+from tests.host.test_detokenizer import TOKENIZER
 
 MODEL = ModelConfig.from_json_file(REPO / "configs" / "tiny" / "tiny-mixed.json")
 EOS = MODEL.eos_token_ids[0]
@@ -221,3 +223,25 @@ def test_postprocess_takes_the_output_of_the_step_it_was_given():
                           np.zeros((n, 2, 1), np.float32))
     with pytest.raises(TypeError, match="plain"):
         sched.postprocess(decision, spec)
+
+
+def test_a_stop_string_ends_the_request_when_its_token_arrives():
+    """postprocess runs the stop-string search: the request ends after the token that
+    completes the string, tokens computed after it are dropped, and the text is cut."""
+    ids = TOKENIZER.encode(" hello world again")[1:]
+    sched = make()
+    sched.add(req := request(0, 4, max_tokens=20))
+    req.stop_strings = StopStrings(TOKENIZER, ("o w",))
+    in_flight = sched.schedule()
+    for token in ids:
+        decision = sched.schedule()            # asynchronous: the next step is launched first
+        sched.postprocess(in_flight, output([token] * len(in_flight.seqs)))
+        in_flight = decision
+        if req.status is RequestStatus.FINISHED:
+            break
+    end = next(i for i in range(len(ids)) if "o w" in TOKENIZER.decode(ids[: i + 1]))
+    assert req.finish_reason is FinishReason.STOP and req.generated == ids[: end + 1]
+    assert req.stop_text_at == len(" hell")
+    assert req.output(TOKENIZER.decode(req.generated)).text == " hell"
+    assert sched.postprocess(in_flight, output([7] * len(in_flight.seqs))) == []
+    assert req.is_complete and sched.kv_cache.num_free_pages == sched.ecfg.num_pages
