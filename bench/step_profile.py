@@ -132,10 +132,11 @@ def main() -> None:
         steady_decode(llm, args)
     engine.set_launch_thread(False)     # waits for the launched steps: the state is settled
     # The compiled step alone: the same plan, called back to back (the state is donated).
+    # (schedule() books it as launched; the engine is not stepped again after this)
     decision = engine.scheduler.schedule()
     bucket = token_bucket(engine.ecfg.token_buckets, decision.num_tokens)
     plan = build_plan(decision, bucket, engine.ecfg)
-    compiled = engine.steps.for_plan(bucket, plan)
+    compiled = engine.steps.select(bucket, decision.truncating_sampler)
     state = engine.state
     for _ in range(3):
         state, out = compiled(engine.params, state, plan)

@@ -29,8 +29,8 @@ from deepinfer_jax.config.engine import EngineConfig  # noqa: E402
 from deepinfer_jax.config.options import DeviceFacts, default_kernels  # noqa: E402
 from deepinfer_jax.device.step import step  # noqa: E402
 from deepinfer_jax.engine.transfer import Wire  # noqa: E402
+from deepinfer_jax.host.decision import ScheduleDecision  # noqa: E402
 from deepinfer_jax.host.plan_builder import build_plan  # noqa: E402
-from deepinfer_jax.host.scheduler import ScheduleDecision  # noqa: E402
 from deepinfer_jax.model.state import init_state  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
 from pallas_kernels.common import abstract_gpu  # noqa: E402

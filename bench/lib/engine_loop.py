@@ -45,11 +45,12 @@ def steady_decode(llm: LLM, batch: int, steps: int) -> dict:
 
 def compiled_step_seconds(engine, steps: int) -> float:
     """The compiled decode step alone, launched back to back on one plan (the state is
-    donated and handed back to the engine)."""
+    donated and handed back to the engine). schedule() books the step as launched
+    (placeholders) though nothing postprocesses it: the caller aborts the requests after."""
     decision = engine.scheduler.schedule()
     bucket = token_bucket(engine.ecfg.token_buckets, decision.num_tokens)
     plan = build_plan(decision, bucket, engine.ecfg)
-    compiled, state = engine.steps.for_plan(bucket, plan), engine.state
+    compiled, state = engine.steps.select(bucket, decision.truncating_sampler), engine.state
     state, out = compiled(engine.params, state, plan)
     jax.block_until_ready(out)
     start = time.perf_counter()

@@ -18,6 +18,7 @@ from deepinfer_jax.api.model import Model, load
 from deepinfer_jax.config.engine import EngineConfig
 from deepinfer_jax.engine.core import EngineCore, failed_output
 from deepinfer_jax.engine.devices import local_device_facts
+from deepinfer_jax.host.detokenizer import IncrementalDetokenizer
 from deepinfer_jax.host.request import (
     FinishReason,
     InvalidRequestError,
@@ -108,6 +109,11 @@ class LLM:
             yield CompletionDelta(index[rid], rid, [], None, True, out.finish_reason, out.error)
         sent_tokens = {rid: 0 for rid in pending}
         sent_text = {rid: "" for rid in pending}
+        # a request's resolved tokens only grow, so its text is decoded a piece at a time:
+        # final_text + pending text == decode(resolved tokens)
+        detokenizers = {rid: IncrementalDetokenizer(self.tokenizer) for rid in pending
+                        } if self.tokenizer is not None else {}
+        final_text = {rid: "" for rid in pending}
         while pending and self.engine.has_unfinished():
             for req in self.engine.step():
                 rid = req.request_id
@@ -119,7 +125,9 @@ class LLM:
                 done = req.is_complete
                 text = None
                 if self.tokenizer is not None:
-                    full = _streamable_text(self.tokenizer.decode(known), req, done)
+                    final_text[rid] += detokenizers[rid].add(new)
+                    decoded = final_text[rid] + detokenizers[rid].pending
+                    full = _streamable_text(decoded, req, done)
                     text, sent_text[rid] = full[len(sent_text[rid]):], full
                 if done:
                     pending.pop(rid)
@@ -171,8 +179,7 @@ class LLM:
     def prefix_cache_stats(self):
         """Prefix-cache counters (hits, reused and replayed tokens, cached blocks), or None
         when prefix caching is off."""
-        cache = self.engine.scheduler.prefix_cache
-        return None if cache is None else cache.current_stats()
+        return self.engine.scheduler.kv_cache.prefix_stats()
 
     @property
     def spec_metrics(self):

@@ -21,12 +21,11 @@ from tqdm.auto import tqdm
 from deepinfer_jax.config.engine import ResolvedEngineConfig
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.contract import BatchPlan
-from deepinfer_jax.device.sampling import host_truncates
 from deepinfer_jax.device.speculative import spec_step
 from deepinfer_jax.device.step import step
 from deepinfer_jax.engine.transfer import Wire
+from deepinfer_jax.host.decision import ScheduleDecision
 from deepinfer_jax.host.plan_builder import build_plan
-from deepinfer_jax.host.scheduler import ScheduleDecision
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.model.state import StateCache
 
@@ -79,16 +78,16 @@ class CompiledStep:
 class CompiledSteps:
     """Every bucket's compiled step. Where a branch on the device would stall the host
     (`launch_bound`), each bucket has two, the sampler with and without truncation (top-k/p,
-    min-p: a sort over the vocabulary), and the host picks one from the plan; elsewhere one,
-    which branches on the device (key None)."""
+    min-p: a sort over the vocabulary), and the scheduler's decision says which a step needs
+    (`ScheduleDecision.truncating_sampler`); elsewhere one, which branches on the device (key
+    None)."""
 
     by_key: dict[tuple[int, bool | None], CompiledStep]
 
-    def for_plan(self, bucket: int, plan: BatchPlan) -> CompiledStep:
+    def select(self, bucket: int, truncating_sampler: bool) -> CompiledStep:
         if (bucket, None) in self.by_key:
             return self.by_key[bucket, None]
-        return self.by_key[bucket, host_truncates(plan.temperature, plan.top_k, plan.top_p,
-                                                  plan.min_p)]
+        return self.by_key[bucket, truncating_sampler]
 
 
 # Batch-invariant mode: XLA may otherwise keep bf16 intermediates in higher precision inside

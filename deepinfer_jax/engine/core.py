@@ -8,7 +8,9 @@ is consumed one step late. Nothing in the loop waits for the device except that 
 happens while the next step already runs. The launch itself (XLA issuing the step's kernels,
 milliseconds on a GPU) runs on the launcher's thread (launcher.py), so it overlaps the read
 and the next plan. The synchronous loop (launch, read, repeat) is kept for comparison and
-debugging; both drive the scheduler through the same commit/resolve calls.
+debugging; both drive the scheduler through its two verbs: `schedule()` (the step's decision,
+booked as launched, so every decision is launched at once) and `postprocess(decision, output)`
+when the step's output has been read.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from deepinfer_jax.device.snapshots import compile_copies, init_pool, slot_rings
 from deepinfer_jax.engine.compile import compile_steps
 from deepinfer_jax.engine.launch import Launcher
 from deepinfer_jax.host.buckets import token_bucket
+from deepinfer_jax.host.decision import Restore, ScheduleDecision, SnapshotSave
 from deepinfer_jax.host.grammar import StructuredOutputs
 from deepinfer_jax.host.pages import pages_needed
 from deepinfer_jax.host.plan_builder import build_plan, suppress_stops
@@ -41,7 +44,8 @@ from deepinfer_jax.host.request import (
     RequestOutput,
     SamplingParams,
 )
-from deepinfer_jax.host.scheduler import Restore, ScheduleDecision, Scheduler
+from deepinfer_jax.host.scheduler import Scheduler
+from deepinfer_jax.host.stop_strings import StopStrings
 from deepinfer_jax.host.tokenizer import TextTokenizer
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.model.state import init_state
@@ -63,10 +67,8 @@ class InFlight:
     """A launched step whose tokens the host has not read yet."""
 
     decision: ScheduleDecision
-    token_index: tuple[int | None, ...]     # per row: where its token goes in `generated`
     output: Future[jax.Array]               # the step's output on the wire (compile.py)
     read: Callable[[jax.Array], StepOutput | SpecStepOutput]
-    speculative: bool = False
 
 
 class EngineCore:
@@ -113,8 +115,9 @@ class EngineCore:
             raise InvalidRequestError("; ".join(problems))
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
         matcher = self.structured.matcher(params) if self.structured is not None else None
+        stop_strings = StopStrings(self.tokenizer, params.stop) if params.stop else None
         request = Request(request_id, list(prompt), params, next(self._arrivals), seed=seed,
-                          matcher=matcher)
+                          matcher=matcher, stop_strings=stop_strings)
         self.scheduler.add(request)
         return request
 
@@ -173,10 +176,9 @@ class EngineCore:
         bucket = token_bucket(self.ecfg.token_buckets, decision.num_tokens)
         plan = build_plan(decision, bucket, self.ecfg)
         self._fill_masks(plan, decision)
-        speculative = decision.speculative
-        steps = self.spec_steps if speculative else self.steps
-        compiled = steps.for_plan(bucket, plan)
-        restores, saves = decision.restores, self.scheduler.snapshot_saves(decision)
+        steps = self.spec_steps if decision.speculative else self.steps
+        compiled = steps.select(bucket, decision.truncating_sampler)
+        restores, saves = decision.restores, decision.saves
 
         def device_calls() -> jax.Array:     # on the launcher's thread
             if restores:
@@ -190,8 +192,7 @@ class EngineCore:
         output = self._launcher.submit(device_calls)
         self.stats.steps += 1
         self.stats.tokens += decision.num_tokens
-        token_index = () if speculative else self.scheduler.commit(decision)
-        return InFlight(decision, token_index, output, compiled.read, speculative)
+        return InFlight(decision, output, compiled.read)
 
     def _restore_snapshots(self, restores: tuple[Restore, ...]) -> None:
         width, ecfg = self.ecfg.max_num_seqs, self.ecfg
@@ -205,12 +206,12 @@ class EngineCore:
         self.state = self._restore(self.state, self.snapshot_pool, snapshots, slots, tokens,
                                    prompt_len)
 
-    def _save_snapshots(self, saves: list[tuple[int, int]]) -> None:
+    def _save_snapshots(self, saves: tuple[SnapshotSave, ...]) -> None:
         width = self.ecfg.max_num_seqs
         slots = np.zeros(width, np.int32)
         snapshots = np.full(width, self.ecfg.num_snapshots, np.int32)   # padding: dropped
-        for i, (slot, snapshot) in enumerate(saves):
-            slots[i], snapshots[i] = slot, snapshot
+        for i, save in enumerate(saves):
+            slots[i], snapshots[i] = save.slot, save.snapshot
         self.snapshot_pool = self._save(slot_rings(self.state), self.snapshot_pool, slots,
                                         snapshots)
 
@@ -230,38 +231,13 @@ class EngineCore:
         waited = time.perf_counter() - waited
         self.stats.wait_seconds += waited
         self.stats.host_seconds -= waited      # step() adds the whole call
-        if flight.speculative:
-            touched = self.scheduler.resolve_spec(flight.decision, out)
-        else:
-            touched = self.scheduler.resolve(flight.decision, flight.token_index, out.next_tokens,
-                                             (out.logprob, out.top_ids, out.top_logprobs))
-        for req in touched:
-            self._check_output(req)
+        touched = self.scheduler.postprocess(flight.decision, out)
         now = time.time()
         for req in touched:
             req.metrics.first_token_time = req.metrics.first_token_time or now
             if req.is_complete:
                 req.metrics.finished_time = now
         return touched
-
-
-    def _check_output(self, req: Request) -> None:
-        """Feed newly resolved tokens to the grammar; look for stop strings."""
-        known = req.resolved_tokens
-        for index in range(req.num_checked, len(known)):
-            req.num_checked = index + 1
-            if req.matcher is not None:
-                req.matcher.consume_token(known[index])
-                if req.matcher.is_stopped() or req.matcher.is_error():
-                    self.scheduler.stop_at(req, index)
-                    return
-            if req.params.stop and index + 1 >= req.params.min_tokens:
-                text = self.tokenizer.decode(known[: index + 1])
-                hits = [i for i in (text.find(s) for s in req.params.stop) if i >= 0]
-                if hits:
-                    req.stop_text_at = min(hits)
-                    self.scheduler.stop_at(req, index)
-                    return
 
 
 # Platforms whose step the engine can make batch-invariant: the jnp formulations of

@@ -1,5 +1,11 @@
 """The plan builder: a scheduler decision as a BatchPlan of fixed-shape numpy arrays (no jax).
 
+It runs right after `schedule()`, which has booked the step as launched: slots and pages come
+from the decision's rows (a request finished at launch has released its own); the tokens from
+the request, whose tokens before each row's end do not change until the step's output is
+postprocessed (a sampled row's next token is already a PLACEHOLDER, which the plan marks as
+unknown, -1, as it would an absent one).
+
 The batch is ragged: the new tokens of N' <= N sequences are laid out back to back in a flat
 array of T slots (T, N from the step's bucket). A token id of -1 (PLACEHOLDER) is a token
 sampled by the previous step and not yet seen by the host: the step reads it on the device.
@@ -13,7 +19,7 @@ import numpy as np
 
 from deepinfer_jax.config.engine import ResolvedEngineConfig
 from deepinfer_jax.contract import BatchPlan
-from deepinfer_jax.host.scheduler import ScheduleDecision
+from deepinfer_jax.host.decision import ScheduleDecision
 
 
 def build_plan(decision: ScheduleDecision, token_bucket: int,
@@ -51,8 +57,8 @@ def build_plan(decision: ScheduleDecision, token_bucket: int,
         num_drafts[row], draft_cap[row] = seq.num_drafts, seq.draft_cap
         positions[span] = np.arange(seq.start, seq.start + n)
         token_seq[span] = row
-        seq_slot[row], seq_start[row], seq_len[row], seq_offset[row] = req.slot, seq.start, n, offset
-        block_table[row, : len(req.pages)] = req.pages
+        seq_slot[row], seq_start[row], seq_len[row], seq_offset[row] = seq.slot, seq.start, n, offset
+        block_table[row, : len(seq.pages)] = seq.pages
         sample_index[row], seq_samples[row] = offset + n - 1, seq.samples
         prompt_len[row] = len(req.prompt)
         p = req.params
@@ -73,7 +79,7 @@ def suppress_stops(plan: BatchPlan, decision: ScheduleDecision, eos_token_ids) -
     stop tokens are masked out (in place, on top of any grammar mask)."""
     for row, seq in enumerate(decision.seqs):
         req = seq.request
-        if seq.samples and len(req.generated) < req.params.min_tokens:
+        if seq.mask_stops:
             banned = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos
                                                        else set(eos_token_ids))
             bits = plan.allowed.view(np.uint32)

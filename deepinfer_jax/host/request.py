@@ -10,8 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from deepinfer_jax.host.stop_strings import StopStrings
 
 
 class RequestError(ValueError):
@@ -94,6 +100,17 @@ class SamplingParams:
     @property
     def constrained(self) -> bool:
         return any(x is not None for x in (self.json_schema, self.regex, self.grammar))
+
+    @functools.cached_property
+    def truncates(self) -> bool:
+        """Whether sampling keeps only part of the distribution (top-k, top-p or min-p at a
+        positive temperature), which takes the sampler that sorts the vocabulary. Compared in
+        float32, as the plan carries the values, so that the host's choice of compiled sampler
+        agrees with what the step's rows ask for at the edges (a top_p of 1 - 1e-9 is 1).
+        Cached: the scheduler asks it of every row of every step."""
+        f32 = np.float32
+        return bool(f32(self.temperature) > 0 and (self.top_k > 0 or f32(self.top_p) < 1
+                                                   or f32(self.min_p) > 0))
 
     def problems(self, vocab_size: int, max_logprobs: int, has_tokenizer: bool) -> list[str]:
         checks = [
@@ -223,6 +240,7 @@ class Request:
     seed: int = 0                         # the request's random stream (params.seed or drawn)
     logprobs: list[TokenLogprobs | None] = dataclasses.field(default_factory=list)  # per token
     matcher: Any = None                   # llguidance matcher of a constrained request
+    stop_strings: StopStrings | None = None   # the stop-string search (with params.stop)
     num_checked: int = 0                  # generated tokens seen by stop strings / grammar
     stop_text_at: int | None = None       # where a stop string starts in the output text
     drafts: list[int] = dataclasses.field(default_factory=list)   # MTP drafts to verify next

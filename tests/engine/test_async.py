@@ -78,7 +78,7 @@ def test_aborts_in_both_loops(llm, sync_llm, workload, which):
         assert got[k] == workload.expected[i][: len(got[k])]
         if k in (0, 2):
             assert got[k] == workload.expected[i] and reasons[k] is FinishReason.LENGTH
-    assert engine.engine.scheduler.pages.num_free == engine.engine_config.num_pages
+    assert engine.engine.scheduler.kv_cache.num_free_pages == engine.engine_config.num_pages
 
 
 def test_the_loop_makes_no_implicit_transfers(llm, workload):

@@ -156,8 +156,8 @@ def test_untiled_segments_are_the_same_computation():
     Whether rows stay bitwise invariant that way is the GPU's test above."""
     from deepinfer_jax.device.step import step
     from deepinfer_jax.engine.transfer import Wire
+    from deepinfer_jax.host.decision import ScheduleDecision
     from deepinfer_jax.host.plan_builder import build_plan
-    from deepinfer_jax.host.scheduler import ScheduleDecision
 
     cfg = ModelConfig.from_json_file(REPO / "configs/tiny/tiny-mixed.json").replace(
         num_mtp_layers=0)
@@ -194,8 +194,8 @@ def test_the_gpu_step_lowers_with_every_kernel(monkeypatch, cfg):
     from deepinfer_jax.config.engine import EngineConfig
     from deepinfer_jax.device.step import step
     from deepinfer_jax.engine.transfer import Wire
+    from deepinfer_jax.host.decision import ScheduleDecision
     from deepinfer_jax.host.plan_builder import build_plan
-    from deepinfer_jax.host.scheduler import ScheduleDecision
     from deepinfer_jax.model.state import init_state
     from pallas_kernels.common import abstract_gpu
 

@@ -82,7 +82,7 @@ def test_abort_one_request_while_streaming(llm, workload):
     assert tokens[1] == workload.expected[2]
     assert len(tokens[0]) < 200
     assert not llm.engine.has_unfinished()
-    assert llm.engine.scheduler.pages.num_free == llm.engine_config.num_pages
+    assert llm.engine.scheduler.kv_cache.num_free_pages == llm.engine_config.num_pages
 
 
 def test_no_compilation_after_startup(llm, workload):

@@ -14,8 +14,8 @@ from deepinfer_jax.config.engine import EngineConfig
 from deepinfer_jax.device.speculative import spec_step
 from deepinfer_jax.device.step import step
 from deepinfer_jax.engine.transfer import Wire
+from deepinfer_jax.host.decision import ScheduleDecision
 from deepinfer_jax.host.plan_builder import build_plan
-from deepinfer_jax.host.scheduler import ScheduleDecision
 from deepinfer_jax.model.state import init_state
 from tests.conftest import REPO
 

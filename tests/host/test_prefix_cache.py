@@ -3,8 +3,11 @@ eviction, snapshot reuse, and the scheduler's use of it (no model, no jax)."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from deepinfer_jax.config.engine import EngineConfig
 from deepinfer_jax.config.model import ModelConfig
+from deepinfer_jax.contract import StepOutput
 from deepinfer_jax.host.pages import PageAllocator
 from deepinfer_jax.host.prefix_cache import PrefixCache, SnapshotAllocator, extend_block_keys
 from deepinfer_jax.host.request import Request, SamplingParams
@@ -141,9 +144,10 @@ def _run(sched, request):
     decisions = []
     while sched.has_work():
         decision = sched.schedule()
-        sched.snapshot_saves(decision)
-        index = sched.commit(decision)
-        sched.resolve(decision, index, [7] * len(decision.seqs))
+        n = len(decision.seqs)
+        sched.postprocess(decision, StepOutput(np.full(n, 7, np.int32), np.zeros(n, np.float32),
+                                               np.zeros((n, 1), np.int32),
+                                               np.zeros((n, 1), np.float32)))
         decisions.append(decision)
     return decisions
 
@@ -153,12 +157,17 @@ def test_scheduler_cuts_chunks_at_blocks_and_reuses_the_cached_prefix():
     sched = _scheduler(num_pages=32)
     first = _run(sched, Request("a", prompt, SamplingParams(max_tokens=2), 0))
     assert [d.seqs[0].num_tokens for d in first] == [16, 16, 16, 16, 11, 1]  # cut at block ends
+    # each chunk that ends on a block end has its slot snapshotted after the step
+    assert [[(s.slot, s.snapshot) for s in d.saves] for d in first] == [
+        [(0, 0)], [(0, 1)], [(0, 2)], [(0, 3)], [], []]
     again = _run(sched, Request("b", prompt + [50], SamplingParams(max_tokens=1), 1))
     seq = again[0].seqs[0]
     assert seq.start == 64 and again[0].restores[0].tokens == tuple(prompt[:64])
-    stats = sched.prefix_cache.current_stats()
+    assert again[0].restores[0].snapshot == 3 and again[0].restores[0].slot == seq.slot
+    stats = sched.kv_cache.prefix_stats()
     assert stats.queries == 2 and stats.hits == 1 and stats.hit_tokens == 64
     # every page is either free or held by the cache alone
-    held = {b.page for b in sched.prefix_cache.blocks.values()}
-    assert sched.pages.num_free + len(held) == 32
-    assert all(sched.pages.refs(p) == 1 for p in held)
+    pages = sched.kv_cache.pages
+    held = {b.page for b in sched.kv_cache.prefix_cache.blocks.values()}
+    assert pages.num_free + len(held) == 32
+    assert all(pages.refs(p) == 1 for p in held)

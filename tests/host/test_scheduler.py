@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from deepinfer_jax.config.engine import EngineConfig
 from deepinfer_jax.config.model import ModelConfig
+from deepinfer_jax.contract import SpecStepOutput, StepOutput
 from deepinfer_jax.host.pages import OutOfPagesError, PageAllocator
 from deepinfer_jax.host.request import PLACEHOLDER, FinishReason, Request, RequestStatus, SamplingParams
 from deepinfer_jax.host.scheduler import Scheduler
+from deepinfer_jax.host.stop_strings import StopStrings
 from tests.conftest import REPO
+from tests.host.test_detokenizer import TOKENIZER
 
 MODEL = ModelConfig.from_json_file(REPO / "configs" / "tiny" / "tiny-mixed.json")
 EOS = MODEL.eos_token_ids[0]
@@ -26,11 +30,17 @@ def request(i, prompt_len, **params):
     return Request(str(i), list(range(10, 10 + prompt_len)), SamplingParams(**params), i)
 
 
+def output(tokens) -> StepOutput:
+    """A plain step's output as the engine reads it back (no logprobs asked for)."""
+    n = len(tokens)
+    return StepOutput(np.asarray(tokens, np.int32), np.zeros(n, np.float32),
+                      np.zeros((n, 1), np.int32), np.zeros((n, 1), np.float32))
+
+
 def run_step(sched, token=7):
-    """One synchronous step: schedule, launch (commit), read the tokens (resolve)."""
+    """One synchronous step: schedule (booked as launched), then its tokens (postprocess)."""
     decision = sched.schedule()
-    index = sched.commit(decision)
-    sched.resolve(decision, index, [token] * len(decision.seqs))
+    sched.postprocess(decision, output([token] * len(decision.seqs)))
     return decision
 
 
@@ -77,7 +87,7 @@ def test_stop_conditions():
     assert stop.finish_reason is FinishReason.STOP
     run_step(sched, token=EOS)
     assert ignore.finish_reason is FinishReason.LENGTH and ignore.generated == [EOS, 9, EOS]
-    assert sched.pages.num_free == sched.ecfg.num_pages and not sched.has_work()
+    assert sched.kv_cache.num_free_pages == sched.ecfg.num_pages and not sched.has_work()
 
 
 def test_max_model_len_stops_generation():
@@ -129,19 +139,19 @@ def test_abort_frees_everything():
     assert a.pages == [] and sched.running == [b]
 
 
-# ---- asynchronous use: commit at launch, resolve one step later ------------------------------
+# ---- asynchronous use: booked at schedule(), postprocessed one step later ---------------------
 def test_placeholders_feed_the_next_step_before_the_host_sees_the_token():
     sched = make()
     sched.add(req := request(0, 5, max_tokens=10))
     d0 = sched.schedule()
-    i0 = sched.commit(d0)
     assert req.generated == [PLACEHOLDER] and req.num_pending == 1
+    assert [s.token_index for s in d0.seqs] == [0]
     d1 = sched.schedule()                      # planned while step 0 runs
-    assert [(s.start, s.num_tokens, s.samples) for s in d1.seqs] == [(5, 1, True)]
-    i1 = sched.commit(d1)
-    sched.resolve(d0, i0, [11])
+    assert [(s.start, s.num_tokens, s.samples, s.token_index) for s in d1.seqs] == [
+        (5, 1, True, 1)]
+    sched.postprocess(d0, output([11]))
     assert req.generated == [11, PLACEHOLDER] and req.resolved_tokens == [11]
-    sched.resolve(d1, i1, [12])
+    sched.postprocess(d1, output([12]))
     assert req.generated == [11, 12] and not req.has_placeholders
 
 
@@ -149,27 +159,23 @@ def test_a_stop_token_is_seen_one_step_late_and_the_extra_token_dropped():
     sched = make()
     sched.add(req := request(0, 5, max_tokens=10))
     d0 = sched.schedule()
-    i0 = sched.commit(d0)
-    d1 = sched.schedule()
-    i1 = sched.commit(d1)                      # one extra token is computed ...
-    sched.resolve(d0, i0, [EOS])
+    d1 = sched.schedule()                      # one extra token is computed ...
+    sched.postprocess(d0, output([EOS]))
     assert req.finish_reason is FinishReason.STOP and req.generated == [EOS] and req.is_complete
-    assert sched.resolve(d1, i1, [99]) == []   # ... and discarded
-    assert req.generated == [EOS] and sched.pages.num_free == sched.ecfg.num_pages
+    assert sched.postprocess(d1, output([99])) == []   # ... and discarded
+    assert req.generated == [EOS] and sched.kv_cache.num_free_pages == sched.ecfg.num_pages
 
 
 def test_length_limits_are_known_at_launch():
     sched = make()
     sched.add(req := request(0, 5, max_tokens=2))
     d0 = sched.schedule()
-    i0 = sched.commit(d0)
     d1 = sched.schedule()
-    i1 = sched.commit(d1)
     assert req.status is RequestStatus.FINISHED and req.finish_reason is FinishReason.LENGTH
     assert not req.is_complete                 # its last token is still on the device
     assert sched.schedule().seqs == ()         # no extra token for it
-    sched.resolve(d0, i0, [3])
-    sched.resolve(d1, i1, [4])
+    sched.postprocess(d0, output([3]))
+    sched.postprocess(d1, output([4]))
     assert req.is_complete and req.generated == [3, 4]
 
 
@@ -178,17 +184,64 @@ def test_a_preempted_request_waits_for_its_token_before_recomputing():
     sched.add(request(0, 16, max_tokens=40))
     sched.add(new := request(1, 30, max_tokens=40))
     in_flight = None
-    for _ in range(12):              # asynchronous: plan step k+1, then resolve step k
+    for _ in range(12):              # asynchronous: plan step k+1, then postprocess step k
         d = sched.schedule()
         if new.status is RequestStatus.WAITING:
             break
-        index = sched.commit(d)
         if in_flight:
-            sched.resolve(*in_flight, [7] * len(in_flight[0].seqs))
-        in_flight = (d, index)
+            sched.postprocess(in_flight, output([7] * len(in_flight.seqs)))
+        in_flight = d
     # preempted while its last token is still on the device: not readmitted in this plan
     assert new.num_preemptions == 1 and new.has_placeholders
     assert all(seq.request is not new for seq in d.seqs)
-    sched.commit(d)
-    sched.resolve(*in_flight, [7] * len(in_flight[0].seqs))
+    sched.postprocess(in_flight, output([7] * len(in_flight.seqs)))
     assert not new.has_placeholders and new.generated[-1] == 7
+
+
+def test_a_row_keeps_the_slot_and_pages_it_was_scheduled_with():
+    """schedule() books the step as launched: a request that reaches max_tokens then releases
+    its slot and pages, but the decision (and the plan built from it) still has them."""
+    sched = make(page_size=16)
+    sched.add(req := request(0, 20, max_tokens=1))
+    decision = sched.schedule()
+    assert req.finish_reason is FinishReason.LENGTH and req.slot is None and req.pages == []
+    [seq] = decision.seqs
+    assert seq.slot == 0 and seq.pages == [0, 1] and seq.token_index == 0
+    assert sched.kv_cache.num_free_pages == sched.ecfg.num_pages     # released at launch
+    sched.postprocess(decision, output([5]))
+    assert req.is_complete and req.generated == [5]
+
+
+def test_postprocess_takes_the_output_of_the_step_it_was_given():
+    sched = make()
+    sched.add(request(0, 5))
+    decision = sched.schedule()
+    n = len(decision.seqs)
+    spec = SpecStepOutput(np.zeros((n, 2), np.int32), np.ones(n, np.int32),
+                          np.zeros((n, 1), np.int32), np.zeros(n, np.int32),
+                          np.zeros((n, 2), np.float32), np.zeros((n, 2, 1), np.int32),
+                          np.zeros((n, 2, 1), np.float32))
+    with pytest.raises(TypeError, match="plain"):
+        sched.postprocess(decision, spec)
+
+
+def test_a_stop_string_ends_the_request_when_its_token_arrives():
+    """postprocess runs the stop-string search: the request ends after the token that
+    completes the string, tokens computed after it are dropped, and the text is cut."""
+    ids = TOKENIZER.encode(" hello world again")[1:]
+    sched = make()
+    sched.add(req := request(0, 4, max_tokens=20))
+    req.stop_strings = StopStrings(TOKENIZER, ("o w",))
+    in_flight = sched.schedule()
+    for token in ids:
+        decision = sched.schedule()            # asynchronous: the next step is launched first
+        sched.postprocess(in_flight, output([token] * len(in_flight.seqs)))
+        in_flight = decision
+        if req.status is RequestStatus.FINISHED:
+            break
+    end = next(i for i in range(len(ids)) if "o w" in TOKENIZER.decode(ids[: i + 1]))
+    assert req.finish_reason is FinishReason.STOP and req.generated == ids[: end + 1]
+    assert req.stop_text_at == len(" hell")
+    assert req.output(TOKENIZER.decode(req.generated)).text == " hell"
+    assert sched.postprocess(in_flight, output([7] * len(in_flight.seqs))) == []
+    assert req.is_complete and sched.kv_cache.num_free_pages == sched.ecfg.num_pages

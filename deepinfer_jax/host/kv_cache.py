@@ -1,0 +1,159 @@
+"""The KV cache's host side (no jax): one owner for the compressed-row pages, the prefix index
+and its slot snapshots. The scheduler asks it for a request's pages (idle cached blocks are
+evicted before it says no), for the longest cached prefix at admission, for the snapshots a
+launched step saves, and gives a request's pages back when it leaves.
+
+Pages are reference counted (pages.py): a request holds one reference to each page of its
+block table, the prefix cache one to each cached block's page, and a block that a launched
+step completed holds one (and its snapshot, if any) while it waits for its tokens to reach the
+host: they may still be placeholders, and a stop may cut them, in which case it is dropped.
+Without prefix caching only the request references exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from deepinfer_jax.host.decision import ScheduledSeq, SnapshotSave
+from deepinfer_jax.host.pages import PageAllocator, pages_needed
+from deepinfer_jax.host.prefix_cache import (
+    Match,
+    PrefixCache,
+    PrefixCacheStats,
+    SnapshotAllocator,
+    extend_block_keys,
+)
+from deepinfer_jax.host.request import Request
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingBlock:
+    """A block a launched step completed, waiting for its tokens to reach the host before it
+    enters the prefix cache. Holds a reference to the page (and the snapshot, if any)."""
+
+    request: Request
+    index: int
+    page: int
+    snapshot: int | None
+
+
+class KVCacheManager:
+    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = False,
+                 num_snapshots: int = 0, snapshots_need_next_token: bool = False):
+        self.page_size = page_size
+        self.pages = PageAllocator(num_pages)
+        self.prefix_cache = (PrefixCache(self.pages, SnapshotAllocator(num_snapshots), page_size,
+                                         snapshots_need_next_token) if prefix_caching else None)
+        self._pending: list[PendingBlock] = []
+
+    @property
+    def caching(self) -> bool:
+        return self.prefix_cache is not None
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.pages.num_free
+
+    # ---- a request's pages ----------------------------------------------------------------
+    def grow(self, req: Request, num_tokens: int) -> bool:
+        """Give `req` the pages for its positions < num_tokens, evicting idle cached blocks if
+        the free pages do not suffice. False (and nothing allocated) if they are not there.
+        `req.pages` is replaced, never extended in place: a scheduled row keeps the list it
+        was scheduled with."""
+        need = pages_needed(num_tokens, self.page_size) - len(req.pages)
+        if self.prefix_cache is not None and not self.pages.can_allocate(need):
+            self.prefix_cache.evict(need)
+        if not self.pages.can_allocate(need):
+            return False
+        if need > 0:
+            req.pages = req.pages + self.pages.allocate(need)
+        return True
+
+    def release(self, req: Request) -> None:
+        """Give back `req`'s references to its pages (cached blocks keep theirs)."""
+        self.pages.free(req.pages)
+        req.pages = []
+
+    # ---- prefix caching -------------------------------------------------------------------
+    def match_prefix(self, req: Request) -> Match | None:
+        """Give a request being admitted the pages of its longest cached prefix (at least its
+        last token stays to compute, it samples the next) and count that much as computed.
+        None without prefix caching. The caller releases them if it does not admit `req`."""
+        if self.prefix_cache is None:
+            return None
+        extend_block_keys(req.block_keys, req.known_tokens, self.page_size)
+        usable = req.tokens[: req.num_tokens - 1]
+        match = self.prefix_cache.lookup(usable, req.block_keys[: len(usable) // self.page_size],
+                                         following=req.known_tokens)
+        for page in match.pages:
+            self.pages.share(page)
+        req.pages, req.num_computed = list(match.pages), match.num_tokens
+        return match
+
+    def count_lookup(self, req: Request, match: Match) -> None:
+        """An admitted request used `match`: count it, and mark its cached tokens as computed
+        before (recomputing them is a replay)."""
+        stats = self.prefix_cache.stats
+        stats.queries += 1
+        stats.hits += match.num_tokens > 0
+        stats.hit_tokens += match.num_tokens
+        req.replay_until = max(req.replay_until, match.num_cached)
+
+    def count_replayed(self, num_tokens: int) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.stats.replayed_tokens += num_tokens
+
+    def snapshot_saves(self, seqs: Iterable[ScheduledSeq]) -> tuple[SnapshotSave, ...]:
+        """At launch, before the step's counts advance: the blocks it completes wait to be
+        cached, and where a row ends on a block boundary its slot is to be snapshotted after
+        the step."""
+        if self.prefix_cache is None:
+            return ()
+        bs, saves = self.page_size, []
+        for seq in seqs:
+            req = seq.request
+            end = seq.start + seq.num_tokens - seq.num_drafts
+            if (len(req.block_keys) + 1) * bs <= req.num_tokens:   # else no new full block
+                extend_block_keys(req.block_keys, req.known_tokens, bs)
+            for index in range(seq.start // bs, end // bs):
+                cached = (self.prefix_cache.get(req.block_keys[index])
+                          if index < len(req.block_keys) else None)
+                # A row with drafts ends the step past `end` (by its accepted drafts).
+                wants_snapshot = (index + 1) * bs == end and seq.num_drafts == 0
+                if cached is not None and (cached.snapshot is not None or not wants_snapshot):
+                    continue
+                snapshot = self.prefix_cache.allocate_snapshot() if wants_snapshot else None
+                self.pages.share(seq.pages[index])
+                self._pending.append(PendingBlock(req, index, seq.pages[index], snapshot))
+                if snapshot is not None:
+                    saves.append(SnapshotSave(seq.slot, snapshot))
+        return tuple(saves)
+
+    def cache_completed(self) -> None:
+        """Move pending blocks whose tokens the host now knows into the cache; drop those
+        whose tokens were cut (stop, abort)."""
+        if not self._pending:
+            return
+        bs, waiting = self.page_size, []
+        for block in self._pending:
+            req, end = block.request, (block.index + 1) * bs
+            known = req.known_tokens
+            del req.block_keys[len(known) // bs:]     # a stop may have cut generated tokens
+            extend_block_keys(req.block_keys, known, bs)
+            if block.index < len(req.block_keys):
+                keys = req.block_keys
+                self.prefix_cache.insert(keys[block.index], keys[block.index - 1] if block.index
+                                         else None, tuple(known[end - bs: end]), block.page,
+                                         block.snapshot, known[end] if len(known) > end else None)
+            elif req.num_tokens >= end:               # a token still in flight
+                waiting.append(block)
+            else:
+                self.pages.free([block.page])
+                if block.snapshot is not None:
+                    self.prefix_cache.snapshots.free(block.snapshot)
+        self._pending = waiting
+
+    def prefix_stats(self) -> PrefixCacheStats | None:
+        """The prefix cache's counters now, or None without prefix caching."""
+        return None if self.prefix_cache is None else self.prefix_cache.current_stats()

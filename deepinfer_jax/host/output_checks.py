@@ -1,0 +1,28 @@
+"""The host's per-token checks of a request's output (no jax): each newly resolved token goes,
+in order, to the request's grammar matcher (grammar.py) and its stop strings (stop_strings.py).
+Every token is checked once (`Request.num_checked`), and the checks stop at the first token
+after which the output ends."""
+
+from __future__ import annotations
+
+from deepinfer_jax.host.request import PLACEHOLDER, Request
+
+
+def end_of_output(req: Request) -> int | None:
+    """Check the tokens resolved since the last call. Returns the index of the generated token
+    after which the output ends (its grammar complete or failed, or a stop string found, whose
+    text position goes to `req.stop_text_at`), or None."""
+    generated = req.generated
+    while req.num_checked < len(generated) and generated[req.num_checked] != PLACEHOLDER:
+        index = req.num_checked
+        req.num_checked = index + 1
+        if req.matcher is not None:
+            req.matcher.consume_token(generated[index])
+            if req.matcher.is_stopped() or req.matcher.is_error():
+                return index
+        if req.stop_strings is not None:
+            at = req.stop_strings.add(generated[index], search=index + 1 >= req.params.min_tokens)
+            if at is not None:
+                req.stop_text_at = at
+                return index
+    return None
