@@ -6,7 +6,8 @@ every parameter and buffer (HF initialises sinks, biases, hc bases and scales, t
 constants, which would hide bugs), saves it with `save_pretrained` (official tensor names),
 adds an MTP block, and records:
   * `logits`: full-sequence float32 logits for a batch of long prompts;
-  * `greedy`: `generate(do_sample=False)` continuations (HF's own cached decode path);
+  * `greedy`: `generate(do_sample=False)` continuations (HF's own cached decode path), with
+    `greedy_logits`: the float32 logits each of its steps took the argmax of;
   * `mtp_logits`: the MTP block's drafts, computed with HF's decoder-layer code.
 Outputs go to <out>/<case>-<hash>/, where the hash covers the config, the case, this file and
 the library versions, so an unchanged case is never rebuilt.
@@ -165,6 +166,20 @@ class MtpOracle(torch.nn.Module):
         return model.lm_head(self.norm(self.hc_head(z))).float()
 
 
+def greedy(model, prompt: torch.Tensor, new: int) -> tuple[np.ndarray, np.ndarray]:
+    """HF's greedy continuation of a [1, S] prompt, exactly `new` tokens, and the raw logits
+    [new, V] of each step (`output_logits`: before any logits processor)."""
+    with torch.no_grad():
+        out = model.generate(prompt, do_sample=False, max_new_tokens=new, min_new_tokens=new,
+                             eos_token_id=None, pad_token_id=0,
+                             attention_mask=torch.ones_like(prompt),
+                             return_dict_in_generate=True, output_logits=True)
+    tokens = out.sequences[0, prompt.shape[1]:].numpy()
+    if len(tokens) != new:
+        raise RuntimeError(f"generate stopped after {len(tokens)} tokens")
+    return tokens, torch.cat(out.logits).float().numpy()
+
+
 def greedy_batch(model, case: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
     """Prompts of lengths spread over 1..batch_max_prompt, each generated greedily *alone*
     with its own max_new_tokens; stored ragged (concatenated, with lengths)."""
@@ -237,19 +252,13 @@ def build_case(case: dict, out_dir: Path) -> None:
     with torch.no_grad():
         logits = model(input_ids).logits.float().numpy()
     prompt = torch.from_numpy(rng.integers(2, vocab, size=(1, case["greedy_prompt"])))
-    with torch.no_grad():
-        generated = model.generate(prompt, do_sample=False, max_new_tokens=case["greedy_new"],
-                                   min_new_tokens=case["greedy_new"], eos_token_id=None,
-                                   pad_token_id=0, attention_mask=torch.ones_like(prompt))
-    generated = generated[0, prompt.shape[1]:].numpy()
-    if len(generated) != case["greedy_new"]:
-        raise RuntimeError(f"generate stopped after {len(generated)} tokens")
+    generated, greedy_logits = greedy(model, prompt, case["greedy_new"])
     mtp_logits = mtp.logits(model, input_ids[:1]).numpy()
     batch = greedy_batch(model, case, rng) if case.get("batch_requests") else {}
 
     np.savez(out_dir / "reference.npz", input_ids=input_ids.numpy(), logits=logits,
-             greedy_prompt=prompt[0].numpy(), greedy_tokens=generated, mtp_logits=mtp_logits,
-             **batch)
+             greedy_prompt=prompt[0].numpy(), greedy_tokens=generated,
+             greedy_logits=greedy_logits, mtp_logits=mtp_logits, **batch)
     (out_dir / "meta.json").write_text(json.dumps({
         "case": case, "torch": torch.__version__, "transformers": transformers.__version__,
         "layer_types": base.layer_types, "mlp_layer_types": base.mlp_layer_types}, indent=2))
@@ -272,13 +281,11 @@ def build_shipped(case: dict, out_dir: Path) -> None:
     ids = torch.tensor([tok.encode(text).ids[: case["logits_len"]]])
     with torch.no_grad():
         logits = model(ids).logits.float().numpy()
-        prompt = ids[:, : case["greedy_prompt"]]
-        generated = model.generate(prompt, do_sample=False, max_new_tokens=case["greedy_new"],
-                                   min_new_tokens=case["greedy_new"], eos_token_id=None,
-                                   pad_token_id=0, attention_mask=torch.ones_like(prompt)
-                                   )[0, prompt.shape[1]:].numpy()
+    prompt = ids[:, : case["greedy_prompt"]]
+    generated, greedy_logits = greedy(model, prompt, case["greedy_new"])
     np.savez(out_dir / "reference.npz", input_ids=ids.numpy(), logits=logits,
-             greedy_prompt=prompt[0].numpy(), greedy_tokens=generated)
+             greedy_prompt=prompt[0].numpy(), greedy_tokens=generated,
+             greedy_logits=greedy_logits)
     (out_dir / "meta.json").write_text(json.dumps({
         "case": case, "torch": torch.__version__, "transformers": transformers.__version__,
         "python": sys.version.split()[0]}, indent=2))
