@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -101,13 +100,14 @@ class SamplingParams:
     def constrained(self) -> bool:
         return any(x is not None for x in (self.json_schema, self.regex, self.grammar))
 
-    @functools.cached_property
+    @property
     def truncates(self) -> bool:
         """Whether sampling keeps only part of the distribution (top-k, top-p or min-p at a
         positive temperature), which takes the sampler that sorts the vocabulary. Compared in
         float32, as the plan carries the values, so that the host's choice of compiled sampler
         agrees with what the step's rows ask for at the edges (a top_p of 1 - 1e-9 is 1).
-        Cached: the scheduler asks it of every row of every step."""
+        Not cached in the instance: its __dict__ stays the fields alone, as callers copy
+        params with SamplingParams(**vars(params))."""
         f32 = np.float32
         return bool(f32(self.temperature) > 0 and (self.top_k > 0 or f32(self.top_p) < 1
                                                    or f32(self.min_p) > 0))
