@@ -46,7 +46,7 @@ def enable_persistent_cache(directory: str | None) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class CompiledStep:
-    """A bucket's compiled step on the wire (wire.py): called with the host's numpy plan, it
+    """A bucket's compiled step on the wire (transfer.py): called with the host's numpy plan, it
     returns the new state and the step's output as one device buffer, which `read` turns
     into the output dataclass once fetched."""
 
