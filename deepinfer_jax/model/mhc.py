@@ -43,7 +43,7 @@ def bf16_parts(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """f32 w -> bf16 (hi, mid, lo) with hi + mid + lo = w (8 + 8 + 8 mantissa bits). Each
     part is cut from the remainder by masking its low 16 bits, not by rounding to bf16: XLA's
     GPU compiler, allowed excess precision, folds a float32 -> bf16 -> float32 round trip
-    away (the remainder was then 0 and the projection bf16-accurate, on the H200)."""
+    away (seen on the H200: the remainder came out 0, the projection bf16-accurate)."""
     def top_bits(x):
         bits = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000)
         return jax.lax.bitcast_convert_type(bits, jnp.float32)
@@ -67,7 +67,7 @@ def sinkhorn_implementations(compute: ComputeConfig) -> tuple[str, ...]:
     """The Sinkhorn op's implementations for this formulation. Two jnp forms of the same
     arithmetic: the unrolled elementwise one ("reference"), which XLA fuses into about a
     kernel per iteration, and a loop of reductions ("loop"), ~5 launches per iteration on a
-    GPU but cheap on the CPU, where it also compiles twice as fast. On the CPU XLA's
+    GPU but cheap on the CPU, where it also compiles faster. On the CPU XLA's
     vectorised elementwise code gives a row other last bits in batches of other sizes, so the
     CPU and batch-invariant mode off the kernel take the loop (proven invariant on the CPU
     and the H200); the kernel runs every token in its own lanes through the same
