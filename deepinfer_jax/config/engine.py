@@ -78,7 +78,7 @@ class EngineConfig:
     compilation_cache_dir: str | None = dataclasses.field(default_factory=options.default_cache_dir)
     show_progress: bool = True
     async_scheduling: bool = True        # plan step N+1 while step N runs
-    # with async scheduling: each step's device calls on a worker thread (launcher.py), so
+    # with async scheduling: each step's device calls on a worker thread (engine/launch.py), so
     # XLA's kernel launches overlap the loop's reading and planning
     launch_thread: bool = True
     seed: int = 0                        # draws the seeds of requests that give none

@@ -1,5 +1,5 @@
 """Frozen model configuration of the DeepSeek-V4 family (`model_type: deepseek_v4`), with its
-checks. Reading and writing Hugging Face `config.json` spellings: config_hf.py.
+checks. Reading and writing Hugging Face `config.json` spellings: config/hf.py.
 """
 
 from __future__ import annotations

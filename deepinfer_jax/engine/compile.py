@@ -46,18 +46,18 @@ def enable_persistent_cache(directory: str | None) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class CompiledStep:
-    """A bucket's compiled step on the wire (wire.py): called with the host's numpy plan, it
+    """A bucket's compiled step on the wire (transfer.py): called with the host's numpy plan, it
     returns the new state and the step's output as one device buffer, which `read` turns
     into the output dataclass once fetched."""
 
     executable: jax.stages.Compiled
     plan_wire: Wire
     output_wire: Wire
-    # On GPUs the plan goes by an explicit, asynchronous jax.device_put, as when the H200
-    # figures were measured (e2e-gpu.md, 2026-11-29): the executable's own transfer of a numpy
-    # argument has to be done with the host buffer before the call returns, and it has not
-    # been timed there. On the CPU the numpy buffer goes in as is: it costs the host a
-    # fraction of a jax.device_put (~25 vs ~90 us per call). Decided once, at compile time.
+    # On GPUs the plan goes by an explicit, asynchronous jax.device_put, the path the GPU
+    # figures were taken with: the executable's own transfer of a numpy argument has to be
+    # done with the host buffer before the call returns, and it is untimed there. On the CPU
+    # the numpy buffer goes in as is: it costs the host a fraction of a jax.device_put
+    # (docs/performance-log.md). Decided once, at compile time.
     explicit_transfer: bool = False
 
     def __call__(self, params: ModelParams, state: StateCache, plan: BatchPlan):

@@ -6,7 +6,7 @@ sampled stay on the device and feed step N+1 (placeholders resolved inside the j
 step N's output comes back through an asynchronous device-to-host copy started at launch and
 is consumed one step late. Nothing in the loop waits for the device except that read, which
 happens while the next step already runs. The launch itself (XLA issuing the step's kernels,
-milliseconds on a GPU) runs on the launcher's thread (launcher.py), so it overlaps the read
+milliseconds on a GPU) runs on the launcher's thread (launch.py), so it overlaps the read
 and the next plan. The synchronous loop (launch, read, repeat) is kept for comparison and
 debugging; both drive the scheduler through its two verbs: `schedule()` (the step's decision,
 booked as launched, so every decision is launched at once) and `postprocess(decision, output)`

@@ -1,8 +1,8 @@
 """Device calls on a thread of their own, so that launching step N overlaps planning step N+1.
 
 On a GPU, XLA launches a step's kernels from the calling thread, a few microseconds each:
-for a V4-Flash decode step 2.6-3.4 ms of host time on the H200, about as long as the
-device's own work at batch 1-16 (bench/results/step-profile-gpu.md). jax releases the GIL
+for a V4-Flash decode step milliseconds of host time on the H200, about as long as the
+device's own work at small batches (docs/performance-log.md). jax releases the GIL
 while it launches, so the engine loop hands each step's device calls (snapshot restores, the
 step, snapshot saves) to one worker thread, in submission order, and goes on reading the
 last step's tokens and planning the next; it waits only where it reads tokens. The device state is

@@ -1,11 +1,12 @@
 """The step's wire format: one host-to-device copy of the plan and one device-to-host copy of
 the output per step, instead of one per array.
 
-A BatchPlan is ~23 small arrays and a step output 4-7; each transfer costs host time (about
-0.1 ms per array for `jax.device_put` on a 2-core CPU), a large part of a small decode step's
-host budget. A Wire lays a dataclass of arrays out in one int32 buffer (float32 / uint32
-fields bit-cast, bools widened): the plan is packed by numpy on the host and unpacked inside
-the jitted step, the output packed inside the step and unpacked on the host as numpy views.
+A BatchPlan is ~23 small arrays and a step output 4-7; each transfer costs host time (for
+`jax.device_put`, per array), a large part of a small decode step's host budget
+(docs/performance-log.md). A Wire lays a dataclass of arrays out in one int32 buffer
+(float32 / uint32 fields bit-cast, bools widened): the plan is packed by numpy on the host
+and unpacked inside the jitted step, the output packed inside the step and unpacked on the
+host as numpy views.
 """
 
 from __future__ import annotations

@@ -24,9 +24,10 @@ def _mixes(streams: jax.Array, fn: jax.Array, eps: float, compute: ComputeConfig
     the n_mix sums instead of the hc * D inputs, and the float32 weight is split into three
     bf16 parts (hi + mid + lo holds its 24-bit mantissa) so the projection is one bf16 GEMM
     with float32 sums of exact products: float32 accuracy, without a float32 copy of the
-    streams or a float32 GEMM (on the H200 an 8k-token prefill's took 0.93 ms per sublayer,
-    at HIGHEST precision, plus 0.6 ms writing the normalised copy; this reads the streams
-    twice). The batch-invariant mode keeps the form proven invariant on the H200."""
+    streams or a float32 GEMM (that GEMM at HIGHEST precision, over a normalised copy written
+    out, is slower on the H200, though this form reads the streams twice:
+    docs/performance-log.md). The batch-invariant mode keeps the form proven invariant on the
+    H200."""
     flat = streams.reshape(*streams.shape[:-2], -1)
     if compute.batch_invariant or flat.dtype != jnp.bfloat16:
         return linear(unweighted_rms_norm(flat.astype(jnp.float32), eps), fn, compute)
@@ -42,7 +43,7 @@ def bf16_parts(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """f32 w -> bf16 (hi, mid, lo) with hi + mid + lo = w (8 + 8 + 8 mantissa bits). Each
     part is cut from the remainder by masking its low 16 bits, not by rounding to bf16: XLA's
     GPU compiler, allowed excess precision, folds a float32 -> bf16 -> float32 round trip
-    away (the remainder was then 0 and the projection bf16-accurate, on the H200)."""
+    away (seen on the H200: the remainder came out 0, the projection bf16-accurate)."""
     def top_bits(x):
         bits = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000)
         return jax.lax.bitcast_convert_type(bits, jnp.float32)
@@ -66,7 +67,7 @@ def sinkhorn_implementations(compute: ComputeConfig) -> tuple[str, ...]:
     """The Sinkhorn op's implementations for this formulation. Two jnp forms of the same
     arithmetic: the unrolled elementwise one ("reference"), which XLA fuses into about a
     kernel per iteration, and a loop of reductions ("loop"), ~5 launches per iteration on a
-    GPU but cheap on the CPU, where it also compiles twice as fast. On the CPU XLA's
+    GPU but cheap on the CPU, where it also compiles faster. On the CPU XLA's
     vectorised elementwise code gives a row other last bits in batches of other sizes, so the
     CPU and batch-invariant mode off the kernel take the loop (proven invariant on the CPU
     and the H200); the kernel runs every token in its own lanes through the same
@@ -107,8 +108,8 @@ def _mix_streams(block_out: jax.Array, streams: jax.Array, post: jax.Array, comb
                  ) -> jax.Array:
     # The oracle's arithmetic (weights cast to the streams' dtype, the stream mix a product
     # summed in float32 and rounded once, then the bf16 add), written elementwise over the hc
-    # streams: XLA fuses it into one pass over them, where the batched 4 x 4 dot was a GEMM
-    # fusion taking 0.63 ms per sublayer at 8k tokens on the H200 (~4x that pass).
+    # streams: XLA fuses it into one pass over them, where a batched 4 x 4 dot is a GEMM
+    # fusion several times slower on the H200 (docs/performance-log.md).
     dtype = streams.dtype
     weights = comb.astype(dtype).astype(jnp.float32)
     mixed = sum(weights[..., j, :, None] * streams[..., j, None, :].astype(jnp.float32)

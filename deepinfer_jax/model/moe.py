@@ -56,10 +56,9 @@ def route(x: jax.Array, token_ids: jax.Array, p: MoEParams, kind: MlpKind,
 
 def sort_by_expert(flat_expert: jax.Array, n_experts: int) -> jax.Array:
     """The stable argsort of pairs by expert, as one sort of unique int32 keys (expert * P +
-    pair): a keys-only sort, the simplest for XLA's GPU backend to hand to a radix sort. An
-    8k prefill step's profile on the H200 holds a 1 ms sort, this argsort's or the indexer's
-    top-k (the next profile names it). Falls back to argsort where the keys would not fit
-    in int32."""
+    pair): a keys-only sort, the simplest for XLA's GPU backend to hand to a radix sort (a
+    sort is among an 8k prefill step's larger kernels on the H200: docs/performance-log.md).
+    Falls back to argsort where the keys would not fit in int32."""
     pairs = flat_expert.shape[0]
     if (n_experts + 1) * pairs >= 2**31:      # (+1: NO_EXPERT, the padding rows')
         return jnp.argsort(flat_expert, stable=True)

@@ -101,8 +101,8 @@ def project_logits(streams: jax.Array, head_params: HyperHeadParams, norm: jax.A
     y = rms_norm(y, norm, cfg.rms_norm_eps)
     # The reference's head runs in float32. bf16 operands with a float32 result are that
     # (exact products, float32 sums) without a float32 copy of the 129280 x 4096 head each
-    # step unless the compiler fuses the convert into its GEMM (8x faster on the CPU; no
-    # difference seen on the H200 at decode batch 64, where XLA likely fused it).
+    # step unless the compiler fuses the convert into its GEMM (faster on the CPU; no
+    # difference on the H200, where XLA likely fuses it: docs/performance-log.md).
     return linear(y, head, compute, out_dtype=jnp.float32)
 
 

@@ -56,9 +56,9 @@ def split_block_n(n_out: int) -> int:
 def invariant_split_k(k: int, n_out: int) -> int:
     """K ranges for a k x n_out weight: doubled until one row tile has SPLIT_PROGRAMS
     programs or a range would fall under MIN_SPLIT_K. A function of the weight's shape only:
-    every M gets the same ranges, so a row's sum never depends on the batch. (On the H200,
-    more ranges helped M = 64 and cost M = 256 the partials' traffic; 64 programs was the
-    balance: invariant-linears-gpu.md.)"""
+    every M gets the same ranges, so a row's sum never depends on the batch. (More ranges
+    help M = 64 and cost M = 256 the partials' traffic; 64 programs balance the two on the
+    H200: docs/performance-log.md.)"""
     block_n = split_block_n(n_out)
     if not block_n:
         return 1
@@ -71,12 +71,10 @@ def invariant_split_k(k: int, n_out: int) -> int:
 
 def persistent_config(n_out: int, splits: int) -> PersistentConfig:
     """The persistent kernel's tiles: K whole, 256 columns where N allows (as jax's example's
-    best on the H200: 99-104% of XLA's dot). Two K ranges: both in one call, an accumulator
-    each, so 128 columns (the registers): 6 stages 93% / 87% of XLA's dot at 4096 / 8192
-    rows, 4 stages 86% / 90% (kernels-dense-ranges-gpu.md; that run's 50% row with 5 stages
-    was the engine's own call, which fell back to the split-K kernel: `persistent_fits`).
+    best; on par with XLA's dot on the H200). Two K ranges: both in one call, an accumulator
+    each, so 128 columns (the registers), 6 pipeline stages (measured against 4 on the H200).
     More: a chain of calls, whose float32 slots and carry piece take the shared memory of a
-    pipeline stage (79-85% of XLA's dot for two ranges, kernels-dense-gpu.md)."""
+    pipeline stage (slower than one call for two ranges). Figures: docs/performance-log.md."""
     block_n = 256 if n_out % 256 == 0 else 128
     if splits == 1:
         return PersistentConfig(block_n=block_n)
@@ -111,9 +109,9 @@ def dense_invariant_config(num_rows: int, n_out: int, k: int | None = None
 
 def persistent_fits(w: jax.Array, config: PersistentConfig, splits: int, dtype) -> bool:
     """Whether the persistent kernel runs w [K, N] in `splits` K ranges with this config.
-    (Checked without the split, a config summing two ranges per call did not fit one range,
-    and every large batch fell back to the per-tile split-K kernel: 48-50% of XLA's dot on
-    the H200 where the config runs at 87-89%, kernels-moe-gpu.md's dense rows.)"""
+    Checked with the split, since a config that sums two ranges per call does not fit one
+    range: checked without it, every large batch would fall back to the per-tile split-K
+    kernel, far slower on the H200 (docs/performance-log.md)."""
     if jnp.dtype(dtype) not in KERNEL_DTYPES:
         return False
     try:

@@ -6,7 +6,8 @@ tiles, and never more tiles than rows. Computed with jnp in fixed shapes (inside
 step, from device-side sizes). Rows past the groups' total (in no group, as in `ragged_dot`)
 are in no tile: dropped on the way in, undefined on the way out. The jnp moves here are the
 CPU path and the fallback; on the GPU the sorted rows move by TMA (mosaic_gpu_rows.py, from
-`tile_first_row`), 0.23 ms where these took 0.97 of a V4-Flash prefill's expert MLP.
+`tile_first_row`), a fraction of these moves' time in a V4-Flash prefill's expert MLP on the
+H200 (docs/performance-log.md).
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ side by side, so the intermediate never goes to memory). FP8 weights are dequant
 tile (E4M3 -> bf16 times the 128 x 128 block's scale, staged in shared memory: wgmma has no
 bf16 x e4m3 form).
 
-Measured on the H200 (bench/results/kernels-moe-gpu.md): decode-sized batches stream the
-expert weights at 93-98% of copy bandwidth; prefill-sized ones reach ~340 TFLOP/s here, and
-412 on the warp-specialised kernel (mosaic_gpu_ws.py, the default for large bf16 batches).
-FP8 weights and the batch-invariant dense GEMM stay on this one.
+On the H200, decode-sized batches stream the expert weights near the copy bandwidth;
+prefill-sized bf16 ones run faster on the warp-specialised kernel (mosaic_gpu_ws.py, their
+default; figures: docs/performance-log.md). FP8 weights and the batch-invariant dense GEMM
+below the persistent kernel's batch sizes (invariant.py) stay on this one.
 
 Batch invariance: a row's result depends on its own row and its group's weights only, and
 the K blocks are always summed in the same order (split_k: ranges summed apart, the caller
@@ -79,10 +79,11 @@ def program_grid(tiles: int, columns: int, splits: int, group_tiles: int) -> tup
 def program_tile_and_column(tiles: int, columns: int, group_tiles: int):
     """This program's (row tile, column block). Programs run roughly in the grid's order,
     the last axis fastest: by row tile, each sweeping every column block, so a weight wider
-    than the L2 cache is read again from memory for every row tile (the dense GEMM's wq_b at
-    M = 256: 2.5x XLA's time). With group_tiles = G the programs sweep the column blocks for G
-    row tiles at a time, the G programs of one column block adjacent: the weight block is read
-    once for all G, and the G input tiles stay in L2 across the sweep."""
+    than the L2 cache is read again from memory for every row tile (so, on the H200, the
+    dense GEMM's wq_b at M = 256 runs well behind XLA's dot: docs/performance-log.md). With
+    group_tiles = G the programs sweep the column blocks for G row tiles at a time, the G
+    programs of one column block adjacent: the weight block is read once for all G, and the
+    G input tiles stay in L2 across the sweep."""
     if not group_tiles:
         return lax.axis_index("tile"), lax.axis_index("col")
     program, per_group = lax.axis_index("program"), group_tiles * columns

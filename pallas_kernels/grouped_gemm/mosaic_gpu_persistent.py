@@ -23,15 +23,13 @@ same bits. Within a range a row's sum is wgmma's over 64-wide K steps in order, 
 other kernels, whatever the tile.
 
 Why this form: on the H200 jax's own example of it (jax.experimental.pallas.ops.gpu.
-hopper_matmul_mgpu) reached 88-91% of the bf16 matmul ceiling at 4096 and 8192 rows where
-the per-tile kernels of this folder reached 56-66%, and this kernel 92-99% with K whole
-(kernels-dense-gpu.md, kernels-dense-ranges-gpu.md). On the experts (`PersistentConfig` in
-api.py's configs) it is an option, not the default (grouped-diag-gpu.md, kernels alone): ahead
-of the warp-specialised kernel where every tile is full (V4-Flash down GEMM, 256-row groups:
-89% of the matmul ceiling vs 76%) but behind it on a prefill's routing, whose experts end in
-a half tile (gate/up 50-59% vs 69-72% on the rows computed): a half tile takes its program as
-long as a full one, and programs take fixed turns where the per-tile kernel's programs are
-scheduled as SMs free up.
+hopper_matmul_mgpu) comes near the bf16 matmul ceiling at 4096 and 8192 rows where the
+per-tile kernels of this folder do not, and so does this kernel with K whole. On the experts
+(`PersistentConfig` in api.py's configs) it is an option, not the default (kernels alone on
+the H200): ahead of the warp-specialised kernel where every tile is full (V4-Flash's GEMMs
+on 256-row groups) but behind it on a prefill's routing, whose experts end in a half tile: a
+half tile takes its program as long as a full one, and programs take fixed turns where the
+per-tile kernel's programs are scheduled as SMs free up. Figures: docs/performance-log.md.
 """
 
 from __future__ import annotations

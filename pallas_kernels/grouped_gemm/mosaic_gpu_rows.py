@@ -2,8 +2,8 @@
 
 A group's rows start anywhere in the sorted rows, and its last tile is partly padding. The
 jnp layout (layout.py) moves them with XLA: a zeroed tile buffer, a scatter into it, and a
-gather back out (0.39 + 0.29 + 0.29 ms of a V4-Flash 8k-token prefill's 5.7 ms expert MLP on
-the H200, grouped-diag-gpu.md). Here the rows move by TMA copies between global and shared
+gather back out (a sizeable share of a V4-Flash 8k-token prefill's expert MLP on the H200:
+docs/performance-log.md). Here the rows move by TMA copies between global and shared
 memory instead, and only the group's own rows are ever read or written: a tile's `n` rows
 go as one copy of the whole tile when full, else as pieces of 64, 32, ..., 1 rows (one per
 set bit of n), so that a partial tile never touches its neighbour group's rows. Padding rows

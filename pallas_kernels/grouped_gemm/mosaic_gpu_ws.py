@@ -14,11 +14,10 @@ wgmmas and its store, so the other has the tensor cores to itself: the work foll
 rows in 64-row steps while full tiles still share each weight block between 128 rows.
 
 The sum over K runs in the same order for every row, so a row's result does not depend on
-the batch here either. On the H200 (kernels-moe-gpu.md), the gate/up GEMM of a V4-Flash
-8k-token prefill: 334 TFLOP/s on the one-warpgroup kernel, 379 here, 401 with the padding
-skip (the whole expert MLP 347 -> 412 TFLOP/s, 54% of the dense matmul rate; 430.7, 57% of
-the run's opening rate and 64% of the dot timed beside it, once the rows moved by TMA instead
-of XLA's layout: `sorted_rows` below and mosaic_gpu_rows.py).
+the batch here either. On the H200 a V4-Flash 8k-token prefill's gate/up GEMM runs faster
+here than on the one-warpgroup kernel, and faster still with the padding skip; the expert
+MLP gains again with the rows moved by TMA instead of XLA's layout (`sorted_rows` below and
+mosaic_gpu_rows.py). Figures: docs/performance-log.md.
 """
 
 from __future__ import annotations

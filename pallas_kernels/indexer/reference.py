@@ -1,5 +1,6 @@
 """The lightning indexer's scores over each sequence's compressed keys, in plain jnp: the
-kernel's oracle (the engine's CPU path scores per token, model/indexer.py).
+engine's CPU path and the kernel's oracle (the cache-free reference forward scores with
+model/indexer.py).
 
     score[t, r] = sum_h w[t, h] * relu(q[t, h] . keys[seq[t], r]) / sqrt(d)
 

@@ -10,23 +10,21 @@ block's rows ([64, 32], over the full head dim), the two halves' row maxima are 
 through shared memory so that both hold the block's running max, and the two halves' P tiles
 are exchanged too: each warpgroup then multiplies the whole block's P by its column half of
 V. S is computed once (2/3 of the tensor-core work of computing it in both warpgroups, the
-earlier form, kept as split_scores=False), for two meetings of the warpgroups a block. The
+other form, kept as split_scores=False), for two meetings of the warpgroups a block. The
 online softmax runs in base 2 (the running max starting at the head's sink logit, the running
 sum at its term 2^0 = 1); P @ V adds into the rescaled accumulator in place (a separate
-product tile spilled registers: 4.8 ms instead of 2.1 on the prefill below).
+product tile spills registers and runs far slower on the prefill below).
 
 So each row is read from HBM once for all heads and all dims, where the one-warpgroup kernel
 (mosaic_gpu.py) reads it once per 128-dim column block and recomputes S as often. On the H200
-(kernels-attention-gpu-quick.md, 2026-12-01), a V4-Flash 8k-token prefill's CSA attention
-(640 rows a token): 1.90-2.00 ms of device time (44-46% of the run's opening matmul rate;
-41-45% of the dot timed beside it), against 2.10-2.29 with S in both warpgroups, 4.4 ms on
-XLA's path and 4.5 ms on the one-warpgroup kernel; decode at batch 64: 0.031-0.033 ms against
-XLA's 0.044. Blocks of 32 rows (3 or 4 in flight) were slower (2.55-2.61 ms): a pipeline step
-costs about 1 us besides its work, and shared memory (q, two 64-row blocks) leaves no room
-for longer blocks. A program running several tokens back to back (Pallas's pipeline of
-pipelines, the next token's rows streaming in under the last one's end) was slower too: 2.58
-ms, its loop spilling registers. That prefill, its rows gathered per token beforehand, moves
-6.5 GB (rows 5.4, q and output 0.54 each): at 2.0 ms, 77-79% of the copy ceiling, so HBM
+a V4-Flash 8k-token prefill's CSA attention (640 rows a token) takes this kernel less than
+half the time of XLA's path or the one-warpgroup kernel, and decode at batch 64 less than
+XLA's (figures: docs/performance-log.md). Blocks of 32 rows (3 or 4 in flight) are slower: a
+pipeline step costs time besides its work, and shared memory (q, two 64-row blocks) leaves no
+room for longer blocks. A program running several tokens back to back (Pallas's pipeline of
+pipelines, the next token's rows streaming in under the last one's end) is slower too, its
+loop spilling registers. That prefill, its rows gathered per token beforehand, moves 6.5 GB
+(rows 5.4, q and output 0.54 each), near the copy ceiling at the kernel's time, so HBM
 bounds it; neighbouring tokens share most of their rows (a chunk's window and compressed rows
 are ~12 MB), and reading them through indices in the kernel, from L2, is the way past that
 (TMA's gather is SM100's; on SM90 a row per copy into the swizzled tile).
@@ -65,8 +63,8 @@ class WarpSpecializedConfig:
     max_concurrent_steps: int = 2
     num_splits: int = 1           # row ranges per token, each its own program
     # The warpgroups take turns on the tensor cores (one's softmax under the other's wgmmas,
-    # as FlashAttention-3 does): within the run-to-run spread on the H200 (8k prefill 2.04-2.13
-    # ms with, 2.14 without) and not yet through the whole test grid there, so opt-in.
+    # as FlashAttention-3 does): within the run-to-run spread on the H200
+    # (docs/performance-log.md) and not yet through the whole test grid there, so opt-in.
     ping_pong: bool = False
     # P @ V adds into the rescaled sum in place: no second [64, 256] float32 tile (128
     # registers a thread). GPU interpret mode cannot run an initialised accumulator, so the

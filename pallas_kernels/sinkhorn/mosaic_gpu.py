@@ -51,7 +51,8 @@ def sinkhorn_entry_major(logits: jax.Array, *, hc: int, iters: int, eps: float) 
             return tuple(v for row in c for v in row)
 
         # A loop in the kernel, not Python unrolling: the same instructions per iteration, and
-        # Mosaic's layout inference sees one iteration (unrolled, lowering took ~9 s a call).
+        # Mosaic's layout inference sees one iteration (unrolled, it lowers every iteration:
+        # seconds a call, docs/performance-log.md).
         flat = lax.fori_loop(0, iters - 1, row_then_column,
                              tuple(v for row in columns(rows) for v in row))
         return [list(flat[i * hc: (i + 1) * hc]) for i in range(hc)]

@@ -36,7 +36,7 @@ def sinkhorn(comb_logits: jax.Array, iters: int, eps: float) -> jax.Array:
 
 def sinkhorn_loop(comb_logits: jax.Array, iters: int, eps: float) -> jax.Array:
     """The same arithmetic as a loop of reductions: where launches are cheap (the CPU) it
-    compiles twice as fast, and there XLA's vectorised elementwise code would give a row other
+    compiles faster, and there XLA's vectorised elementwise code would give a row other
     last bits in batches of other sizes, which the loop's reductions do not (batch-invariant
     mode off the kernel). On a GPU it runs ~5 launches per iteration."""
     comb = jax.nn.softmax(comb_logits, axis=-1) + eps
