@@ -64,3 +64,37 @@ def test_host_modules_import_without_jax():
                             text=True)
     assert result.returncode == 0, result.stderr
     assert int(result.stdout) >= 12
+
+
+# Declared packages used without an import statement, and how they are used.
+USED_WITHOUT_IMPORT = {
+    "pytest-xdist": "make test's -n workers",
+    "pytest-timeout": "[tool.pytest.ini_options] timeout",
+    "import-linter": "the lint-imports command above",
+    "ipykernel": "the kernel nbclient starts for the notebooks",
+}
+MODULE_OF = {"pytest-xdist": "xdist", "pytest-timeout": "pytest_timeout"}
+
+
+def test_every_declared_package_is_used():
+    """pyproject.toml declares only what the project uses: each dependency is imported by
+    the library, its tests or its tools, or listed above with how it is used."""
+    import ast
+    import re
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = project["dependencies"] + project["optional-dependencies"]["test"]
+    names = {re.match(r"[A-Za-z0-9_.-]+", spec).group(0).lower() for spec in declared}
+    imported = set()
+    for folder in ("deepinfer_jax", "pallas_kernels", "ascend_backend", "tests", "tools"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    imported |= {alias.name.split(".")[0] for alias in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    imported.add(node.module.split(".")[0])
+    unused = {name for name in names - set(USED_WITHOUT_IMPORT)
+              if MODULE_OF.get(name, name.replace("-", "_")) not in imported}
+    assert unused == set(), f"declared but never imported: {sorted(unused)}"
+    assert set(USED_WITHOUT_IMPORT) <= names       # the list names declared packages only
