@@ -41,6 +41,7 @@ from bench.lib.ceilings import measure as measure_ceilings  # noqa: E402
 from bench.lib.models import V4_FLASH, slice_config  # noqa: E402
 from bench.lib.results import environment, write_results  # noqa: E402
 from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
+from deepinfer_jax.config.hf import to_hf_dict  # noqa: E402
 from deepinfer_jax.config.model import AttentionKind, ModelConfig  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
 
@@ -143,7 +144,7 @@ def decode(llm: LLM, batch: int, context: int, steps: int, rng) -> dict:
 def run_peer(args, cfg: ModelConfig) -> dict | None:
     if not args.peer_python:
         return None
-    spec = {"config": cfg.to_hf_dict(), "prefill": args.prefill,
+    spec = {"config": to_hf_dict(cfg), "prefill": args.prefill,
             "decode": [[b, args.context] for b in args.peer_batches],
             "new_tokens": args.peer_new_tokens, "seed": 0}
     with tempfile.TemporaryDirectory() as tmp:

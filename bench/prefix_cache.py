@@ -31,6 +31,7 @@ from bench.lib.models import SMALL_CPU, V4_FLASH, model_config, model_label  # n
 from bench.lib.results import write_results  # noqa: E402
 from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
 from deepinfer_jax.config.engine import EngineConfig, ResolvedEngineConfig  # noqa: E402
+from deepinfer_jax.config.hf import read_model_config  # noqa: E402
 from deepinfer_jax.config.model import AttentionKind, ModelConfig  # noqa: E402
 from deepinfer_jax.device.snapshots import init_pool  # noqa: E402
 from deepinfer_jax.model.state import init_state  # noqa: E402
@@ -120,7 +121,7 @@ def main() -> None:
     ecfg = EngineConfig(**options).resolve(cfg)
     # a snapshot at every chunk end (the most the cache keeps for a prefix prefilled alone)
     measured = footprint(cfg, ecfg, args.prefix, -(-args.prefix // args.chunk))
-    flash = ModelConfig.from_json_file(V4_FLASH).replace(
+    flash = read_model_config(V4_FLASH).replace(
         num_mtp_layers=0, quantization=None)
     flash_prefix = 16384
     flash_ecfg = EngineConfig(max_num_seqs=1, max_model_len=flash_prefix + 1024,

@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.lib.results import environment, write_results  # noqa: E402
 from deepinfer_jax import LLM, SamplingParams  # noqa: E402
-from deepinfer_jax.config.model import ModelConfig  # noqa: E402
+from deepinfer_jax.config.hf import read_model_config  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
 from deepinfer_jax.weights.export import save_checkpoint  # noqa: E402
 
@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--hf-python", default=str(REPO / ".venv-oracle/bin/python"))
     args = ap.parse_args()
 
-    cfg = ModelConfig.from_json_file(args.config)
+    cfg = read_model_config(args.config)
     ckpt = REPO / ".cache" / "bench" / args.config.stem
     if not (ckpt / "model.safetensors").exists():
         save_checkpoint(random_params(cfg, 0, jnp.float32), cfg, ckpt)

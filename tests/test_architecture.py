@@ -38,6 +38,18 @@ def test_import_contracts_catch_a_host_module_importing_jax(tmp_path):
     assert "deepinfer_jax.host.pages -> jax (l." in result.stdout
 
 
+def test_no_import_cycles():
+    """No module imports, directly or not, a module that imports it back (imports inside
+    functions count too): grimp, import-linter's graph library."""
+    import grimp
+
+    graph = grimp.build_graph("deepinfer_jax", "pallas_kernels", "ascend_backend", cache_dir=None)
+    cycles = [(a, b) for a in sorted(graph.modules)
+              for b in sorted(graph.find_modules_directly_imported_by(a))
+              if b in graph.modules and graph.chain_exists(importer=b, imported=a)]
+    assert cycles == []
+
+
 def test_host_modules_import_without_jax():
     """Every host module (and the contract and config they use) imports in a process where
     jax, jaxlib and flax cannot be imported."""

@@ -38,6 +38,7 @@ from tiny_corpus import prepare  # noqa: E402
 from tiny_tokenizer import BOS, EOS  # noqa: E402
 
 from deepinfer_jax.config.compute import ComputeConfig  # noqa: E402
+from deepinfer_jax.config.hf import parse_hf_config  # noqa: E402
 from deepinfer_jax.config.model import AttentionKind, MlpKind, ModelConfig  # noqa: E402
 from deepinfer_jax.model import reference_forward  # noqa: E402
 from deepinfer_jax.model.mtp import mtp_input  # noqa: E402
@@ -132,7 +133,7 @@ def train(args) -> None:
     data = args.data
     manifest = json.loads((data / "manifest.json").read_text())
     train_tokens = np.load(data / "train.npy")
-    cfg = ModelConfig.from_hf_dict(TINY_V4)
+    cfg = parse_hf_config(TINY_V4)
     log = {"args": {k: str(v) for k, v in vars(args).items() if k != "func"},
            "jax": jax.__version__, "device": str(jax.devices()[0].device_kind),
            "corpus": {k: manifest[k] for k in ("python", "tokens", "held_out_modules")}}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.config.model import AttentionKind, MlpKind, ModelConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -18,7 +19,7 @@ KINDS = [AttentionKind.CSA, AttentionKind.HCA]
 def slice_config(path: Path, layers: int) -> ModelConfig:
     """The config at `path` cut to `layers` layers (CSA, HCA, CSA, ...), MoE in each, no MTP
     layers, unquantized."""
-    cfg = ModelConfig.from_json_file(path)
+    cfg = read_model_config(path)
     kinds = tuple((KINDS * layers)[:layers])
     return cfg.replace(num_layers=layers, layer_types=kinds, mlp_types=(MlpKind.MOE,) * layers,
                        num_mtp_layers=0, quantization=None)
@@ -27,7 +28,7 @@ def slice_config(path: Path, layers: int) -> ModelConfig:
 def model_config(args) -> ModelConfig:
     """args.v4_flash_layers > 0: that V4-Flash slice; else the config file args.config."""
     if not args.v4_flash_layers:
-        return ModelConfig.from_json_file(args.config)
+        return read_model_config(args.config)
     return slice_config(V4_FLASH, args.v4_flash_layers)
 
 

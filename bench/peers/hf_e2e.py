@@ -1,7 +1,7 @@
 """The Hugging Face peer for bench/e2e.py: DeepseekV4ForCausalLM on the same slice and prompts.
 
 Usage: python bench/peers/hf_e2e.py SPEC.json OUT.json   (run by bench/e2e.py, own process)
-SPEC.json: {"config": the slice's HF config dict (ModelConfig.to_hf_dict), "prefill":
+SPEC.json: {"config": the slice's HF config dict (config/hf.py to_hf_dict), "prefill":
 [lengths], "decode": [[batch, context]], "new_tokens": n, "seed": s}. Random bf16 weights
 (HF's init), on the GPU when there is one.
 Prefill: one prompt's forward pass, timed (= its time to first token). Decode: the batch's

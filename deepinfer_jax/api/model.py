@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from deepinfer_jax.config.compute import ComputeConfig
+from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.options import resolve_compute
 from deepinfer_jax.engine.devices import local_device_facts
@@ -100,6 +101,6 @@ def load(path: str | Path, dtype=None) -> Model:
     dtype: the compute dtype of the projections (norms, mHC and other small parameters stay
     float32); None takes the checkpoint's own (`dtype` in config.json), else bfloat16.
     """
-    cfg = ModelConfig.from_json_file(path)
+    cfg = read_model_config(path)
     dtype = checkpoint_dtype(path) if dtype is None else dtype
     return Model(config=cfg, params=load_params(path, cfg, dtype))

@@ -14,7 +14,9 @@ the modern spelling.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 from deepinfer_jax.config.model import (
@@ -303,3 +305,15 @@ def _parse_quant(q: dict | None) -> QuantConfig | None:
         raise ConfigError(f"quantization_config.weight_block_size: expected 2 ints, got {block}")
     return QuantConfig(fmt=q.get("fmt", "e4m3"), scale_fmt=q.get("scale_fmt", "ue8m0"),
                        weight_block_size=(int(block[0]), int(block[1])))
+
+
+def read_model_config(path: str | Path) -> ModelConfig:
+    """A checkpoint directory's config.json (or that file itself) -> ModelConfig."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"no config.json at {path}") from None
+    return parse_hf_config(raw)

@@ -1,14 +1,12 @@
 """Frozen model configuration of the DeepSeek-V4 family (`model_type: deepseek_v4`), with its
-checks. Reading and writing Hugging Face `config.json` spellings: config/hf.py.
+checks. Reading and writing Hugging Face `config.json` spellings: config/hf.py
+(`read_model_config`, `parse_hf_config`, `to_hf_dict`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import json
-from pathlib import Path
-from typing import Any
 
 
 class ConfigError(ValueError):
@@ -143,27 +141,5 @@ class ModelConfig:
     def shared_intermediate_size(self) -> int:
         return self.n_shared_experts * self.moe_intermediate_size
 
-    # ---- construction ---------------------------------------------------------------------
-    @classmethod
-    def from_json_file(cls, path: str | Path) -> "ModelConfig":
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"no config.json at {path}") from None
-        return cls.from_hf_dict(raw)
-
-    @classmethod
-    def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
-        from deepinfer_jax.config.hf import parse_hf_config  # the spellings live there
-        return parse_hf_config(raw)
-
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
-
-    def to_hf_dict(self) -> dict[str, Any]:
-        """The modern transformers spelling (what `save_pretrained` writes)."""
-        from deepinfer_jax.config.hf import to_hf_dict  # the spellings live there
-        return to_hf_dict(self)

@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from deepinfer_jax.config.hf import to_hf_dict
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.weights.builder import Role, build_params
@@ -65,7 +66,7 @@ def save_checkpoint(params: ModelParams, cfg: ModelConfig, directory: str | Path
     directory.mkdir(parents=True, exist_ok=True)
     tensors = export_tensors(params, cfg)
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-    config = {**cfg.to_hf_dict(), "dtype": np.dtype(params.embed.dtype).name,
+    config = {**to_hf_dict(cfg), "dtype": np.dtype(params.embed.dtype).name,
               **(extra_config or {})}
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     return directory

@@ -11,7 +11,7 @@ import pytest
 
 import deepinfer_jax
 from deepinfer_jax import SamplingParams
-from deepinfer_jax.config.model import ModelConfig
+from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.engine.core import UnsupportedModeError, require_batch_invariant_support
 from tests.conftest import REPO
 
@@ -22,7 +22,7 @@ PARAMS = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = ModelConfig.from_json_file(REPO / "configs/tiny/tiny-mixed.json")
+    cfg = read_model_config(REPO / "configs/tiny/tiny-mixed.json")
     return deepinfer_jax.Model(cfg, deepinfer_jax.random_params(cfg, 3, jnp.bfloat16))
 
 
@@ -110,7 +110,7 @@ def test_invariant_mode_computes_the_same_model(workload):
 # 64, the indexer's 64 heads of 64): the step runs the grouped GEMM for the experts, the
 # invariant dense GEMM for the projections, the sink attention and the indexer's scores;
 # compiled on a GPU, interpreted on the CPU.
-KERNEL_CFG = ModelConfig.from_json_file(REPO / "configs/tiny/tiny-mixed.json").replace(
+KERNEL_CFG = read_model_config(REPO / "configs/tiny/tiny-mixed.json").replace(
     hidden_size=128, head_dim=128, moe_intermediate_size=64, num_mtp_layers=0,
     index_n_heads=64, index_head_dim=64)
 
@@ -159,7 +159,7 @@ def test_untiled_segments_are_the_same_computation():
     from deepinfer_jax.host.decision import ScheduleDecision
     from deepinfer_jax.host.plan_builder import build_plan
 
-    cfg = ModelConfig.from_json_file(REPO / "configs/tiny/tiny-mixed.json").replace(
+    cfg = read_model_config(REPO / "configs/tiny/tiny-mixed.json").replace(
         num_mtp_layers=0)
     model = deepinfer_jax.Model(cfg, deepinfer_jax.random_params(cfg, 3, jnp.float32))
     rng = np.random.default_rng(2)
@@ -201,7 +201,7 @@ def test_the_gpu_step_lowers_with_every_kernel(monkeypatch, cfg):
 
     monkeypatch.setenv("DEEPINFER_STEP_FORMULATION", "gpu")
     monkeypatch.setenv("DEEPINFER_KERNELS", "mosaic_gpu")      # read when the step is traced
-    config = KERNEL_CFG if cfg == "kernel dims" else ModelConfig.from_json_file(
+    config = KERNEL_CFG if cfg == "kernel dims" else read_model_config(
         REPO / "configs/tiny/tiny-mixed.json").replace(num_mtp_layers=0)
     params = deepinfer_jax.random_params(config, 3, jnp.bfloat16)
     ecfg = EngineConfig(batch_invariant=True, max_num_seqs=4, max_model_len=256,

@@ -12,7 +12,7 @@ import numpy as np
 
 import deepinfer_jax
 from deepinfer_jax import SamplingParams
-from deepinfer_jax.config.model import ModelConfig
+from deepinfer_jax.config.hf import read_model_config
 from pallas_kernels.common import NotSupported
 from pallas_kernels.grouped_gemm import api as gemm
 from pallas_kernels.indexer.mosaic_gpu import HEADS as INDEXER_HEADS
@@ -21,7 +21,7 @@ from tests.conftest import REPO
 
 # Dimensions the kernels tile: head_dim a multiple of 128, hidden and expert width of 64, the
 # indexer's 64 heads of a multiple of 64.
-CFG = ModelConfig.from_json_file(REPO / "configs/tiny/tiny-mixed.json").replace(
+CFG = read_model_config(REPO / "configs/tiny/tiny-mixed.json").replace(
     hidden_size=128, head_dim=128, moe_intermediate_size=64, num_mtp_layers=0,
     index_n_heads=64, index_head_dim=64)
 KERNELS = "interpret" if jax.default_backend() == "cpu" else "mosaic_gpu"

@@ -13,7 +13,7 @@ import pytest
 
 import deepinfer_jax
 from deepinfer_jax import SamplingParams
-from deepinfer_jax.config.model import ModelConfig
+from deepinfer_jax.config.hf import read_model_config
 from tests.conftest import REPO
 
 BUDGET, BLOCK = 128, 64
@@ -26,7 +26,7 @@ TINY = REPO / "models" / "deepinfer-tiny-v4"      # the shipped trained model
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = ModelConfig.from_json_file(REPO / "configs/tiny/tiny-mixed.json")
+    cfg = read_model_config(REPO / "configs/tiny/tiny-mixed.json")
     return deepinfer_jax.Model(cfg, deepinfer_jax.random_params(cfg, 3, jnp.bfloat16))
 
 

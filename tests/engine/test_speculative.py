@@ -81,7 +81,7 @@ def test_switches_and_errors(monkeypatch):
     with pytest.raises(EngineConfigError, match="method"):
         EngineConfig(speculative_config={"method": "eagle"})
     # a checkpoint without MTP weights
-    cfg = deepinfer_jax.ModelConfig.from_json_file(REPO / "configs/tiny/tiny-mixed.json")
+    cfg = deepinfer_jax.read_model_config(REPO / "configs/tiny/tiny-mixed.json")
     params = deepinfer_jax.random_params(cfg, 0, jnp.float32)
     no_mtp = deepinfer_jax.Model(cfg, type(params)(**{**params.__dict__, "mtp": ()}))
     with pytest.raises(EngineConfigError, match="MTP"):

@@ -16,7 +16,7 @@ import pytest
 
 import deepinfer_jax
 from deepinfer_jax import FinishReason, SamplingParams
-from deepinfer_jax.config.model import ModelConfig
+from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.host.grammar import GrammarError, StructuredOutputs
 from deepinfer_jax.weights import random_params
 from deepinfer_jax.weights.export import save_checkpoint
@@ -74,7 +74,7 @@ NUMBER: /[1-9][0-9]?/
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     """A random tiny-mixed model with the shipped model's tokenizer (vocab 6144)."""
-    cfg = ModelConfig.from_json_file(REPO / "configs/tiny/tiny-mixed.json").replace(vocab_size=6144)
+    cfg = read_model_config(REPO / "configs/tiny/tiny-mixed.json").replace(vocab_size=6144)
     d = tmp_path_factory.mktemp("random-with-tokenizer")
     save_checkpoint(random_params(cfg, 11, jnp.float32), cfg, d)
     shutil.copy(REPO / "models/deepinfer-tiny-v4/tokenizer.json", d / "tokenizer.json")

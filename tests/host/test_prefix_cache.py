@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from deepinfer_jax.config.engine import EngineConfig
-from deepinfer_jax.config.model import ModelConfig
+from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.contract import StepOutput
 from deepinfer_jax.host.pages import PageAllocator
 from deepinfer_jax.host.prefix_cache import PrefixCache, SnapshotAllocator, extend_block_keys
@@ -15,7 +15,7 @@ from deepinfer_jax.host.scheduler import Scheduler
 from tests.conftest import REPO
 
 BS = 4
-MODEL = ModelConfig.from_json_file(REPO / "configs" / "tiny" / "tiny-mixed.json")
+MODEL = read_model_config(REPO / "configs" / "tiny" / "tiny-mixed.json")
 
 
 def keys_of(tokens):

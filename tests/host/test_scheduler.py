@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from deepinfer_jax.config.engine import EngineConfig
-from deepinfer_jax.config.model import ModelConfig
+from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.contract import SpecStepOutput, StepOutput
 from deepinfer_jax.host.pages import OutOfPagesError, PageAllocator
 from deepinfer_jax.host.request import PLACEHOLDER, FinishReason, Request, RequestStatus, SamplingParams
@@ -15,7 +15,7 @@ from deepinfer_jax.host.stop_strings import StopStrings
 from tests.conftest import REPO
 from tests.host.test_detokenizer import TOKENIZER
 
-MODEL = ModelConfig.from_json_file(REPO / "configs" / "tiny" / "tiny-mixed.json")
+MODEL = read_model_config(REPO / "configs" / "tiny" / "tiny-mixed.json")
 EOS = MODEL.eos_token_ids[0]
 
 

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
+from deepinfer_jax.config.hf import parse_hf_config
 from deepinfer_jax.config.model import (
     AttentionKind,
     ConfigError,
     MlpKind,
-    ModelConfig,
     ScoringFunc,
     YarnConfig,
 )
@@ -21,7 +21,7 @@ LEGACY = json.loads((REPO / "configs" / "tiny" / "tiny-legacy.json").read_text()
 
 
 def test_v4_flash_release_config():
-    cfg = ModelConfig.from_hf_dict(FLASH)
+    cfg = parse_hf_config(FLASH)
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.head_dim) == (43, 4096, 64, 512)
     assert cfg.rope_head_dim == 64 and cfg.nope_head_dim == 448
     # layers 0, 1 window-only; then CSA on even and HCA on odd layers; the MTP entry dropped.
@@ -54,13 +54,13 @@ def _modern_twin(legacy: dict) -> dict:
 
 
 def test_legacy_and_modern_spellings_agree():
-    assert ModelConfig.from_hf_dict(LEGACY) == ModelConfig.from_hf_dict(_modern_twin(LEGACY))
+    assert parse_hf_config(LEGACY) == parse_hf_config(_modern_twin(LEGACY))
 
 
 def test_flat_rope_parameters_as_saved_by_older_transformers():
     flat = {k: v for k, v in LEGACY.items() if k != "rope_scaling"}
     flat["rope_parameters"] = {**LEGACY["rope_scaling"], "rope_type": "yarn"}
-    assert ModelConfig.from_hf_dict(flat) == ModelConfig.from_hf_dict(LEGACY)
+    assert parse_hf_config(flat) == parse_hf_config(LEGACY)
 
 
 @pytest.mark.parametrize("change, field", [
@@ -79,17 +79,17 @@ def test_flat_rope_parameters_as_saved_by_older_transformers():
 ])
 def test_bad_configs_name_the_field(change, field):
     with pytest.raises(ConfigError, match=field):
-        ModelConfig.from_hf_dict({**LEGACY, **change})
+        parse_hf_config({**LEGACY, **change})
 
 
 def test_missing_required_field_is_named():
     broken = {k: v for k, v in LEGACY.items() if k != "index_topk"}
     with pytest.raises(ConfigError, match="index_topk"):
-        ModelConfig.from_hf_dict(broken)
+        parse_hf_config(broken)
 
 
 def test_config_is_hashable_and_frozen():
-    cfg = ModelConfig.from_hf_dict(LEGACY)
-    assert hash(cfg) == hash(ModelConfig.from_hf_dict(LEGACY))
+    cfg = parse_hf_config(LEGACY)
+    assert hash(cfg) == hash(parse_hf_config(LEGACY))
     with pytest.raises(Exception):
         cfg.hidden_size = 1

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 
 from deepinfer_jax.config.compute import ComputeConfig, KernelChoices
-from deepinfer_jax.config.model import MlpKind, ModelConfig, ScoringFunc
+from deepinfer_jax.config.hf import read_model_config
+from deepinfer_jax.config.model import MlpKind, ScoringFunc
 from deepinfer_jax.model.moe import moe, route
 from deepinfer_jax.weights import random_params
 from tests.conftest import REPO
 from tests.kernels.which import KERNEL
 
-BASE = ModelConfig.from_json_file(REPO / "configs" / "tiny" / "tiny-mixed.json")
+BASE = read_model_config(REPO / "configs" / "tiny" / "tiny-mixed.json")
 ON_KERNEL = ComputeConfig(kernels=KernelChoices(grouped_gemm=(KERNEL,)))
 HASH_LAYER, ROUTED_LAYER = 0, 1
 

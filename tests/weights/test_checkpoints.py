@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 import deepinfer_jax
-from deepinfer_jax.config.model import ModelConfig
+from deepinfer_jax.config.hf import read_model_config, to_hf_dict
 from deepinfer_jax.weights import CheckpointError, load_params, quant, random_params
 from deepinfer_jax.weights.export import export_tensors, save_checkpoint
 from deepinfer_jax.weights.safetensors_io import Checkpoint, save_file
 from tests.conftest import REPO
 
-CFG = ModelConfig.from_json_file(REPO / "configs" / "tiny" / "tiny-mixed.json")
+CFG = read_model_config(REPO / "configs" / "tiny" / "tiny-mixed.json")
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def tensors() -> dict[str, np.ndarray]:
 def write(directory, tensors, cfg_dict=None):
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, directory / "model.safetensors")
-    (directory / "config.json").write_text(json.dumps(cfg_dict or CFG.to_hf_dict()))
+    (directory / "config.json").write_text(json.dumps(cfg_dict or to_hf_dict(CFG)))
     return directory
 
 
@@ -74,7 +74,7 @@ def test_sharded_checkpoint_with_index(tmp_path, tensors):
         save_file({k: tensors[k] for k in keys}, d / file)
     index = {"weight_map": {k: f for f, keys in shards.items() for k in keys}}
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
-    (d / "config.json").write_text(json.dumps(CFG.to_hf_dict()))
+    (d / "config.json").write_text(json.dumps(to_hf_dict(CFG)))
     assert_same_params(load_params(d, CFG, jnp.float32),
                        load_params(write(tmp_path / "single", tensors), CFG, jnp.float32))
 
@@ -137,7 +137,7 @@ def test_quantized_checkpoint_matches_its_dequantized_twin(tmp_path, tensors):
     quantised, twin = quantize_checkpoint(tensors)
     assert Checkpoint(write(tmp_path / "q", quantised)).dtype_name(
         "layers.0.attn.wq_a.weight") == "F8_E4M3"
-    cfg_q = {**CFG.to_hf_dict(), "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+    cfg_q = {**to_hf_dict(CFG), "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
                                                          "scale_fmt": "ue8m0",
                                                          "weight_block_size": [128, 128]}}
     write(tmp_path / "q", quantised, cfg_q)
