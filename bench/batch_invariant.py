@@ -57,7 +57,7 @@ def main() -> None:
                   token_buckets=args.buckets and tuple(args.buckets),
                   compilation_cache_dir=str(REPO / ".cache" / "xla-bench"))
         decode = steady_decode(llm, args.decode_batch, args.steps)
-        tile = llm.engine.ecfg.compute.invariant_tile
+        tile = llm.engine.step_cfg.compute.invariant_tile
         rows.append({"batch_invariant": invariant,
                      "decode_tokens_per_s": args.decode_batch / (decode["wall_ms"] / 1e3),
                      "prefill_tokens_per_s": prefill_rate(llm, args.prefill)})

@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 from bench.lib.models import SMALL_CPU, V4_FLASH, model_config, model_label  # noqa: E402
 from bench.lib.results import write_results  # noqa: E402
 from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
-from deepinfer_jax.config.engine import EngineConfig, ResolvedEngineConfig  # noqa: E402
+from deepinfer_jax.config.engine import EngineConfig, StepConfig  # noqa: E402
 from deepinfer_jax.config.hf import read_model_config  # noqa: E402
 from deepinfer_jax.config.model import AttentionKind, ModelConfig  # noqa: E402
 from deepinfer_jax.device.snapshots import init_pool  # noqa: E402
@@ -40,29 +40,29 @@ from deepinfer_jax.weights import random_params  # noqa: E402
 FIRST_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
 
 
-def bytes_per_page(cfg: ModelConfig, ecfg: ResolvedEngineConfig, itemsize: int) -> int:
+def bytes_per_page(cfg: ModelConfig, step_cfg: StepConfig, itemsize: int) -> int:
     total = 0
     for kind in cfg.layer_types:
         if kind is AttentionKind.SLIDING:
             continue
         width = cfg.head_dim + (cfg.index_head_dim if kind is AttentionKind.CSA else 0)
-        total += ecfg.rows_per_page(cfg.compress_rate(kind)) * width * itemsize
+        total += step_cfg.rows_per_page(cfg.compress_rate(kind)) * width * itemsize
     return total
 
 
-def bytes_per_snapshot(cfg: ModelConfig, ecfg: ResolvedEngineConfig, dtype) -> int:
-    state = jax.eval_shape(lambda: init_state(cfg, ecfg, dtype))
+def bytes_per_snapshot(cfg: ModelConfig, step_cfg: StepConfig, dtype) -> int:
+    state = jax.eval_shape(lambda: init_state(cfg, step_cfg, dtype))
     pool = jax.eval_shape(lambda: init_pool(state, 1))
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pool))
 
 
-def footprint(cfg: ModelConfig, ecfg: ResolvedEngineConfig, prefix: int, snapshots: int,
+def footprint(cfg: ModelConfig, step_cfg: StepConfig, prefix: int, snapshots: int,
               dtype=jnp.bfloat16) -> dict:
     """Bytes per cached token: pages + snapshots vs every layer's K=V row of every token."""
     itemsize = jnp.dtype(dtype).itemsize
-    pages = -(-prefix // ecfg.page_size)
-    cached = pages * bytes_per_page(cfg, ecfg, itemsize) + snapshots * bytes_per_snapshot(
-        cfg, ecfg, dtype)
+    pages = -(-prefix // step_cfg.page_size)
+    cached = pages * bytes_per_page(cfg, step_cfg, itemsize) + snapshots * bytes_per_snapshot(
+        cfg, step_cfg, dtype)
     full = cfg.num_layers * cfg.head_dim * itemsize      # one K=V head per layer (MQA)
     return {"prefix_tokens": prefix, "snapshots": snapshots,
             "cached_bytes_per_token": cached / prefix, "full_kv_bytes_per_token": full,
@@ -118,9 +118,9 @@ def main() -> None:
 
     summary = {name: {**rows[-1], "ttft_s": float(np.median([r["ttft_s"] for r in rows]))}
                for name, rows in runs.items()}
-    ecfg = EngineConfig(**options).resolve(cfg)
+    step_cfg = EngineConfig(**options).resolve(cfg)
     # a snapshot at every chunk end (the most the cache keeps for a prefix prefilled alone)
-    measured = footprint(cfg, ecfg, args.prefix, -(-args.prefix // args.chunk))
+    measured = footprint(cfg, step_cfg, args.prefix, -(-args.prefix // args.chunk))
     flash = read_model_config(V4_FLASH).replace(
         num_mtp_layers=0, quantization=None)
     flash_prefix = 16384

@@ -74,7 +74,7 @@ def steady_decode(llm: LLM, args) -> None:
         engine.step()
     for _ in range(5):
         engine.step()
-    loop_split(engine, args.steps, "launch thread" if engine.ecfg.launch_thread else "")
+    loop_split(engine, args.steps, "launch thread" if engine.host.launch_thread else "")
     if args.launch_ab:
         engine.set_launch_thread(False)       # the same engine, no worker thread
         for _ in range(5):
@@ -134,8 +134,8 @@ def main() -> None:
     # The compiled step alone: the same plan, called back to back (the state is donated).
     # (schedule() books it as launched; the engine is not stepped again after this)
     decision = engine.scheduler.schedule()
-    bucket = token_bucket(engine.ecfg.token_buckets, decision.num_tokens)
-    plan = build_plan(decision, bucket, engine.ecfg)
+    bucket = token_bucket(engine.step_cfg.token_buckets, decision.num_tokens)
+    plan = build_plan(decision, bucket, engine.step_cfg)
     compiled = engine.steps.select(bucket, decision.truncating_sampler)
     state = engine.state
     for _ in range(3):

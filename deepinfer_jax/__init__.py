@@ -15,6 +15,7 @@ _EXPORTS = {
     "load": "deepinfer_jax.api.model",
     "ConfigError": "deepinfer_jax.config.model",
     "ModelConfig": "deepinfer_jax.config.model",
+    "read_model_config": "deepinfer_jax.config.hf",
     "EngineConfig": "deepinfer_jax.config.engine",
     "FinishReason": "deepinfer_jax.host.request",
     "InvalidRequestError": "deepinfer_jax.host.request",

@@ -48,8 +48,8 @@ def compiled_step_seconds(engine, steps: int) -> float:
     donated and handed back to the engine). schedule() books the step as launched
     (placeholders) though nothing postprocesses it: the caller aborts the requests after."""
     decision = engine.scheduler.schedule()
-    bucket = token_bucket(engine.ecfg.token_buckets, decision.num_tokens)
-    plan = build_plan(decision, bucket, engine.ecfg)
+    bucket = token_bucket(engine.step_cfg.token_buckets, decision.num_tokens)
+    plan = build_plan(decision, bucket, engine.step_cfg)
     compiled, state = engine.steps.select(bucket, decision.truncating_sampler), engine.state
     state, out = compiled(engine.params, state, plan)
     jax.block_until_ready(out)

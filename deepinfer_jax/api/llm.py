@@ -73,10 +73,11 @@ class LLM:
         if tokenizer is not None:     # a tokenizer.json, or a directory holding one
             path = Path(tokenizer)
             self.tokenizer = TextTokenizer.from_model_dir(path.parent if path.is_file() else path)
-        self.engine_config = EngineConfig(**engine_options).resolve(self.model.config,
-                                                                    local_device_facts())
-        self.engine = EngineCore(self.model.config, self.model.params, self.engine_config,
-                                 self.tokenizer)
+        options = EngineConfig(**engine_options)
+        self.step_config = options.resolve(self.model.config, local_device_facts())
+        self.host_options = options.host_options(self.step_config)
+        self.engine = EngineCore(self.model.config, self.model.params, self.step_config,
+                                 self.host_options, self.tokenizer)
         self._ids = itertools.count()
         self._spec_totals = SpecMetrics()
 
@@ -171,8 +172,8 @@ class LLM:
     def _output(self, req: Request) -> RequestOutput:
         text = None if self.tokenizer is None else self.tokenizer.decode(req.generated)
         out = req.output(text)
-        out.batch_invariant = self.engine_config.batch_invariant
-        out.spec = req.spec if self.engine_config.spec_tokens else None
+        out.batch_invariant = self.step_config.batch_invariant
+        out.spec = req.spec if self.step_config.spec_tokens else None
         return out
 
     @property

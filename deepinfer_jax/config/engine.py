@@ -1,7 +1,8 @@
-"""EngineConfig: how the engine lays out its state and which shapes it compiles.
+"""EngineConfig: the engine's options as a user gives them (LLM(...)'s keyword arguments).
 
-Every compiled step has a fixed shape: a token bucket T (flat tokens of the ragged batch) and
-a sequence bucket N = min(T, max_num_seqs). All buckets are compiled at start-up.
+`resolve()` turns them into the StepConfig of one model on one device and `host_options()`
+into the HostOptions, once, at start-up (config/options.py says in which order arguments,
+DEEPINFER_* variables and the device's defaults count).
 """
 
 from __future__ import annotations
@@ -12,59 +13,14 @@ import os
 from collections.abc import Mapping
 
 from deepinfer_jax.config import options
-from deepinfer_jax.config.compute import ComputeConfig, KernelChoices
+from deepinfer_jax.config.compute import KernelChoices
+from deepinfer_jax.config.errors import EngineConfigError
+from deepinfer_jax.config.host import HostOptions
 from deepinfer_jax.config.model import ModelConfig
+from deepinfer_jax.config.speculative import SpeculativeConfig
+from deepinfer_jax.config.step import StepConfig
 
-
-class EngineConfigError(ValueError):
-    pass
-
-
-@dataclasses.dataclass(frozen=True)
-class SpeculativeConfig:
-    """MTP speculative decoding (vLLM's `speculative_config` shape).
-
-    num_speculative_tokens: the most drafts per request and step (the MTP block is applied
-    recursively); varlen: per-request draft lengths, drafting stops once the drafts'
-    cumulative probability under the MTP block falls below confidence_threshold;
-    verify_token_budget: the most draft tokens verified per step, shared by the decoding
-    requests (each gets at most budget // requests), so speculation fades out as the batch
-    grows and the step becomes compute-bound; past `budget` requests the engine runs its plain
-    step.
-    """
-
-    method: str = "mtp"
-    num_speculative_tokens: int = 5
-    varlen: bool = True
-    confidence_threshold: float = 0.3
-    verify_token_budget: int = 32
-
-    def __post_init__(self):
-        if self.method != "mtp":
-            raise EngineConfigError(f"speculative_config.method: only 'mtp', got {self.method!r}")
-        if not 1 <= self.num_speculative_tokens <= 16:
-            raise EngineConfigError("speculative_config.num_speculative_tokens must be in [1, 16]")
-        if not 0 <= self.confidence_threshold < 1:
-            raise EngineConfigError("speculative_config.confidence_threshold must be in [0, 1)")
-        if self.verify_token_budget < 1:
-            raise EngineConfigError("speculative_config.verify_token_budget must be >= 1")
-
-    @classmethod
-    def from_options(cls, given) -> "SpeculativeConfig | None":
-        """From LLM(speculative_config=...) or, when that is None, the environment
-        (config/options.py)."""
-        if isinstance(given, cls):
-            return given
-        if given is None:
-            given = options.speculative_from_environment()
-            if given is None:
-                return None
-        if not isinstance(given, dict):
-            raise TypeError("speculative_config must be a dict or SpeculativeConfig")
-        unknown = set(given) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise TypeError(f"unknown speculative_config option(s): {sorted(unknown)}")
-        return cls(**given)
+__all__ = ["EngineConfig", "EngineConfigError", "HostOptions", "SpeculativeConfig", "StepConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,107 +77,58 @@ class EngineConfig:
             raise EngineConfigError("num_prefix_snapshots must be >= 1")
 
     def resolve(self, model: ModelConfig, device: options.DeviceFacts = options.CPU,
-                environ: Mapping[str, str] | None = None) -> "ResolvedEngineConfig":
-        return ResolvedEngineConfig.build(self, model, device, environ)
-
-
-@dataclasses.dataclass(frozen=True)
-class ResolvedEngineConfig:
-    """EngineConfig with every derived size fixed for one model (hashable: a static jit arg)."""
-
-    max_num_seqs: int
-    max_model_len: int
-    page_size: int
-    num_pages: int
-    max_blocks_per_seq: int
-    max_num_batched_tokens: int
-    token_buckets: tuple[int, ...]
-    compilation_cache_dir: str | None
-    show_progress: bool
-    async_scheduling: bool
-    launch_thread: bool
-    seed: int
-    max_logprobs: int
-    grammar_compile_timeout_s: float
-    vocab_size: int
-    speculative: SpeculativeConfig | None
-    compute: ComputeConfig
-    compile_threads: int
-    enable_prefix_caching: bool = False
-    num_snapshots: int = 0            # snapshot pool of the prefix cache (0: no cache)
-
-    @property
-    def batch_invariant(self) -> bool:
-        return self.compute.batch_invariant
-
-    @property
-    def spec_tokens(self) -> int:
-        """Drafts per request and step at most (0: no speculation)."""
-        return 0 if self.speculative is None else self.speculative.num_speculative_tokens
-
-    @classmethod
-    def build(cls, ec: EngineConfig, model: ModelConfig, device: options.DeviceFacts,
-              environ: Mapping[str, str] | None = None) -> "ResolvedEngineConfig":
-        if ec.speculative_config is not None and model.num_mtp_layers == 0:
+                environ: Mapping[str, str] | None = None) -> StepConfig:
+        """The step's configuration for this model on this device (arguments, then
+        DEEPINFER_* variables, then the device's defaults)."""
+        if self.speculative_config is not None and model.num_mtp_layers == 0:
             raise EngineConfigError("speculative decoding with MTP needs a model with an MTP "
                                     "block (num_nextn_predict_layers > 0)")
         rates = sorted({model.compress_rate(k) for k in model.layer_types} - {0}) or [1]
         unit = math.lcm(*rates)
-        page_size = ec.page_size or unit * max(1, math.ceil(64 / unit))
+        page_size = self.page_size or unit * max(1, math.ceil(64 / unit))
         if page_size % unit:
             raise EngineConfigError(f"page_size {page_size} must be a multiple of every compress "
                                     f"rate {rates}")
-        if ec.max_model_len > model.max_position_embeddings:
-            raise EngineConfigError(f"max_model_len {ec.max_model_len} exceeds the model's "
+        if self.max_model_len > model.max_position_embeddings:
+            raise EngineConfigError(f"max_model_len {self.max_model_len} exceeds the model's "
                                     f"max_position_embeddings {model.max_position_embeddings}")
-        blocks = math.ceil(ec.max_model_len / page_size)
-        num_pages = ec.num_pages if ec.num_pages is not None else blocks * ec.max_num_seqs
+        blocks = math.ceil(self.max_model_len / page_size)
+        num_pages = self.num_pages if self.num_pages is not None else blocks * self.max_num_seqs
         if num_pages < 1:
             raise EngineConfigError("num_pages must be >= 1")
-        buckets = ec.token_buckets
+        buckets = self.token_buckets
         if buckets is None:
             buckets, b = [], 16
-            while b < ec.max_num_batched_tokens:
+            while b < self.max_num_batched_tokens:
                 buckets.append(b)
                 b *= 2
-            buckets = tuple(buckets + [ec.max_num_batched_tokens])
-        if ec.speculative_config is not None and (
-                ec.max_num_batched_tokens < ec.max_num_seqs * 2):
+            buckets = tuple(buckets + [self.max_num_batched_tokens])
+        if self.speculative_config is not None and (
+                self.max_num_batched_tokens < self.max_num_seqs * 2):
             raise EngineConfigError("with speculation, max_num_batched_tokens must leave room "
                                     "for drafts: at least 2 x max_num_seqs")
-        compute = options.resolve_compute(device, formulation=ec.step_formulation,
-                                          kernels=ec.kernels, batch_invariant=ec.batch_invariant,
-                                          invariant_tile=ec.invariant_tile, environ=environ)
-        return cls(max_num_seqs=ec.max_num_seqs, max_model_len=ec.max_model_len,
-                   page_size=page_size, num_pages=num_pages, max_blocks_per_seq=blocks,
-                   max_num_batched_tokens=ec.max_num_batched_tokens, token_buckets=buckets,
-                   compilation_cache_dir=ec.compilation_cache_dir, show_progress=ec.show_progress,
-                   # speculation reads each step's accepted counts before planning the next
-                   async_scheduling=ec.async_scheduling and ec.speculative_config is None,
-                   launch_thread=ec.launch_thread,
-                   seed=ec.seed,
-                   max_logprobs=min(ec.max_logprobs, model.vocab_size),
-                   grammar_compile_timeout_s=ec.grammar_compile_timeout_s,
-                   vocab_size=model.vocab_size,
-                   speculative=ec.speculative_config, compute=compute,
-                   compile_threads=options.compile_threads(ec.compile_threads,
-                                                           compute.formulation,
-                                                           os.cpu_count() or 1, environ),
-                   enable_prefix_caching=ec.enable_prefix_caching,
-                   num_snapshots=(ec.num_prefix_snapshots or 4 * ec.max_num_seqs)
-                   if ec.enable_prefix_caching else 0)
+        compute = options.resolve_compute(device, formulation=self.step_formulation,
+                                          kernels=self.kernels,
+                                          batch_invariant=self.batch_invariant,
+                                          invariant_tile=self.invariant_tile, environ=environ)
+        return StepConfig(
+            max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+            page_size=page_size, num_pages=num_pages, max_blocks_per_seq=blocks,
+            max_num_batched_tokens=self.max_num_batched_tokens, token_buckets=buckets,
+            max_logprobs=min(self.max_logprobs, model.vocab_size), vocab_size=model.vocab_size,
+            speculative=self.speculative_config, compute=compute,
+            enable_prefix_caching=self.enable_prefix_caching,
+            num_snapshots=(self.num_prefix_snapshots or 4 * self.max_num_seqs)
+            if self.enable_prefix_caching else 0)
 
-    def seq_bucket(self, token_bucket: int) -> int:
-        return min(token_bucket, self.max_num_seqs)
-
-    @property
-    def mask_words(self) -> int:
-        """int32 words of a token bitmask row."""
-        return -(-self.vocab_size // 32)
-
-    def rows_per_page(self, rate: int) -> int:
-        return self.page_size // rate
-
-    def max_rows(self, rate: int) -> int:
-        """Compressed rows a sequence can reach (positions < max_model_len)."""
-        return self.max_model_len // rate
+    def host_options(self, step: StepConfig, environ: Mapping[str, str] | None = None
+                     ) -> HostOptions:
+        return HostOptions(
+            compilation_cache_dir=self.compilation_cache_dir, show_progress=self.show_progress,
+            # speculation reads each step's accepted counts before planning the next
+            async_scheduling=self.async_scheduling and step.speculative is None,
+            launch_thread=self.launch_thread, seed=self.seed,
+            grammar_compile_timeout_s=self.grammar_compile_timeout_s,
+            compile_threads=options.compile_threads(self.compile_threads,
+                                                    step.compute.formulation,
+                                                    os.cpu_count() or 1, environ))

@@ -24,8 +24,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from deepinfer_jax.config.engine import ResolvedEngineConfig
 from deepinfer_jax.config.model import AttentionKind, MlpKind, ModelConfig
+from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.contract import SpecStepOutput
 from deepinfer_jax.device.branch import skip_unless
 from deepinfer_jax.device.sampling import (
@@ -91,40 +91,40 @@ def verify(logits: Array, drafted: Array, num_drafts: Array, rows: SamplingRows,
 
 def draft(params: ModelParams, state: StateCache, plan, streams: Array, next_tokens: Array,
           committed: Array, last: Array, cap: Array, cfg: ModelConfig,
-          ecfg: ResolvedEngineConfig) -> tuple[StateCache, Array, Array]:
+          step_cfg: StepConfig) -> tuple[StateCache, Array, Array]:
     """MTP catch-up over the committed flat tokens, then recursive drafting.
 
     streams [T, hc, D] final streams of the target step; next_tokens i32[T] the token after
     each one; committed bool[T]; last i32[N] flat index of each row's last committed token;
     cap i32[N] drafts wanted. Returns (state, drafts i32[N, k], draft probabilities f32[N, k])."""
     mp = params.mtp[0]
-    ctx = token_context(plan, ecfg.compute.launch_bound)
+    ctx = token_context(plan, step_cfg.compute.launch_bound)
     ctx = dataclasses.replace(ctx, valid=committed)
-    z = mtp_input(mp, params.embed, streams, jnp.maximum(next_tokens, 0), cfg, ecfg.compute)
+    z = mtp_input(mp, params.embed, streams, jnp.maximum(next_tokens, 0), cfg, step_cfg.compute)
     z, mtp_state = layer_step(mp.layer, z, next_tokens, ctx, AttentionKind.SLIDING, MlpKind.MOE,
-                              state.mtp, cfg, ecfg)
+                              state.mtp, cfg, step_cfg)
     z_row, token = z[last], None
     position = plan.positions[last]                        # the MTP block's position for draft 1
     drafts, probs = [], []
     n = plan.seq_slot.shape[0]
-    for j in range(ecfg.spec_tokens):
+    for j in range(step_cfg.spec_tokens):
         if j > 0:      # the block again, on its own output and the draft it just made
             ctx1 = TokenContext(positions=position, valid=plan.seq_samples & (cap > j),
                                 seq=jnp.arange(n), slot=plan.seq_slot, start=position,
                                 end=position + 1, block_table=plan.block_table)
 
             def again(z_row, token, mtp_state, ctx1=ctx1):
-                z1 = mtp_input(mp, params.embed, z_row, token, cfg, ecfg.compute)
+                z1 = mtp_input(mp, params.embed, z_row, token, cfg, step_cfg.compute)
                 return layer_step(mp.layer, z1, token, ctx1, AttentionKind.SLIDING, MlpKind.MOE,
-                                  mtp_state, cfg, ecfg)
+                                  mtp_state, cfg, step_cfg)
 
             # skipped once no row wants this many drafts (large batches draft little), where
             # skipping does not stall the host; rows past their cap write nothing and their
             # drafts are ignored
-            z_row, mtp_state = skip_unless(ecfg.compute.launch_bound, jnp.any(ctx1.valid), again,
+            z_row, mtp_state = skip_unless(step_cfg.compute.launch_bound, jnp.any(ctx1.valid), again,
                                            lambda z, t, st: (z, st), z_row, token, mtp_state)
         logits = project_logits(z_row, mp.hc_head, mp.norm, params.head, cfg,
-                                ecfg.compute)                                      # [N, V]
+                                step_cfg.compute)                                      # [N, V]
         token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         drafts.append(token)
         probs.append(jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1))
@@ -133,25 +133,25 @@ def draft(params: ModelParams, state: StateCache, plan, streams: Array, next_tok
 
 
 def spec_step(params: ModelParams, state: StateCache, plan, *, cfg: ModelConfig,
-              ecfg: ResolvedEngineConfig, truncation: bool | None = None
+              step_cfg: StepConfig, truncation: bool | None = None
               ) -> tuple[StateCache, SpecStepOutput]:
-    k, s = ecfg.spec_tokens, ecfg.spec_tokens + 1
+    k, s = step_cfg.spec_tokens, step_cfg.spec_tokens + 1
     n, num_tokens = plan.seq_slot.shape[0], plan.token_ids.shape[0]
     state = record_fed_tokens(state, plan, plan.token_ids)
-    state, streams = forward_step(params, state, plan, plan.token_ids, cfg, ecfg)
+    state, streams = forward_step(params, state, plan, plan.token_ids, cfg, step_cfg)
 
     first = plan.seq_offset + plan.seq_len - 1 - plan.num_drafts          # x_t (or last token)
     columns = first[:, None] + jnp.arange(s)[None]                         # [N, S]
     verify_at = jnp.clip(columns, 0, num_tokens - 1)
     positions = plan.positions[verify_at]
     logits = project_logits(streams[verify_at], params.hc_head, params.norm, params.head, cfg,
-                            ecfg.compute)
+                            step_cfg.compute)
     rows = _repeat_rows(plan, positions)
     slot = jnp.minimum(plan.seq_slot, state.last_tokens.shape[0] - 1)
     drafted = plan.token_ids[jnp.clip(columns + 1, 0, num_tokens - 1)]
     new, accepted, lp = verify(logits, drafted, plan.num_drafts, rows,
                                jnp.repeat(state.prompt_mask[slot], s, axis=0),
-                               jnp.repeat(state.output_counts[slot], s, axis=0), ecfg.max_logprobs,
+                               jnp.repeat(state.output_counts[slot], s, axis=0), step_cfg.max_logprobs,
                                truncation)
     bonus = jnp.take_along_axis(new, accepted[:, None], axis=1)[:, 0]
     sink = state.last_tokens.shape[0]
@@ -167,10 +167,10 @@ def spec_step(params: ModelParams, state: StateCache, plan, *, cfg: ModelConfig,
     next_tokens = jnp.where((token == last[row]) & plan.seq_samples[row], bonus[row],
                             plan.next_token_ids)
     state, drafts, probs = draft(params, state, plan, streams, next_tokens,
-                                 committed & (next_tokens >= 0), last, plan.draft_cap, cfg, ecfg)
+                                 committed & (next_tokens >= 0), last, plan.draft_cap, cfg, step_cfg)
     wanted = jnp.arange(k)[None] < plan.draft_cap[:, None]
-    if ecfg.speculative.varlen:
-        wanted &= jnp.cumprod(probs, axis=1) >= ecfg.speculative.confidence_threshold
+    if step_cfg.speculative.varlen:
+        wanted &= jnp.cumprod(probs, axis=1) >= step_cfg.speculative.confidence_threshold
     num_drafts = jnp.where(plan.seq_samples, jnp.sum(jnp.cumprod(wanted, axis=1), axis=1), 0)
     l_ = lp.top_ids.shape[-1]
     return state, SpecStepOutput(

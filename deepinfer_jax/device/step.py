@@ -11,8 +11,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from deepinfer_jax.config.engine import ResolvedEngineConfig
 from deepinfer_jax.config.model import ModelConfig
+from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.contract import BatchPlan, StepOutput
 from deepinfer_jax.device.sampling import SamplingRows, sample
 from deepinfer_jax.model.paged_forward import forward_step
@@ -48,14 +48,14 @@ def record_fed_tokens(state: StateCache, plan: BatchPlan, token_ids: jax.Array) 
 
 
 def step(params: ModelParams, state: StateCache, plan: BatchPlan, *, cfg: ModelConfig,
-         ecfg: ResolvedEngineConfig, truncation: bool | None = None
+         step_cfg: StepConfig, truncation: bool | None = None
          ) -> tuple[StateCache, StepOutput]:
     """One engine step; `truncation` picks the sampler (sampling.sampling_logits)."""
     token_ids = resolve_placeholders(plan.token_ids, plan, state.last_tokens)
     state = record_fed_tokens(state, plan, token_ids)
-    state, streams = forward_step(params, state, plan, token_ids, cfg, ecfg)
+    state, streams = forward_step(params, state, plan, token_ids, cfg, step_cfg)
     logits = project_logits(streams[plan.sample_index], params.hc_head, params.norm,
-                            params.head, cfg, ecfg.compute)                 # f32[N, V]
+                            params.head, cfg, step_cfg.compute)                 # f32[N, V]
     rows = SamplingRows(temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p,
                         min_p=plan.min_p, repetition_penalty=plan.repetition_penalty,
                         presence_penalty=plan.presence_penalty,
@@ -63,7 +63,7 @@ def step(params: ModelParams, state: StateCache, plan: BatchPlan, *, cfg: ModelC
                         position=plan.positions[plan.sample_index], allowed=plan.allowed)
     slot = jnp.minimum(plan.seq_slot, state.last_tokens.shape[0] - 1)
     out = sample(logits, rows, state.prompt_mask[slot], state.output_counts[slot],
-                 ecfg.max_logprobs, truncation)
+                 step_cfg.max_logprobs, truncation)
     slots = jnp.where(plan.seq_samples, plan.seq_slot, state.last_tokens.shape[0])
     state = dataclasses.replace(state, last_tokens=state.last_tokens.at[slots].set(
         out.tokens, mode="drop", unique_indices=True))

@@ -18,8 +18,9 @@ import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 from tqdm.auto import tqdm
 
-from deepinfer_jax.config.engine import ResolvedEngineConfig
+from deepinfer_jax.config.host import HostOptions
 from deepinfer_jax.config.model import ModelConfig
+from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.contract import BatchPlan
 from deepinfer_jax.device.speculative import spec_step
 from deepinfer_jax.device.step import step
@@ -105,51 +106,50 @@ _memo: collections.OrderedDict[tuple, CompiledSteps] = collections.OrderedDict()
 
 
 def _trace_key(params: ModelParams, state: StateCache, cfg: ModelConfig,
-               ecfg: ResolvedEngineConfig, speculative: bool) -> tuple:
-    """What the compiled steps depend on: the configs (less the engine options the host alone
-    reads; the ComputeConfig stays: formulation and kernels change the program), the
-    arguments' shapes, dtypes and shardings (not their values), and the backend."""
-    host_only = dataclasses.replace(ecfg, compilation_cache_dir=None, show_progress=False,
-                                    async_scheduling=True, launch_thread=True, seed=0,
-                                    grammar_compile_timeout_s=0.0, enable_prefix_caching=False,
-                                    num_snapshots=0, compile_threads=1)
+               step_cfg: StepConfig, speculative: bool) -> tuple:
+    """What the compiled steps depend on: the model and step configs (less the prefix cache's
+    snapshot pool, which the step never reads; the ComputeConfig stays: formulation and
+    kernels change the program), the arguments' shapes, dtypes and shardings (not their
+    values), and the backend. The host's options are not part of it."""
+    step_only = dataclasses.replace(step_cfg, enable_prefix_caching=False, num_snapshots=0)
     leaves, tree = jax.tree.flatten((params, state))
     avals = tuple((x.shape, str(x.dtype), getattr(x, "sharding", None)) for x in leaves)
-    return (cfg, host_only, speculative, tree, avals, jax.default_backend(),
+    return (cfg, step_only, speculative, tree, avals, jax.default_backend(),
             jax.config.jax_enable_x64)
 
 
 def compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
-                  ecfg: ResolvedEngineConfig, speculative: bool = False) -> CompiledSteps:
+                  step_cfg: StepConfig, host: HostOptions,
+                  speculative: bool = False) -> CompiledSteps:
     """The step compiled for every token bucket (and sampler variant; state donated): the
     plain step, or the speculative one (verify drafts, then MTP drafting). Memoised per
     process (`_trace_key`)."""
-    key = _trace_key(params, state, cfg, ecfg, speculative)
+    key = _trace_key(params, state, cfg, step_cfg, speculative)
     if key in _memo:
         _memo.move_to_end(key)
         return _memo[key]
-    _memo[key] = steps = _compile_steps(params, state, cfg, ecfg, speculative)
+    _memo[key] = steps = _compile_steps(params, state, cfg, step_cfg, host, speculative)
     if len(_memo) > _MEMO_SIZE:
         _memo.popitem(last=False)
     return steps
 
 
 def _compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
-                   ecfg: ResolvedEngineConfig, speculative: bool) -> CompiledSteps:
-    enable_persistent_cache(ecfg.compilation_cache_dir)
-    options = BATCH_INVARIANT_COMPILER_OPTIONS if ecfg.batch_invariant else None
-    launch_bound = ecfg.compute.launch_bound
+                   step_cfg: StepConfig, host: HostOptions, speculative: bool) -> CompiledSteps:
+    enable_persistent_cache(host.compilation_cache_dir)
+    options = BATCH_INVARIANT_COMPILER_OPTIONS if step_cfg.batch_invariant else None
+    launch_bound = step_cfg.compute.launch_bound
     truncations = (False, True) if launch_bound else (None,)
-    keys = [(t, truncation) for t in ecfg.token_buckets for truncation in truncations]
+    keys = [(t, truncation) for t in step_cfg.token_buckets for truncation in truncations]
     # Tracing and lowering is Python (one at a time); XLA's compile releases the GIL and is
     # mostly single-threaded per module, so on the CPU the buckets compile side by side.
     lowered, wires = {}, {}
     kind = "speculative steps" if speculative else "steps"
-    for t, truncation in tqdm(keys, unit="step", disable=not ecfg.show_progress,
+    for t, truncation in tqdm(keys, unit="step", disable=not host.show_progress,
                               desc=f"tracing {kind}"):
-        step_fn = functools.partial(spec_step if speculative else step, cfg=cfg, ecfg=ecfg,
+        step_fn = functools.partial(spec_step if speculative else step, cfg=cfg, step_cfg=step_cfg,
                                     truncation=truncation)
-        plan_wire = Wire.of(build_plan(ScheduleDecision(()), t, ecfg))   # shapes are fixed
+        plan_wire = Wire.of(build_plan(ScheduleDecision(()), t, step_cfg))   # shapes are fixed
         output_wire = []            # the output's layout, read while the step is traced
 
         def wired_step(params, state, buffer, step_fn=step_fn, plan_wire=plan_wire,
@@ -161,10 +161,10 @@ def _compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
         lowered[t, truncation] = jax.jit(wired_step, donate_argnums=(1,)).lower(
             params, state, plan_wire.spec())
         wires[t, truncation] = (plan_wire, output_wire[-1])
-    progress = tqdm(total=len(keys), unit="step", disable=not ecfg.show_progress,
+    progress = tqdm(total=len(keys), unit="step", disable=not host.show_progress,
                     desc=f"compiling {kind}")
     compiled = {}
-    with ThreadPoolExecutor(min(len(keys), ecfg.compile_threads)) as pool:
+    with ThreadPoolExecutor(min(len(keys), host.compile_threads)) as pool:
         futures = {pool.submit(lowered[key].compile, compiler_options=options): key
                    for key in keys}
         for future in as_completed(futures):

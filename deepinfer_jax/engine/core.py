@@ -25,8 +25,10 @@ from concurrent.futures import Future
 import jax
 import numpy as np
 
-from deepinfer_jax.config.engine import EngineConfigError, ResolvedEngineConfig
+from deepinfer_jax.config.errors import EngineConfigError
+from deepinfer_jax.config.host import HostOptions
 from deepinfer_jax.config.model import ModelConfig
+from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.contract import SpecStepOutput, StepOutput
 from deepinfer_jax.device.snapshots import compile_copies, init_pool, slot_rings
 from deepinfer_jax.engine.compile import compile_steps
@@ -72,35 +74,36 @@ class InFlight:
 
 
 class EngineCore:
-    def __init__(self, cfg: ModelConfig, params: ModelParams, ecfg: ResolvedEngineConfig,
-                 tokenizer: TextTokenizer | None = None):
-        if ecfg.batch_invariant:
+    def __init__(self, cfg: ModelConfig, params: ModelParams, step_cfg: StepConfig,
+                 host: HostOptions, tokenizer: TextTokenizer | None = None):
+        if step_cfg.batch_invariant:
             require_batch_invariant_support()
-        if ecfg.spec_tokens and not params.mtp:
+        if step_cfg.spec_tokens and not params.mtp:
             raise EngineConfigError("speculative decoding needs the checkpoint's MTP weights "
                                     "(mtp.* tensors); this checkpoint has none")
         self.cfg = cfg
-        self.params, self.ecfg = params, ecfg
+        self.params, self.step_cfg, self.host = params, step_cfg, host
         self.tokenizer = tokenizer
         self.structured = None if tokenizer is None else StructuredOutputs(
-            tokenizer.path, cfg.vocab_size, cfg.eos_token_ids, ecfg.grammar_compile_timeout_s)
-        self.state = init_state(self.cfg, ecfg, params.embed.dtype)
-        self.steps = compile_steps(params, self.state, self.cfg, ecfg)
+            tokenizer.path, cfg.vocab_size, cfg.eos_token_ids, host.grammar_compile_timeout_s)
+        self.state = init_state(self.cfg, step_cfg, params.embed.dtype)
+        self.steps = compile_steps(params, self.state, self.cfg, step_cfg, host)
         # With speculation, small batches run the speculative step and large ones (no room in
         # the verify budget) the plain one; the MTP window then lags, which only costs drafts.
-        self.spec_steps = (compile_steps(params, self.state, self.cfg, ecfg, speculative=True)
-                           if ecfg.spec_tokens else None)
-        self.scheduler = Scheduler(ecfg, cfg.eos_token_ids)
-        if ecfg.enable_prefix_caching:     # slot snapshots of the prefix cache
-            self.snapshot_pool = init_pool(self.state, ecfg.num_snapshots)
+        self.spec_steps = (compile_steps(params, self.state, self.cfg, step_cfg, host,
+                                         speculative=True)
+                           if step_cfg.spec_tokens else None)
+        self.scheduler = Scheduler(step_cfg, cfg.eos_token_ids)
+        if step_cfg.enable_prefix_caching:     # slot snapshots of the prefix cache
+            self.snapshot_pool = init_pool(self.state, step_cfg.num_snapshots)
             self._save, self._restore = compile_copies(self.state, self.snapshot_pool,
-                                                       ecfg.max_num_seqs, ecfg.max_model_len)
-        self._seeds = np.random.default_rng(ecfg.seed)
+                                                       step_cfg.max_num_seqs, step_cfg.max_model_len)
+        self._seeds = np.random.default_rng(host.seed)
         self._arrivals = itertools.count()
         self._in_flight: collections.deque[InFlight] = collections.deque()
         # Device calls (state, snapshot pool) run on the launcher, in order; the loop only
         # reads their outputs. Threaded where the loop overlaps steps.
-        self._launcher = Launcher(threaded=ecfg.async_scheduling and ecfg.launch_thread)
+        self._launcher = Launcher(threaded=host.async_scheduling and host.launch_thread)
         self.stats = LoopStats()
 
     @property
@@ -128,22 +131,22 @@ class EngineCore:
         return self.scheduler.has_work() or bool(self._in_flight)
 
     def _problems(self, prompt: list[int], params: SamplingParams) -> list[str]:
-        problems = list(params.problems(self.cfg.vocab_size, self.ecfg.max_logprobs,
+        problems = list(params.problems(self.cfg.vocab_size, self.step_cfg.max_logprobs,
                                         self.tokenizer is not None))
         if not prompt:
             problems.append("empty prompt")
-        elif len(prompt) >= self.ecfg.max_model_len:
+        elif len(prompt) >= self.step_cfg.max_model_len:
             problems.append(f"prompt of {len(prompt)} tokens leaves no room under "
-                            f"max_model_len={self.ecfg.max_model_len}")
+                            f"max_model_len={self.step_cfg.max_model_len}")
         else:
             bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
             if bad:
                 problems.append(f"token ids outside the vocabulary [0, {self.cfg.vocab_size}): "
                                 f"{bad[:8]}")
-            longest = min(len(prompt) + max(params.max_tokens, 0), self.ecfg.max_model_len)
-            if pages_needed(longest, self.ecfg.page_size) > self.ecfg.num_pages:
+            longest = min(len(prompt) + max(params.max_tokens, 0), self.step_cfg.max_model_len)
+            if pages_needed(longest, self.step_cfg.page_size) > self.step_cfg.num_pages:
                 problems.append(f"a sequence of {longest} tokens needs more pages than the "
-                                f"pool holds ({self.ecfg.num_pages})")
+                                f"pool holds ({self.step_cfg.num_pages})")
         return problems
 
     def set_launch_thread(self, enabled: bool) -> None:
@@ -151,7 +154,7 @@ class EngineCore:
         benchmarks); waits until every launched step's device calls have been made."""
         for flight in self._in_flight:
             flight.output.result()
-        self._launcher = Launcher(threaded=enabled and self.ecfg.async_scheduling)
+        self._launcher = Launcher(threaded=enabled and self.host.async_scheduling)
 
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -162,7 +165,7 @@ class EngineCore:
         if decision.seqs:
             self._in_flight.append(self._launch(decision))
         touched = []
-        keep = 1 if self.ecfg.async_scheduling and decision.seqs else 0
+        keep = 1 if self.host.async_scheduling and decision.seqs else 0
         if len(self._in_flight) > keep:
             touched = self._read(self._in_flight.popleft())
         self.stats.host_seconds += time.perf_counter() - start
@@ -173,8 +176,8 @@ class EngineCore:
         for seq in decision.seqs:
             metrics = seq.request.metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
-        bucket = token_bucket(self.ecfg.token_buckets, decision.num_tokens)
-        plan = build_plan(decision, bucket, self.ecfg)
+        bucket = token_bucket(self.step_cfg.token_buckets, decision.num_tokens)
+        plan = build_plan(decision, bucket, self.step_cfg)
         self._fill_masks(plan, decision)
         steps = self.spec_steps if decision.speculative else self.steps
         compiled = steps.select(bucket, decision.truncating_sampler)
@@ -195,10 +198,10 @@ class EngineCore:
         return InFlight(decision, output, compiled.read)
 
     def _restore_snapshots(self, restores: tuple[Restore, ...]) -> None:
-        width, ecfg = self.ecfg.max_num_seqs, self.ecfg
-        slots = np.full(width, ecfg.max_num_seqs, np.int32)
+        width, step_cfg = self.step_cfg.max_num_seqs, self.step_cfg
+        slots = np.full(width, step_cfg.max_num_seqs, np.int32)
         snapshots = np.zeros(width, np.int32)
-        tokens = np.full((width, ecfg.max_model_len), -1, np.int32)
+        tokens = np.full((width, step_cfg.max_model_len), -1, np.int32)
         prompt_len = np.zeros(width, np.int32)
         for i, r in enumerate(restores):
             slots[i], snapshots[i], prompt_len[i] = r.slot, r.snapshot, r.prompt_len
@@ -207,9 +210,9 @@ class EngineCore:
                                    prompt_len)
 
     def _save_snapshots(self, saves: tuple[SnapshotSave, ...]) -> None:
-        width = self.ecfg.max_num_seqs
+        width = self.step_cfg.max_num_seqs
         slots = np.zeros(width, np.int32)
-        snapshots = np.full(width, self.ecfg.num_snapshots, np.int32)   # padding: dropped
+        snapshots = np.full(width, self.step_cfg.num_snapshots, np.int32)   # padding: dropped
         for i, save in enumerate(saves):
             slots[i], snapshots[i] = save.slot, save.snapshot
         self.snapshot_pool = self._save(slot_rings(self.state), self.snapshot_pool, slots,

@@ -17,22 +17,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from deepinfer_jax.config.engine import ResolvedEngineConfig
+from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.contract import BatchPlan
 from deepinfer_jax.host.decision import ScheduleDecision
 
 
 def build_plan(decision: ScheduleDecision, token_bucket: int,
-               ecfg: ResolvedEngineConfig) -> BatchPlan:
-    t_cap, n_cap = token_bucket, ecfg.seq_bucket(token_bucket)
+               step_cfg: StepConfig) -> BatchPlan:
+    t_cap, n_cap = token_bucket, step_cfg.seq_bucket(token_bucket)
     token_ids = np.zeros(t_cap, np.int32)
     positions = np.zeros(t_cap, np.int32)
     token_seq = np.full(t_cap, n_cap, np.int32)
-    seq_slot = np.full(n_cap, ecfg.max_num_seqs, np.int32)
+    seq_slot = np.full(n_cap, step_cfg.max_num_seqs, np.int32)
     seq_start = np.zeros(n_cap, np.int32)
     seq_len = np.zeros(n_cap, np.int32)
     seq_offset = np.zeros(n_cap, np.int32)
-    block_table = np.full((n_cap, ecfg.max_blocks_per_seq), ecfg.num_pages, np.int32)
+    block_table = np.full((n_cap, step_cfg.max_blocks_per_seq), step_cfg.num_pages, np.int32)
     sample_index = np.zeros(n_cap, np.int32)
     seq_samples = np.zeros(n_cap, np.bool_)
     prompt_len = np.zeros(n_cap, np.int32)
@@ -41,7 +41,7 @@ def build_plan(decision: ScheduleDecision, token_bucket: int,
     repetition, presence, frequency = f32(1), f32(0), f32(0)
     top_k = np.zeros(n_cap, np.int32)
     seed = np.zeros(n_cap, np.uint32)
-    allowed = np.full((n_cap, ecfg.mask_words), -1, np.int32)
+    allowed = np.full((n_cap, step_cfg.mask_words), -1, np.int32)
     next_token_ids = np.full(t_cap, -1, np.int32)
     num_drafts = np.zeros(n_cap, np.int32)
     draft_cap = np.zeros(n_cap, np.int32)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import collections
 
-from deepinfer_jax.config.engine import ResolvedEngineConfig
+from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.contract import SpecStepOutput, StepOutput
 from deepinfer_jax.host.decision import Restore, ScheduleDecision, ScheduledSeq
 from deepinfer_jax.host.kv_cache import KVCacheManager
@@ -43,15 +43,15 @@ from deepinfer_jax.host.request import PLACEHOLDER, FinishReason, Request, Reque
 
 
 class Scheduler:
-    def __init__(self, ecfg: ResolvedEngineConfig, eos_token_ids: tuple[int, ...]):
-        self.ecfg = ecfg
+    def __init__(self, step_cfg: StepConfig, eos_token_ids: tuple[int, ...]):
+        self.step_cfg = step_cfg
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
-        self.kv_cache = KVCacheManager(ecfg.num_pages, ecfg.page_size, ecfg.enable_prefix_caching,
-                                       ecfg.num_snapshots,
-                                       snapshots_need_next_token=ecfg.speculative is not None)
-        self._free_slots = list(range(ecfg.max_num_seqs - 1, -1, -1))
+        self.kv_cache = KVCacheManager(step_cfg.num_pages, step_cfg.page_size, step_cfg.enable_prefix_caching,
+                                       step_cfg.num_snapshots,
+                                       snapshots_need_next_token=step_cfg.speculative is not None)
+        self._free_slots = list(range(step_cfg.max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
 
     # ---- queue management -----------------------------------------------------------------
@@ -104,7 +104,7 @@ class Scheduler:
 
     # ---- schedule() -----------------------------------------------------------------------
     def _schedule_running(self, cap: int, speculative: bool) -> tuple[list[ScheduledSeq], int]:
-        budget = self.ecfg.max_num_batched_tokens
+        budget = self.step_cfg.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         # A constrained request needs its last token on the host (its grammar mask depends on
         # it), so with a token in flight it sits this step out.
@@ -174,7 +174,7 @@ class Scheduler:
             req.generated.append(PLACEHOLDER)
             req.logprobs.append(None)
             if (len(req.generated) >= req.params.max_tokens
-                    or req.num_tokens >= self.ecfg.max_model_len):
+                    or req.num_tokens >= self.step_cfg.max_model_len):
                 self._finish(req, FinishReason.LENGTH)
 
     def _chunk(self, req: Request, wanted: int, budget: int) -> int:
@@ -183,7 +183,7 @@ class Scheduler:
         n = min(wanted, budget)
         if self.kv_cache.caching and n < req.num_pending:
             end = req.num_computed + n
-            aligned = end - end % self.ecfg.page_size
+            aligned = end - end % self.step_cfg.page_size
             if aligned > req.num_computed:
                 n = aligned - req.num_computed
         return n
@@ -191,7 +191,7 @@ class Scheduler:
     def _draft_cap(self, batch: int) -> int:
         """Drafts per row for the next step: the verify-token budget shared by the batch's
         requests (0 once the batch is large: the step is compute-bound)."""
-        spec = self.ecfg.speculative
+        spec = self.step_cfg.speculative
         if spec is None:
             return 0
         return min(spec.num_speculative_tokens, spec.verify_token_budget // max(batch, 1))
@@ -273,7 +273,7 @@ class Scheduler:
                     self._stop_at(req, len(req.generated) - 1)
                     break
                 if (len(req.generated) >= req.params.max_tokens
-                        or req.num_tokens >= self.ecfg.max_model_len):
+                        or req.num_tokens >= self.step_cfg.max_model_len):
                     self._finish(req, FinishReason.LENGTH)
                     break
             if req.status is RequestStatus.RUNNING:

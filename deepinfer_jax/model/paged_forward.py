@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from deepinfer_jax.config.compute import ComputeConfig
-from deepinfer_jax.config.engine import ResolvedEngineConfig
 from deepinfer_jax.config.model import AttentionKind, MlpKind, ModelConfig
+from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.model import attention, compressor, indexer
 from deepinfer_jax.model.invariant import rowwise, segments
 from deepinfer_jax.model.mhc import hc_post, hc_pre
@@ -117,16 +117,16 @@ def ffn_outputs(p: LayerParams, mlp_kind: MlpKind, cfg: ModelConfig, compute: Co
 
 
 def select_rows(t_q: Array, t_w: Array, ls: LayerState, ctx: TokenContext, cfg: ModelConfig,
-                ecfg: ResolvedEngineConfig) -> tuple[Array, Array]:
+                step_cfg: StepConfig) -> tuple[Array, Array]:
     """CSA: the indexer's top-k rows per token -> (rows [T, k, hd], visible bool[T, k]).
 
     Each token scores its sequence's keys (gathered once per sequence, not per token). A
     top-k is a selection (ties to the lower index), exact for any batch, so it needs no row
     tiles even in batch-invariant mode."""
-    compute = ecfg.compute
-    rate, max_rows = cfg.compress_rate_csa, ecfg.max_rows(cfg.compress_rate_csa)
+    compute = step_cfg.compute
+    rate, max_rows = cfg.compress_rate_csa, step_cfg.max_rows(cfg.compress_rate_csa)
     k = min(cfg.index_topk, max_rows)
-    keys = sequence_rows(ls.index_keys, ctx.block_table, rate=rate, page_size=ecfg.page_size,
+    keys = sequence_rows(ls.index_keys, ctx.block_table, rate=rate, page_size=step_cfg.page_size,
                          max_rows=max_rows, launch_bound=ctx.launch_bound)      # [N, R, Id]
     scores = indexer_op.indexer_scores(
         t_q, keys, t_w, jnp.where(ctx.valid, ctx.seq, -1),
@@ -136,15 +136,15 @@ def select_rows(t_q: Array, t_w: Array, ls: LayerState, ctx: TokenContext, cfg: 
     _, top = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), k)
     top_visible = jnp.take_along_axis(visible, top, axis=-1)
     index = settled(ctx.launch_bound,
-                    row_index(ctx.block_table, ctx.seq[:, None], top, rate, ecfg.page_size))
+                    row_index(ctx.block_table, ctx.seq[:, None], top, rate, step_cfg.page_size))
     return ls.rows[index], top_visible
 
 
 def layer_step(p: LayerParams, streams: Array, token_ids: Array, ctx: TokenContext,
                kind: AttentionKind, mlp_kind: MlpKind, ls: LayerState, cfg: ModelConfig,
-               ecfg: ResolvedEngineConfig) -> tuple[Array, LayerState]:
+               step_cfg: StepConfig) -> tuple[Array, LayerState]:
     """One block on the flat batch's residual streams [T, hc, D]."""
-    compute = ecfg.compute
+    compute = step_cfg.compute
     segment = segments(compute)
     t = segment(lambda s, pos: token_inputs(p, kind, cfg, compute, s, pos), streams,
                 ctx.positions)
@@ -153,7 +153,7 @@ def layer_step(p: LayerParams, streams: Array, token_ids: Array, ctx: TokenConte
     if kind is not AttentionKind.SLIDING:
         rate = cfg.compress_rate(kind)
         common = dict(rate=rate, freqs=layer_inv_freq(cfg, kind), eps=cfg.rms_norm_eps,
-                      page_size=ecfg.page_size, rowwise=rowwise(compute),
+                      page_size=step_cfg.page_size, rowwise=rowwise(compute),
                       invariant=compute.batch_invariant,
                       max_new_rows=streams.shape[0] // rate + ctx.block_table.shape[0])
         rows, tail = close_rows(t.comp_kv, t.comp_score, p.attn.compressor, ls.tail, ls.rows, ctx,
@@ -164,11 +164,11 @@ def layer_step(p: LayerParams, streams: Array, token_ids: Array, ctx: TokenConte
                                                 ls.index_tail, ls.index_keys, ctx, overlap=True,
                                                 **common)
             ls = dataclasses.replace(ls, index_keys=index_keys, index_tail=index_tail)
-            rows_seen, rows_visible = select_rows(t.index_q, t.index_w, ls, ctx, cfg, ecfg)
+            rows_seen, rows_visible = select_rows(t.index_q, t.index_w, ls, ctx, cfg, step_cfg)
         else:
             rows_seen, rows_visible = visible_rows(ls.rows, ctx, rate=rate,
-                                                   page_size=ecfg.page_size,
-                                                   max_rows=ecfg.max_rows(rate))
+                                                   page_size=step_cfg.page_size,
+                                                   max_rows=step_cfg.max_rows(rate))
         keys, visible = (keys, rows_seen), (visible, rows_visible)
     else:
         keys, visible = (keys,), (visible,)
@@ -179,14 +179,14 @@ def layer_step(p: LayerParams, streams: Array, token_ids: Array, ctx: TokenConte
 
 
 def forward_step(params: ModelParams, state: StateCache, plan, token_ids: Array,
-                 cfg: ModelConfig, ecfg: ResolvedEngineConfig) -> tuple[StateCache, Array]:
+                 cfg: ModelConfig, step_cfg: StepConfig) -> tuple[StateCache, Array]:
     """One ragged step over token_ids i32[T] -> (new state, final residual streams [T, hc, D])."""
-    ctx = token_context(plan, ecfg.compute.launch_bound)
+    ctx = token_context(plan, step_cfg.compute.launch_bound)
     x = params.embed[token_ids]
     streams = jnp.broadcast_to(x[:, None, :], (x.shape[0], cfg.hc_mult, x.shape[-1]))
     layer_states = []
     for i, (lp, ls) in enumerate(zip(params.layers, state.layers, strict=True)):
         streams, ls = layer_step(lp, streams, token_ids, ctx, cfg.layer_types[i],
-                                 cfg.mlp_types[i], ls, cfg, ecfg)
+                                 cfg.mlp_types[i], ls, cfg, step_cfg)
         layer_states.append(ls)
     return dataclasses.replace(state, layers=tuple(layer_states)), streams

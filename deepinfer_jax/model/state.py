@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from deepinfer_jax.config.engine import ResolvedEngineConfig
 from deepinfer_jax.config.model import AttentionKind, ModelConfig
+from deepinfer_jax.config.step import StepConfig
 
 Array = jax.Array
 
@@ -56,17 +56,17 @@ def _tail(slots: int, rate: int, overlap: bool, dim: int, spare: int) -> Compres
                           score=jnp.zeros((slots, ring, width), jnp.float32))
 
 
-def init_state(cfg: ModelConfig, ecfg: ResolvedEngineConfig, dtype) -> StateCache:
+def init_state(cfg: ModelConfig, step_cfg: StepConfig, dtype) -> StateCache:
     """Zeroed state. With speculation every ring holds `spec_tokens` spare rows: a rejected
     draft's row then lands where it overwrites nothing a committed token still needs."""
-    slots, spare = ecfg.max_num_seqs, ecfg.spec_tokens
+    slots, spare = step_cfg.max_num_seqs, step_cfg.spec_tokens
     layers = []
     for kind in cfg.layer_types:
         window = jnp.zeros((slots, cfg.sliding_window + spare, cfg.head_dim), dtype)
         rows = tail = index_keys = index_tail = None
         if kind is not AttentionKind.SLIDING:
             rate = cfg.compress_rate(kind)
-            n_rows = ecfg.num_pages * ecfg.rows_per_page(rate)
+            n_rows = step_cfg.num_pages * step_cfg.rows_per_page(rate)
             rows = jnp.zeros((n_rows, cfg.head_dim), dtype)
             tail = _tail(slots, rate, kind is AttentionKind.CSA, cfg.head_dim, spare)
         if kind is AttentionKind.CSA:

@@ -20,7 +20,7 @@ def sync_llm(model):
 
 
 def test_sync_loop_gives_the_same_tokens(llm, sync_llm, workload):
-    assert llm.engine_config.async_scheduling and not sync_llm.engine_config.async_scheduling
+    assert llm.host_options.async_scheduling and not sync_llm.host_options.async_scheduling
     params = sampling(workload)
     async_out = llm.generate(workload.prompts, params, use_tqdm=False)
     sync_out = sync_llm.generate(workload.prompts, params, use_tqdm=False)
@@ -32,7 +32,7 @@ def test_async_loop_without_the_launch_thread(model, llm, workload):
     """launch_thread=False: the asynchronous loop launches each step from its own thread (the
     A/B for the launcher thread on a GPU); same tokens."""
     inline = deepinfer_jax.LLM(model, **{**ENGINE, "launch_thread": False})
-    assert inline.engine_config.async_scheduling and inline.engine._launcher._pool is None
+    assert inline.host_options.async_scheduling and inline.engine._launcher._pool is None
     assert llm.engine._launcher._pool is not None
     params = sampling(workload)
     outputs = inline.generate(workload.prompts, params, use_tqdm=False)
@@ -78,7 +78,7 @@ def test_aborts_in_both_loops(llm, sync_llm, workload, which):
         assert got[k] == workload.expected[i][: len(got[k])]
         if k in (0, 2):
             assert got[k] == workload.expected[i] and reasons[k] is FinishReason.LENGTH
-    assert engine.engine.scheduler.kv_cache.num_free_pages == engine.engine_config.num_pages
+    assert engine.engine.scheduler.kv_cache.num_free_pages == engine.step_config.num_pages
 
 
 def test_the_loop_makes_no_implicit_transfers(llm, workload):

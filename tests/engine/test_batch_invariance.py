@@ -170,10 +170,10 @@ def test_untiled_segments_are_the_same_computation():
                                 max_num_batched_tokens=64, token_buckets=(64,), page_size=64,
                                 show_progress=False, step_formulation=formulation)
         engine = llm.engine
-        assert engine.ecfg.compute.tile_segments == (formulation == "cpu")
-        wire = Wire.of(build_plan(ScheduleDecision(()), 64, engine.ecfg))
+        assert engine.step_cfg.compute.tile_segments == (formulation == "cpu")
+        wire = Wire.of(build_plan(ScheduleDecision(()), 64, engine.step_cfg))
         traced = jax.jit(lambda p, s, b, engine=engine, wire=wire: step(
-            p, s, wire.unpack_device(b), cfg=engine.cfg, ecfg=engine.ecfg, truncation=False))
+            p, s, wire.unpack_device(b), cfg=engine.cfg, step_cfg=engine.step_cfg, truncation=False))
         module = jax.export.export(traced, platforms=["cuda"])(
             engine.params, engine.state, wire.spec()).mlir_module()
         loops[formulation] = module.count("stablehlo.while")
@@ -204,12 +204,12 @@ def test_the_gpu_step_lowers_with_every_kernel(monkeypatch, cfg):
     config = KERNEL_CFG if cfg == "kernel dims" else read_model_config(
         REPO / "configs/tiny/tiny-mixed.json").replace(num_mtp_layers=0)
     params = deepinfer_jax.random_params(config, 3, jnp.bfloat16)
-    ecfg = EngineConfig(batch_invariant=True, max_num_seqs=4, max_model_len=256,
+    step_cfg = EngineConfig(batch_invariant=True, max_num_seqs=4, max_model_len=256,
                         max_num_batched_tokens=64, token_buckets=(64,), page_size=64
                         ).resolve(config)          # no engine: nothing compiled for the CPU
-    wire = Wire.of(build_plan(ScheduleDecision(()), 64, ecfg))
-    traced = jax.jit(lambda p, s, b: step(p, s, wire.unpack_device(b), cfg=config, ecfg=ecfg))
+    wire = Wire.of(build_plan(ScheduleDecision(()), 64, step_cfg))
+    traced = jax.jit(lambda p, s, b: step(p, s, wire.unpack_device(b), cfg=config, step_cfg=step_cfg))
     with abstract_gpu():
         module = jax.export.export(traced, platforms=["cuda"])(
-            params, init_state(config, ecfg, jnp.bfloat16), wire.spec()).mlir_module()
+            params, init_state(config, step_cfg, jnp.bfloat16), wire.spec()).mlir_module()
     assert "mosaic_gpu" in module

@@ -82,7 +82,7 @@ def test_abort_one_request_while_streaming(llm, workload):
     assert tokens[1] == workload.expected[2]
     assert len(tokens[0]) < 200
     assert not llm.engine.has_unfinished()
-    assert llm.engine.scheduler.kv_cache.num_free_pages == llm.engine_config.num_pages
+    assert llm.engine.scheduler.kv_cache.num_free_pages == llm.step_config.num_pages
 
 
 def test_no_compilation_after_startup(llm, workload):
@@ -114,12 +114,12 @@ def test_engines_of_equal_shapes_share_their_compiled_steps(llm, model):
     assert again.engine.steps is llm.engine.steps
     core = llm.engine
 
-    def key(ecfg=core.ecfg, state=core.state):
-        return _trace_key(core.params, state, core.cfg, ecfg, False)
+    def key(step_cfg=core.step_cfg, state=core.state):
+        return _trace_key(core.params, state, core.cfg, step_cfg, False)
 
-    assert key() == key(ecfg=again.engine.ecfg)
-    assert key() != key(ecfg=deepinfer_jax.EngineConfig(
+    assert key() == key(step_cfg=again.engine.step_cfg)
+    assert key() != key(step_cfg=deepinfer_jax.EngineConfig(
         **{**ENGINE, "max_logprobs": 3}).resolve(model.config))        # read by the step
     assert key() != key(state=jax.tree.map(lambda x: x.astype("float16"), core.state))
-    assert key() != key(ecfg=deepinfer_jax.EngineConfig(
+    assert key() != key(step_cfg=deepinfer_jax.EngineConfig(
         **{**ENGINE, "step_formulation": "gpu"}).resolve(model.config))  # another program

@@ -21,14 +21,14 @@ from tests.conftest import REPO
 
 
 def traced_engine(**options):
-    """What the engine traces its steps with (cfg, ecfg, params, state) for the shipped model,
+    """What the engine traces its steps with (cfg, step_cfg, params, state) for the shipped model,
     without compiling them: these tests read the lowered module only."""
     model = deepinfer_jax.load(REPO / "models" / "deepinfer-tiny-v4")
-    ecfg = EngineConfig(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=16,
+    step_cfg = EngineConfig(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=16,
                         token_buckets=(16,), speculative_config={"num_speculative_tokens": 3},
                         **options).resolve(model.config)
     cfg = model.config
-    return cfg, ecfg, model.params, init_state(cfg, ecfg, model.params.embed.dtype)
+    return cfg, step_cfg, model.params, init_state(cfg, step_cfg, model.params.embed.dtype)
 
 
 def loops_and_branches(module: str) -> tuple[int, int]:
@@ -47,12 +47,12 @@ def loops_and_branches(module: str) -> tuple[int, int]:
 @pytest.mark.parametrize("step_fn", [step, spec_step], ids=["plain", "speculative"])
 def test_gpu_step_has_no_conditionals_or_loops(step_fn):
     def lowered_for_cuda(formulation: str) -> str:
-        cfg, ecfg, params, state = traced_engine(step_formulation=formulation)
-        wire = Wire.of(build_plan(ScheduleDecision(()), 16, ecfg))
+        cfg, step_cfg, params, state = traced_engine(step_formulation=formulation)
+        wire = Wire.of(build_plan(ScheduleDecision(()), 16, step_cfg))
         # the engine's variants: the sampler chosen by the host on GPUs, on the device else
         truncation = True if formulation == "gpu" else None
         traced = jax.jit(lambda p, s, b: step_fn(p, s, wire.unpack_device(b), cfg=cfg,
-                                                 ecfg=ecfg, truncation=truncation))
+                                                 step_cfg=step_cfg, truncation=truncation))
         return jax.export.export(traced, platforms=["cuda"])(
             params, state, wire.spec()).mlir_module()
 
@@ -104,18 +104,18 @@ def test_invariant_steps_scatter_without_order():
     as traced for a GPU, write only through order-free scatters."""
     from deepinfer_jax.device import snapshots
 
-    cfg, ecfg, params, state = traced_engine(batch_invariant=True, enable_prefix_caching=True,
+    cfg, step_cfg, params, state = traced_engine(batch_invariant=True, enable_prefix_caching=True,
                                              step_formulation="gpu")
-    wire = Wire.of(build_plan(ScheduleDecision(()), 16, ecfg))
+    wire = Wire.of(build_plan(ScheduleDecision(()), 16, step_cfg))
     for step_fn in (step, spec_step):
         traced = jax.jit(lambda p, s, b: step_fn(p, s, wire.unpack_device(b), cfg=cfg,
-                                                 ecfg=ecfg, truncation=True))
+                                                 step_cfg=step_cfg, truncation=True))
         module = jax.export.export(traced, platforms=["cuda"])(
             params, state, wire.spec()).mlir_module()
         assert order_dependent_scatters(module) == [], step_fn.__name__
     ids = jax.ShapeDtypeStruct((4,), "int32")
     tokens = jax.ShapeDtypeStruct((4, 128), "int32")
-    pool = snapshots.init_pool(state, ecfg.num_snapshots)
+    pool = snapshots.init_pool(state, step_cfg.num_snapshots)
     save = jax.jit(snapshots.save).lower(snapshots.slot_rings(state), pool, ids, ids)
     restore = jax.jit(snapshots.restore).lower(state, pool, ids, ids, tokens, ids)
     assert order_dependent_scatters(save.as_text()) == []

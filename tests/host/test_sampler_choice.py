@@ -40,8 +40,8 @@ def test_a_decision_asks_for_the_sampler_its_plan_needs():
                               top_k=int(rng.choice(TOP_K)), top_p=float(rng.choice(TOP_P)),
                               min_p=float(rng.choice(MIN_P))))
         decision = sched.schedule()
-        plan = build_plan(decision, token_bucket(sched.ecfg.token_buckets, decision.num_tokens),
-                          sched.ecfg)
+        plan = build_plan(decision, token_bucket(sched.step_cfg.token_buckets, decision.num_tokens),
+                          sched.step_cfg)
         assert decision.truncating_sampler == host_truncates(plan.temperature, plan.top_k,
                                                              plan.top_p, plan.min_p), trial
         seen.add(decision.truncating_sampler)

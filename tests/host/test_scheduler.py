@@ -20,10 +20,10 @@ EOS = MODEL.eos_token_ids[0]
 
 
 def make(budget=32, seqs=4, pages=None, page_size=16, max_len=256):
-    ecfg = EngineConfig(max_num_seqs=seqs, max_model_len=max_len, page_size=page_size,
+    step_cfg = EngineConfig(max_num_seqs=seqs, max_model_len=max_len, page_size=page_size,
                         num_pages=pages, max_num_batched_tokens=budget,
                         compilation_cache_dir=None).resolve(MODEL)
-    return Scheduler(ecfg, MODEL.eos_token_ids)
+    return Scheduler(step_cfg, MODEL.eos_token_ids)
 
 
 def request(i, prompt_len, **params):
@@ -87,7 +87,7 @@ def test_stop_conditions():
     assert stop.finish_reason is FinishReason.STOP
     run_step(sched, token=EOS)
     assert ignore.finish_reason is FinishReason.LENGTH and ignore.generated == [EOS, 9, EOS]
-    assert sched.kv_cache.num_free_pages == sched.ecfg.num_pages and not sched.has_work()
+    assert sched.kv_cache.num_free_pages == sched.step_cfg.num_pages and not sched.has_work()
 
 
 def test_max_model_len_stops_generation():
@@ -163,7 +163,7 @@ def test_a_stop_token_is_seen_one_step_late_and_the_extra_token_dropped():
     sched.postprocess(d0, output([EOS]))
     assert req.finish_reason is FinishReason.STOP and req.generated == [EOS] and req.is_complete
     assert sched.postprocess(d1, output([99])) == []   # ... and discarded
-    assert req.generated == [EOS] and sched.kv_cache.num_free_pages == sched.ecfg.num_pages
+    assert req.generated == [EOS] and sched.kv_cache.num_free_pages == sched.step_cfg.num_pages
 
 
 def test_length_limits_are_known_at_launch():
@@ -207,7 +207,7 @@ def test_a_row_keeps_the_slot_and_pages_it_was_scheduled_with():
     assert req.finish_reason is FinishReason.LENGTH and req.slot is None and req.pages == []
     [seq] = decision.seqs
     assert seq.slot == 0 and seq.pages == [0, 1] and seq.token_index == 0
-    assert sched.kv_cache.num_free_pages == sched.ecfg.num_pages     # released at launch
+    assert sched.kv_cache.num_free_pages == sched.step_cfg.num_pages     # released at launch
     sched.postprocess(decision, output([5]))
     assert req.is_complete and req.generated == [5]
 
@@ -244,4 +244,4 @@ def test_a_stop_string_ends_the_request_when_its_token_arrives():
     assert req.stop_text_at == len(" hell")
     assert req.output(TOKENIZER.decode(req.generated)).text == " hell"
     assert sched.postprocess(in_flight, output([7] * len(in_flight.seqs))) == []
-    assert req.is_complete and sched.kv_cache.num_free_pages == sched.ecfg.num_pages
+    assert req.is_complete and sched.kv_cache.num_free_pages == sched.step_cfg.num_pages

@@ -1,0 +1,57 @@
+"""StepConfig: the shapes a compiled step has and how it computes, fixed for one model.
+
+Every compiled step has a fixed shape: a token bucket T (flat tokens of the ragged batch) and
+a sequence bucket N = min(T, max_num_seqs). All buckets are compiled at start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from deepinfer_jax.config.compute import ComputeConfig
+from deepinfer_jax.config.speculative import SpeculativeConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """What the compiled step depends on: every shape fixed for one model, the modes and how
+    the step computes (hashable: a static jit argument). The host reads its shapes too (the
+    scheduler plans within them); options only the host reads are HostOptions."""
+
+    max_num_seqs: int
+    max_model_len: int
+    page_size: int
+    num_pages: int
+    max_blocks_per_seq: int
+    max_num_batched_tokens: int
+    token_buckets: tuple[int, ...]
+    max_logprobs: int
+    vocab_size: int
+    speculative: SpeculativeConfig | None
+    compute: ComputeConfig
+    enable_prefix_caching: bool = False
+    num_snapshots: int = 0            # snapshot pool of the prefix cache (0: no cache)
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.compute.batch_invariant
+
+    @property
+    def spec_tokens(self) -> int:
+        """Drafts per request and step at most (0: no speculation)."""
+        return 0 if self.speculative is None else self.speculative.num_speculative_tokens
+
+    def seq_bucket(self, token_bucket: int) -> int:
+        return min(token_bucket, self.max_num_seqs)
+
+    @property
+    def mask_words(self) -> int:
+        """int32 words of a token bitmask row."""
+        return -(-self.vocab_size // 32)
+
+    def rows_per_page(self, rate: int) -> int:
+        return self.page_size // rate
+
+    def max_rows(self, rate: int) -> int:
+        """Compressed rows a sequence can reach (positions < max_model_len)."""
+        return self.max_model_len // rate
