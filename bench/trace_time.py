@@ -42,7 +42,7 @@ def trace_seconds(layers: int, bucket: int, invariant: bool, profile: bool) -> f
     cfg = slice_config(V4_FLASH, layers)
     # the H200's step (kernels first, the GPU formulation), whatever this machine is
     step_cfg = EngineConfig(max_num_seqs=64, max_model_len=2048, max_num_batched_tokens=bucket,
-                        token_buckets=(bucket,), batch_invariant=invariant).resolve(cfg, H200)
+                            token_buckets=(bucket,), batch_invariant=invariant).resolve(cfg, H200)
     params = jax.eval_shape(lambda: random_params(cfg, 0, jnp.bfloat16))
     state = jax.eval_shape(lambda: init_state(cfg, step_cfg, jnp.bfloat16))
     wire = Wire.of(build_plan(ScheduleDecision(()), bucket, step_cfg))

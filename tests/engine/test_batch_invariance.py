@@ -205,8 +205,8 @@ def test_the_gpu_step_lowers_with_every_kernel(monkeypatch, cfg):
         REPO / "configs/tiny/tiny-mixed.json").replace(num_mtp_layers=0)
     params = deepinfer_jax.random_params(config, 3, jnp.bfloat16)
     step_cfg = EngineConfig(batch_invariant=True, max_num_seqs=4, max_model_len=256,
-                        max_num_batched_tokens=64, token_buckets=(64,), page_size=64
-                        ).resolve(config)          # no engine: nothing compiled for the CPU
+                            max_num_batched_tokens=64, token_buckets=(64,), page_size=64
+                            ).resolve(config)          # no engine: nothing compiled for the CPU
     wire = Wire.of(build_plan(ScheduleDecision(()), 64, step_cfg))
     traced = jax.jit(lambda p, s, b: step(p, s, wire.unpack_device(b), cfg=config, step_cfg=step_cfg))
     with abstract_gpu():

@@ -25,8 +25,8 @@ def traced_engine(**options):
     without compiling them: these tests read the lowered module only."""
     model = deepinfer_jax.load(REPO / "models" / "deepinfer-tiny-v4")
     step_cfg = EngineConfig(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=16,
-                        token_buckets=(16,), speculative_config={"num_speculative_tokens": 3},
-                        **options).resolve(model.config)
+                            token_buckets=(16,), speculative_config={"num_speculative_tokens": 3},
+                            **options).resolve(model.config)
     cfg = model.config
     return cfg, step_cfg, model.params, init_state(cfg, step_cfg, model.params.embed.dtype)
 

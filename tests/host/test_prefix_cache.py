@@ -133,8 +133,8 @@ def test_a_full_snapshot_pool_takes_from_the_oldest_inner_block():
 
 def _scheduler(num_pages, budget=24, page_size=16):
     step_cfg = EngineConfig(max_num_seqs=4, max_model_len=128, page_size=page_size,
-                        num_pages=num_pages, max_num_batched_tokens=budget,
-                        enable_prefix_caching=True, compilation_cache_dir=None).resolve(MODEL)
+                            num_pages=num_pages, max_num_batched_tokens=budget,
+                            enable_prefix_caching=True, compilation_cache_dir=None).resolve(MODEL)
     return Scheduler(step_cfg, MODEL.eos_token_ids)
 
 

@@ -21,8 +21,8 @@ EOS = MODEL.eos_token_ids[0]
 
 def make(budget=32, seqs=4, pages=None, page_size=16, max_len=256):
     step_cfg = EngineConfig(max_num_seqs=seqs, max_model_len=max_len, page_size=page_size,
-                        num_pages=pages, max_num_batched_tokens=budget,
-                        compilation_cache_dir=None).resolve(MODEL)
+                            num_pages=pages, max_num_batched_tokens=budget,
+                            compilation_cache_dir=None).resolve(MODEL)
     return Scheduler(step_cfg, MODEL.eos_token_ids)
 
 
