@@ -35,7 +35,7 @@ from deepinfer_jax.engine.compile import compile_steps
 from deepinfer_jax.engine.launch import Launcher
 from deepinfer_jax.host.buckets import token_bucket
 from deepinfer_jax.host.decision import Restore, ScheduleDecision, SnapshotSave
-from deepinfer_jax.host.grammar import StructuredOutputs
+from deepinfer_jax.host.grammar import GrammarError, StructuredOutputs, grammar_spec
 from deepinfer_jax.host.pages import pages_needed
 from deepinfer_jax.host.plan_builder import build_plan, suppress_stops
 from deepinfer_jax.host.request import (
@@ -44,6 +44,7 @@ from deepinfer_jax.host.request import (
     Request,
     RequestMetrics,
     RequestOutput,
+    RequestStatus,
     SamplingParams,
 )
 from deepinfer_jax.host.scheduler import Scheduler
@@ -101,6 +102,8 @@ class EngineCore:
         self._seeds = np.random.default_rng(host.seed)
         self._arrivals = itertools.count()
         self._in_flight: collections.deque[InFlight] = collections.deque()
+        # requests whose grammar is compiling, by grammar (host/grammar.py)
+        self._awaiting_grammar: dict[tuple[str, str], list[Request]] = {}
         # Device calls (state, snapshot pool) run on the launcher, in order; the loop only
         # reads their outputs. Threaded where the loop overlaps steps.
         self._launcher = Launcher(threaded=host.async_scheduling and host.launch_thread)
@@ -117,18 +120,52 @@ class EngineCore:
         if problems:
             raise InvalidRequestError("; ".join(problems))
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
-        matcher = self.structured.matcher(params) if self.structured is not None else None
+        spec = grammar_spec(params) if self.structured is not None else None
+        matcher = self.structured.lookup(spec) if spec is not None else None
         stop_strings = StopStrings(self.tokenizer, params.stop) if params.stop else None
         request = Request(request_id, list(prompt), params, next(self._arrivals), seed=seed,
-                          matcher=matcher, stop_strings=stop_strings)
-        self.scheduler.add(request)
+                          stop_strings=stop_strings)
+        if matcher is StructuredOutputs.PENDING:     # queued once its grammar compiles
+            self._awaiting_grammar.setdefault(spec, []).append(request)
+        else:
+            request.matcher = matcher
+            self.scheduler.add(request)
         return request
 
     def abort(self, request_id: str) -> Request | None:
+        for waiting in self._awaiting_grammar.values():
+            for req in waiting:
+                if req.request_id == request_id:
+                    waiting.remove(req)
+                    req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.ABORT
+                    return req
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._in_flight)
+        return (self.scheduler.has_work() or bool(self._in_flight)
+                or any(self._awaiting_grammar.values()))
+
+    def _admit_compiled(self) -> list[Request]:
+        """Requests whose grammar finished compiling join the scheduler; those whose grammar
+        failed finish with its error (returned, as the step's other finished requests are).
+        Waits a little for the compiler when there is nothing else to do."""
+        if not any(self._awaiting_grammar.values()):
+            return []
+        idle = not self.scheduler.has_work() and not self._in_flight
+        failed = []
+        for spec, error in self.structured.poll(wait_s=0.05 if idle else 0.0):
+            for req in self._awaiting_grammar.pop(spec, []):
+                try:
+                    req.matcher = self.structured.matcher(spec) if error is None else None
+                except GrammarError as e:
+                    error = e
+                if error is None:
+                    self.scheduler.add(req)
+                else:
+                    req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.ERROR
+                    req.error = error
+                    failed.append(req)
+        return failed
 
     def _problems(self, prompt: list[int], params: SamplingParams) -> list[str]:
         problems = list(params.problems(self.cfg.vocab_size, self.step_cfg.max_logprobs,
@@ -161,6 +198,7 @@ class EngineCore:
         """Advance the engine by one step. Returns the requests whose tokens reached the host
         in this call (a finished request is complete once `is_complete`)."""
         start = time.perf_counter()
+        failed = self._admit_compiled()
         decision = self.scheduler.schedule()
         if decision.seqs:
             self._in_flight.append(self._launch(decision))
@@ -169,7 +207,7 @@ class EngineCore:
         if len(self._in_flight) > keep:
             touched = self._read(self._in_flight.popleft())
         self.stats.host_seconds += time.perf_counter() - start
-        return touched
+        return failed + touched
 
     def _launch(self, decision: ScheduleDecision) -> InFlight:
         now = time.time()

@@ -236,6 +236,7 @@ class Request:
     slot: int | None = None
     pages: list[int] = dataclasses.field(default_factory=list)
     finish_reason: FinishReason | None = None
+    error: RequestError | None = None     # why it ended, with finish_reason ERROR
     num_preemptions: int = 0
     seed: int = 0                         # the request's random stream (params.seed or drawn)
     logprobs: list[TokenLogprobs | None] = dataclasses.field(default_factory=list)  # per token
@@ -303,4 +304,4 @@ class Request:
         logprobs = list(self.logprobs) if self.params.logprobs is not None else None
         return RequestOutput(self.request_id, list(self.prompt), list(self.generated), text,
                              self.status is RequestStatus.FINISHED, self.finish_reason,
-                             None, self.metrics, logprobs)
+                             self.error, self.metrics, logprobs)

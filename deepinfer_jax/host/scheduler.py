@@ -286,12 +286,14 @@ class Scheduler:
 
     # ---- ending requests ------------------------------------------------------------------
     def _stop_at(self, req: Request, index: int) -> None:
-        """End `req` after its generated token `index` (stop token or string, grammar done)."""
+        """End `req` after its generated token `index` (stop token or string, grammar done;
+        with `req.error` set, a grammar's dead end: an error)."""
         req.truncate(index + 1)
+        reason = FinishReason.STOP if req.error is None else FinishReason.ERROR
         if req.status is RequestStatus.FINISHED:
-            req.finish_reason = FinishReason.STOP
+            req.finish_reason = reason
         else:
-            self._finish(req, FinishReason.STOP)
+            self._finish(req, reason)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         if req in self.running:

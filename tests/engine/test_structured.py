@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import threading
+import statistics
+import time
 
 import jax.numpy as jnp
 import jsonschema
@@ -17,11 +18,13 @@ import pytest
 import deepinfer_jax
 from deepinfer_jax import FinishReason, SamplingParams
 from deepinfer_jax.config.hf import read_model_config
-from deepinfer_jax.host.grammar import GrammarError, StructuredOutputs
+from deepinfer_jax.host import grammar_worker
+from deepinfer_jax.host.grammar import GrammarError
 from deepinfer_jax.weights import random_params
 from deepinfer_jax.weights.export import save_checkpoint
 from tests.conftest import REPO
 from tests.engine.conftest import ENGINE as HF_ENGINE
+from tests.host.slow_grammar import slow_compile
 
 # Short prompts and at most 8 rows a step: one token bucket to compile.
 ENGINE = {**HF_ENGINE, "max_num_batched_tokens": 16, "token_buckets": (16,)}
@@ -123,30 +126,34 @@ def test_bad_grammars_fail_alone(llm):
     assert re.fullmatch("[0-9]{2}", outputs[3].text)
 
 
-def test_grammar_compile_timeout_fails_the_request(llm, monkeypatch):
-    """A grammar still compiling at the time limit fails its request alone. The compile is
-    held until the request has failed: a real regex compiles in about a millisecond, which a
-    loaded machine's submitting thread could miss even under a 1e-9 s limit (seen in CI)."""
-    release = threading.Event()
-    compile_now = StructuredOutputs._compile
-
-    def held_compile(self, kind, text):
-        release.wait(timeout=60)
-        return compile_now(self, kind, text)
-
-    monkeypatch.setattr(StructuredOutputs, "_compile", held_compile)
-    # the module's engine again, with another timeout (a host option: the steps are shared)
+def test_a_slow_grammar_delays_no_one_and_fails_alone(llm, monkeypatch):
+    """A grammar still compiling at the time limit fails its request alone, and while it
+    compiles (in the worker's child process) the engine keeps stepping the other requests:
+    no step of a concurrent request takes 100 ms longer than its steps usually do. The same
+    engine then compiles a valid grammar: the time-out poisoned nothing."""
+    monkeypatch.setattr(grammar_worker, "compile_grammar", slow_compile)   # "slow": 60 s
+    # the module's engine again, with another time limit (a host option: the steps are shared)
     llm = deepinfer_jax.LLM(llm.model, tokenizer=llm.tokenizer.path,
-                            **{**ENGINE, "grammar_compile_timeout_s": 0.05})
-    try:
-        timed_out, free = llm.generate(
-            ["p", "q"], [constrained(regex="[a-z]{1,40}@[a-z]{1,40}"),
-                         SamplingParams(max_tokens=4, ignore_eos=True)], use_tqdm=False)
-    finally:
-        release.set()
-    assert isinstance(timed_out.error, GrammarError) and "did not compile" in str(timed_out.error)
-    assert timed_out.finish_reason is FinishReason.ERROR
-    assert free.error is None and len(free.token_ids) == 4
+                            **{**ENGINE, "grammar_compile_timeout_s": 2.0})
+    engine = llm.engine
+    free = engine.add_request("free", [5, 6, 7], SamplingParams(max_tokens=10_000,
+                                                                ignore_eos=True))
+    slow = engine.add_request("slow", [5, 6], constrained(regex="slow[0-9]{2}"))
+    step_seconds = []
+    while not slow.is_complete:
+        start = time.perf_counter()
+        engine.step()
+        step_seconds.append(time.perf_counter() - start)
+        assert len(step_seconds) < 20_000
+    engine.abort("free")
+    while engine.has_unfinished():
+        engine.step()
+    assert slow.finish_reason is FinishReason.ERROR and "did not compile" in str(slow.error)
+    assert slow.generated == [] and len(free.generated) > 10
+    assert max(step_seconds) - statistics.median(step_seconds) < 0.1, (
+        max(step_seconds), statistics.median(step_seconds))
+    [valid] = llm.generate(["p"], [constrained(regex="[0-9]{2}")], use_tqdm=False)
+    assert valid.error is None and re.fullmatch("[0-9]{2}", valid.text)
 
 
 def test_stop_strings_end_the_output_before_the_string(llm):
