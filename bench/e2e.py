@@ -114,7 +114,7 @@ def prefill(llm: LLM, length: int, rng) -> dict:
 def decode(llm: LLM, batch: int, context: int, steps: int, rng) -> dict:
     engine, vocab = llm.engine, llm.model.config.vocab_size
     shared = rng.integers(2, vocab, context - TAIL).tolist()
-    params = SamplingParams(max_tokens=10_000, ignore_eos=True)
+    params = SamplingParams(max_tokens=engine.step_cfg.max_model_len - context, ignore_eos=True)
     engine.add_request("d0", shared + rng.integers(2, vocab, TAIL).tolist(), params)
     while not any(r.generated for r in engine.scheduler.running):
         engine.step()                          # the shared prefix is now in the prefix cache

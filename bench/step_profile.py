@@ -68,7 +68,8 @@ def steady_decode(llm: LLM, args) -> None:
     rng = np.random.default_rng(0)
     for i in range(args.batch):
         engine.add_request(f"r{i}", rng.integers(2, vocab, args.context).tolist(),
-                           SamplingParams(max_tokens=100_000, ignore_eos=True))
+                           SamplingParams(max_tokens=engine.step_cfg.max_model_len - args.context,
+                                          ignore_eos=True))
     while not all(len(r.generated) >= 2 for r in engine.scheduler.running) or \
             len(engine.scheduler.running) < args.batch:
         engine.step()

@@ -22,7 +22,8 @@ def steady_decode(llm: LLM, batch: int, steps: int) -> dict:
     vocab = llm.model.config.vocab_size
     for i in range(batch):
         engine.add_request(f"r{i}", rng.integers(2, vocab, 16).tolist(),
-                           SamplingParams(max_tokens=10_000, ignore_eos=True))
+                           SamplingParams(max_tokens=engine.step_cfg.max_model_len - 16,
+                                          ignore_eos=True))
     while not (len(engine.scheduler.running) == batch
                and all(len(r.generated) >= 2 for r in engine.scheduler.running)):
         engine.step()

@@ -69,6 +69,8 @@ def bench(args) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="deepinfer", description=__doc__)
+    ap.add_argument("--debug", action="store_true",
+                    help="show the Python traceback of an error (default: one line)")
     sub = ap.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate completions for prompts")
     _engine_args(g)
@@ -84,8 +86,26 @@ def main(argv=None) -> int:
     b.add_argument("--output-len", type=int, default=32)
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(func=bench)
-    args = ap.parse_args(argv)
-    return args.func(args)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv        # anywhere, before or after the command
+    args = ap.parse_args([a for a in argv if a != "--debug"])
+    if debug:
+        return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("deepinfer: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:       # a bad checkpoint, config, tokenizer or option: one line
+        print(f"deepinfer: error: {_one_line(e)}", file=sys.stderr)
+        return 1
+
+
+def _one_line(e: Exception) -> str:
+    """The error's type and message on one line (multi-line messages, such as a checkpoint's
+    list of offending tensors, joined with "; ")."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {'; '.join(lines) or repr(e)} (--debug for the traceback)"
 
 
 if __name__ == "__main__":

@@ -20,13 +20,20 @@ from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.speculative import SpeculativeConfig
 from deepinfer_jax.config.step import StepConfig
 
-__all__ = ["EngineConfig", "EngineConfigError", "HostOptions", "SpeculativeConfig", "StepConfig"]
+# The default context when none is given: the model's own, up to this many tokens (a default
+# that compiles and holds pages for a 1M-token context would surprise more than it helps).
+DEFAULT_MAX_MODEL_LEN = 4096
+
+__all__ = ["DEFAULT_MAX_MODEL_LEN", "EngineConfig", "EngineConfigError", "HostOptions",
+           "SpeculativeConfig", "StepConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     max_num_seqs: int = 16               # state slots: sequences resident at once
-    max_model_len: int = 4096            # prompt + generated tokens per sequence
+    # prompt + generated tokens per sequence (None: the model's max_position_embeddings,
+    # capped at DEFAULT_MAX_MODEL_LEN, as vLLM derives it from the model)
+    max_model_len: int | None = None
     page_size: int | None = None         # tokens per page of compressed rows (None: derived)
     num_pages: int | None = None         # page pool size (None: every slot can reach max_model_len)
     max_num_batched_tokens: int = 256    # chunked-prefill budget: tokens per step
@@ -57,7 +64,7 @@ class EngineConfig:
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens"):
-            if getattr(self, name) <= 0:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise EngineConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise EngineConfigError("max_num_batched_tokens must be >= max_num_seqs "
@@ -89,10 +96,8 @@ class EngineConfig:
         if page_size % unit:
             raise EngineConfigError(f"page_size {page_size} must be a multiple of every compress "
                                     f"rate {rates}")
-        if self.max_model_len > model.max_position_embeddings:
-            raise EngineConfigError(f"max_model_len {self.max_model_len} exceeds the model's "
-                                    f"max_position_embeddings {model.max_position_embeddings}")
-        blocks = math.ceil(self.max_model_len / page_size)
+        max_model_len = self.model_len(model)
+        blocks = math.ceil(max_model_len / page_size)
         num_pages = self.num_pages if self.num_pages is not None else blocks * self.max_num_seqs
         if num_pages < 1:
             raise EngineConfigError("num_pages must be >= 1")
@@ -112,7 +117,7 @@ class EngineConfig:
                                           batch_invariant=self.batch_invariant,
                                           invariant_tile=self.invariant_tile, environ=environ)
         return StepConfig(
-            max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs, max_model_len=max_model_len,
             page_size=page_size, num_pages=num_pages, max_blocks_per_seq=blocks,
             max_num_batched_tokens=self.max_num_batched_tokens, token_buckets=buckets,
             max_logprobs=min(self.max_logprobs, model.vocab_size), vocab_size=model.vocab_size,
@@ -120,6 +125,17 @@ class EngineConfig:
             enable_prefix_caching=self.enable_prefix_caching,
             num_snapshots=(self.num_prefix_snapshots or 4 * self.max_num_seqs)
             if self.enable_prefix_caching else 0)
+
+    def model_len(self, model: ModelConfig) -> int:
+        """max_model_len for this model: as given (at most the model's context), or the
+        model's context capped at DEFAULT_MAX_MODEL_LEN."""
+        if self.max_model_len is None:
+            return min(DEFAULT_MAX_MODEL_LEN, model.max_position_embeddings)
+        if self.max_model_len > model.max_position_embeddings:
+            raise EngineConfigError(f"max_model_len {self.max_model_len} exceeds the model's "
+                                    f"max_position_embeddings {model.max_position_embeddings}; "
+                                    f"leave it unset to follow the model")
+        return self.max_model_len
 
     def host_options(self, step: StepConfig, environ: Mapping[str, str] | None = None
                      ) -> HostOptions:

@@ -313,7 +313,20 @@ def read_model_config(path: str | Path) -> ModelConfig:
     if path.is_dir():
         path = path / "config.json"
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"no config.json at {path}") from None
-    return parse_hf_config(raw)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON at line {e.lineno}, column {e.colno}: "
+                          f"{e.msg}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}): expected a JSON "
+                          f"object") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    try:
+        return parse_hf_config(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    except (TypeError, ValueError, KeyError) as e:   # a field of the wrong type or form
+        raise ConfigError(f"{path}: {type(e).__name__}: {e}") from None

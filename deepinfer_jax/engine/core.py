@@ -180,8 +180,14 @@ class EngineCore:
             if bad:
                 problems.append(f"token ids outside the vocabulary [0, {self.cfg.vocab_size}): "
                                 f"{bad[:8]}")
-            longest = min(len(prompt) + max(params.max_tokens, 0), self.step_cfg.max_model_len)
-            if pages_needed(longest, self.step_cfg.page_size) > self.step_cfg.num_pages:
+            longest = len(prompt) + max(params.max_tokens, 0)
+            if longest > self.step_cfg.max_model_len:
+                # an error, as vLLM's server gives, rather than a silent cut: the caller
+                # asked for more than any sequence here can hold
+                problems.append(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} "
+                                f"exceeds max_model_len={self.step_cfg.max_model_len}: ask for "
+                                f"at most {self.step_cfg.max_model_len - len(prompt)} tokens")
+            elif pages_needed(longest, self.step_cfg.page_size) > self.step_cfg.num_pages:
                 problems.append(f"a sequence of {longest} tokens needs more pages than the "
                                 f"pool holds ({self.step_cfg.num_pages})")
         return problems

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -67,8 +68,7 @@ class SamplingParams:
     def __post_init__(self):
         for name in ("max_tokens", "top_k", "min_tokens"):
             _check_type(name, getattr(self, name), int)
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty"):
+        for name in _FLOATS:
             _check_type(name, getattr(self, name), (int, float))
         _check_type("ignore_eos", self.ignore_eos, bool)
         for name in ("seed", "logprobs"):
@@ -113,14 +113,19 @@ class SamplingParams:
                                                    or f32(self.min_p) > 0))
 
     def problems(self, vocab_size: int, max_logprobs: int, has_tokenizer: bool) -> list[str]:
+        """What is wrong with these values (each message names the parameter and its range);
+        NaN and infinities fail every range, as no comparison holds for NaN and each check
+        asks for finite values where infinity would pass."""
+        finite = {name: math.isfinite(getattr(self, name)) for name in _FLOATS}
         checks = [
             (self.max_tokens > 0, f"max_tokens must be > 0, got {self.max_tokens}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (finite["temperature"] and self.temperature >= 0,
+             f"temperature must be finite and >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (self.top_k >= -1, f"top_k must be >= -1 (0 or -1: off), got {self.top_k}"),
-            (self.repetition_penalty > 0,
-             f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (finite["repetition_penalty"] and self.repetition_penalty > 0,
+             f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}"),
             (-2 <= self.presence_penalty <= 2,
              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2,
@@ -137,10 +142,26 @@ class SamplingParams:
             (all(self.stop), "stop strings must not be empty"),
         ]
         out = [message for ok, message in checks if not ok]
+        out += [f"stop string {s!r} is not valid Unicode text ({e.reason} at index {e.start})"
+                for s, e in ((s, unicode_error(s)) for s in self.stop) if e is not None]
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             out.append(f"stop_token_ids outside the vocabulary: {bad}")
         return out
+
+
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+           "frequency_penalty")
+
+
+def unicode_error(text: str) -> UnicodeEncodeError | None:
+    """Why `text` cannot be encoded as UTF-8 (a lone surrogate, e.g. from a bad decode with
+    surrogateescape or a JSON "\\ud800" escape), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e
+    return None
 
 
 def _is_int(x) -> bool:

@@ -6,6 +6,12 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from deepinfer_jax.host.request import InvalidRequestError, unicode_error
+
+
+class TokenizerError(ValueError):
+    """A tokenizer.json that the `tokenizers` library cannot load; names the file."""
+
 
 class TextTokenizer:
     def __init__(self, tokenizer: Tokenizer, path: Path):
@@ -15,14 +21,26 @@ class TextTokenizer:
     @classmethod
     def from_model_dir(cls, directory: str | Path) -> "TextTokenizer | None":
         path = Path(directory) / "tokenizer.json"
-        return cls(Tokenizer.from_file(str(path)), path) if path.exists() else None
+        if not path.exists():
+            return None
+        try:
+            return cls(Tokenizer.from_file(str(path)), path)
+        except Exception as e:      # the library raises bare Exceptions (serde's messages)
+            raise TokenizerError(f"{path}: not a tokenizer.json the `tokenizers` library can "
+                                 f"load ({e})") from None
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
-        """Token ids with the tokenizer's own special tokens (e.g. BOS) added."""
+        """Token ids with the tokenizer's own special tokens (e.g. BOS) added. Text that is not
+        valid Unicode (a lone surrogate) fails this request, with where it is."""
+        error = unicode_error(text)
+        if error is not None:
+            raise InvalidRequestError(
+                f"prompt is not valid Unicode text: {error.reason} "
+                f"({text[error.start:error.end]!r} at index {error.start})")
         return self._tok.encode(text).ids
 
     def decode(self, ids: list[int]) -> str:

@@ -9,6 +9,7 @@ tensors through a memory map so that a large checkpoint is never copied whole.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -31,21 +32,63 @@ _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 class SafetensorsError(ValueError):
-    pass
+    """A safetensors file that is not one (empty, truncated, a broken header); names the file
+    and, where one is at fault, the tensor."""
 
 
 class SafetensorsFile:
-    """A lazily read safetensors file: `keys()`, `dtype_name(k)`, `shape(k)`, `get(k)`."""
+    """A lazily read safetensors file: `keys()`, `dtype_name(k)`, `shape(k)`, `get(k)`.
+
+    The header is checked when the file is opened (every tensor's dtype, shape and byte range
+    against the file's size), so that a truncated or damaged file fails there, by name, and
+    never as a reshape of too few bytes later."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        size = self.path.stat().st_size
         with open(self.path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise SafetensorsError(f"{self.path}: {size} bytes, too short for a safetensors "
+                                       f"file (expected an 8-byte header size, then a JSON header)")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if 8 + header_len > size:
+                raise SafetensorsError(f"{self.path}: truncated: the header alone needs "
+                                       f"{8 + header_len} bytes, the file has {size}")
+            try:
+                header = json.loads(f.read(header_len))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise SafetensorsError(f"{self.path}: the header is not valid JSON ({e})") from None
+        if not isinstance(header, dict):
+            raise SafetensorsError(f"{self.path}: the header is not a JSON object")
         header.pop("__metadata__", None)
         self._header = header
         self._data_start = 8 + header_len
+        data_size = size - self._data_start
+        cut = [key for key, entry in header.items() if self._check(key, entry) > data_size]
+        if cut:
+            raise SafetensorsError(
+                f"{self.path}: truncated: the data section holds {data_size} bytes, "
+                f"{len(cut)} tensor(s) reach past it: {', '.join(cut[:8])}"
+                + (f" and {len(cut) - 8} more" if len(cut) > 8 else ""))
         self._mmap: np.memmap | None = None
+
+    def _check(self, key: str, entry) -> int:
+        """Check one header entry; returns where its data ends."""
+        where = f"{self.path}: tensor {key}"
+        try:
+            dtype, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            shape, start, end = [int(d) for d in shape], int(start), int(end)
+        except (KeyError, TypeError, ValueError):
+            raise SafetensorsError(f"{where}: expected dtype, shape and data_offsets [start, "
+                                   f"end] in the header, got {entry!r:.200}") from None
+        if dtype not in DTYPES:     # an error if it is read (get), not if it is never used
+            return end
+        nbytes = DTYPES[dtype].itemsize * math.prod(shape)
+        if not 0 <= start <= end or end - start != nbytes:
+            raise SafetensorsError(f"{where}: data_offsets [{start}, {end}] hold {end - start} "
+                                   f"bytes, expected {nbytes} for {dtype} {shape}")
+        return end
 
     def keys(self) -> list[str]:
         return list(self._header)
@@ -59,7 +102,8 @@ class SafetensorsFile:
     def get(self, key: str) -> np.ndarray:
         entry = self._header[key]
         if entry["dtype"] not in DTYPES:
-            raise SafetensorsError(f"{self.path.name}: {key} has unsupported dtype {entry['dtype']}")
+            raise SafetensorsError(f"{self.path}: tensor {key} has unsupported dtype "
+                                   f"{entry['dtype']} (expected one of {sorted(DTYPES)})")
         if self._mmap is None:
             self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
         start, end = entry["data_offsets"]
@@ -101,8 +145,16 @@ class Checkpoint:
         directory = Path(directory)
         index = directory / "model.safetensors.index.json"
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                files = sorted(set(weight_map.values()))
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError,
+                    AttributeError) as e:
+                raise SafetensorsError(f"{index}: expected a JSON object with a weight_map of "
+                                       f"tensor -> file ({type(e).__name__}: {e})") from None
+            absent = [name for name in files if not (directory / name).is_file()]
+            if absent:
+                raise SafetensorsError(f"{index} lists shard(s) that are not there: {absent}")
         else:
             files = sorted(p.name for p in directory.glob("*.safetensors"))
         if not files:

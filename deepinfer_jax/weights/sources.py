@@ -40,6 +40,18 @@ class CheckpointError(ValueError):
     """A checkpoint that does not match its config: lists every offending tensor."""
 
 
+# What a tensor may be stored as without a .scale: floats (cast to the compute dtype or
+# float32) and, for the hash tables, integers.
+_FLOAT_KINDS = frozenset({"F16", "BF16", "F32", "F64"})
+_INT_KINDS = frozenset({"I8", "U8", "I16", "U16", "I32", "U32", "I64", "U64"})
+
+
+def _all_finite(array: np.ndarray) -> bool:
+    """One pass and no temporary the size of the tensor: a float64 sum is finite exactly when
+    every value is (|bf16| < 3.4e38, so no finite tensor can overflow it)."""
+    return bool(np.isfinite(np.sum(array, dtype=np.float64)))
+
+
 def _numpy_dtype(dtype) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(dtype)
 
@@ -68,7 +80,7 @@ class CheckpointSource:
         return any(name.startswith(prefix) for name in self.by_name)
 
     def tensor(self, name: str, shape: tuple[int, ...], role: Role) -> np.ndarray:
-        array = self._read(name)
+        array = self._read(name, role)
         if array is None:
             return np.zeros(shape, self._dtype(role))
         if array.shape != shape:
@@ -76,6 +88,10 @@ class CheckpointSource:
             return np.zeros(shape, self._dtype(role))
         if role is Role.TABLE and (array.min() < 0 or array.max() >= self.n_experts):
             self.invalid.append(f"{name}: expert ids outside [0, {self.n_experts})")
+        if role is not Role.TABLE and not _all_finite(array):
+            bad = array.size - np.count_nonzero(np.isfinite(array))
+            what = "all NaN" if np.isnan(array).all() else f"{bad} of {array.size} values NaN or inf"
+            self.invalid.append(f"{name}: {what} (expected finite weights)")
         return array.astype(self._dtype(role))
 
     def stacked(self, names: list[str], shape: tuple[int, ...], role: Role) -> np.ndarray:
@@ -98,13 +114,12 @@ class CheckpointSource:
             return np.dtype(np.int32)
         return np.dtype(np.float32) if role in _F32_ROLES else self.dtype
 
-    def _read(self, name: str) -> np.ndarray | None:
+    def _read(self, name: str, role: Role) -> np.ndarray | None:
         key = self.by_name.get(name)
         if key is None:
             self.missing.append(name)
             return None
         self.used.add(name)
-        array = self.ckpt.get(key)
         scale_name = name[: -len("weight")] + "scale" if name.endswith(".weight") else None
         scale_key = self.by_name.get(scale_name) if scale_name else None
         kind = self.ckpt.dtype_name(key)
@@ -112,7 +127,14 @@ class CheckpointSource:
             if kind.startswith("F8") or kind in ("I8", "U8"):
                 self.invalid.append(f"{name}: quantised dtype {kind} without a .scale tensor")
                 return None
-            return array
+            expected = _INT_KINDS if role is Role.TABLE else _FLOAT_KINDS
+            if kind not in expected:
+                self.invalid.append(f"{name}: dtype {kind}, expected one of {sorted(expected)}"
+                                    + ("" if role is Role.TABLE else
+                                       " (or F8_E4M3 / FP4 in I8 with a .scale tensor)"))
+                return None
+            return self.ckpt.get(key)
+        array = self.ckpt.get(key)
         self.used.add(scale_name)
         scale = self.ckpt.get(scale_key)
         try:
