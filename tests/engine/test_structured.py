@@ -136,8 +136,8 @@ def test_a_slow_grammar_delays_no_one_and_fails_alone(llm, monkeypatch):
     llm = deepinfer_jax.LLM(llm.model, tokenizer=llm.tokenizer.path,
                             **{**ENGINE, "grammar_compile_timeout_s": 2.0})
     engine = llm.engine
-    free = engine.add_request("free", [5, 6, 7], SamplingParams(max_tokens=10_000,
-                                                                ignore_eos=True))
+    free = engine.add_request("free", [5, 6, 7], SamplingParams(     # as long as it may run
+        max_tokens=ENGINE["max_model_len"] - 3, ignore_eos=True))
     slow = engine.add_request("slow", [5, 6], constrained(regex="slow[0-9]{2}"))
     step_seconds = []
     while not slow.is_complete:
