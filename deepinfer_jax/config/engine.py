@@ -20,7 +20,12 @@ from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.speculative import SpeculativeConfig
 from deepinfer_jax.config.step import StepConfig
 
-__all__ = ["EngineConfig", "EngineConfigError", "HostOptions", "SpeculativeConfig", "StepConfig"]
+__all__ = ["EngineConfig", "EngineConfigError", "HostOptions", "QUICKSTART_SHAPES",
+           "SpeculativeConfig", "StepConfig"]
+
+# The shapes the shipped tiny model starts with: `LLM()`, `make demo` and the `deepinfer`
+# command share them, so that one compile (two token buckets, 16 and 32) serves all three.
+QUICKSTART_SHAPES = {"max_num_seqs": 4, "max_model_len": 512, "max_num_batched_tokens": 32}
 
 
 @dataclasses.dataclass(frozen=True)
