@@ -247,9 +247,9 @@ def _say(host: HostOptions, line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-# A cold step of the shipped 6-layer model on a 2-core CPU (bench/results/startup-cpu.md),
-# scaled by layers where this machine has compiled nothing yet.
-_SECONDS_PER_STEP_PER_LAYER = 5.0
+# A cold step of the shipped 6-layer model on a 2-core CPU, per layer (bench/results/
+# startup-cpu.md: 2 steps in 29 s, 56 s on a busier machine), where this one has no record.
+_SECONDS_PER_STEP_PER_LAYER = 3.0
 
 
 def _estimate(cache_dir: str | None, cfg: ModelConfig, steps: int) -> str:
