@@ -152,7 +152,10 @@ def _compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
     plan_wires = {key: Wire.of(build_plan(ScheduleDecision(()), key[0], step_cfg))
                   for key in keys}                                    # shapes are fixed
     kind = "speculative steps" if speculative else "steps"
-    cache_dir = host.compilation_cache_dir
+    # The step cache holds CPU executables only: serializing a GPU step (its Mosaic GPU kernels
+    # included) has not been validated on the H200 yet, and there jax's persistent cache,
+    # which the step cache turns off while it compiles, keeps a later start's compile short.
+    cache_dir = host.compilation_cache_dir if jax.default_backend() == "cpu" else None
     paths: dict = {}
     compiled: dict = {}
     if cache_dir:

@@ -33,6 +33,7 @@ from pathlib import Path
 import jax
 from jax.experimental import serialize_executable
 
+from deepinfer_jax.config import options
 from deepinfer_jax.engine.transfer import Wire
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ def entry_key(trace_key: tuple, bucket: int, truncation: bool | None,
         "device": f"{device.platform} {device.device_kind} x{jax.device_count()} "
                   f"{device.client.platform_version}",
         "matmul_precision": str(jax.config.jax_default_matmul_precision),
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "xla_flags": options.xla_flags(),
         "cpu": _host_cpu(),
         "source": source_digest(),
     }
