@@ -9,13 +9,15 @@ import time
 
 import numpy as np
 
+from deepinfer_jax.config.engine import QUICKSTART_SHAPES
+
 
 def _engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", help="checkpoint directory (default: models/deepinfer-tiny-v4)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the checkpoint's")
-    ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=256)
+    # the quick start's shapes (one compile serves the CLI, LLM() and `make demo`)
+    for name, value in QUICKSTART_SHAPES.items():
+        ap.add_argument("--" + name.replace("_", "-"), type=int, default=value)
     ap.add_argument("--num-pages", type=int)
 
 

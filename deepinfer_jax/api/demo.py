@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from deepinfer_jax.api.llm import DEFAULT_MODEL, LLM
+from deepinfer_jax.config.engine import QUICKSTART_SHAPES
 from deepinfer_jax.host.request import SamplingParams
 
 # No trailing newline: the tokenizer merges a newline with the next line's indentation, so a
@@ -25,7 +26,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     ap.add_argument("--max-tokens", type=int, default=48)
     args = ap.parse_args(argv)
-    llm = LLM(args.model, max_num_seqs=4, max_model_len=512, max_num_batched_tokens=64)
+    llm = LLM(args.model, **QUICKSTART_SHAPES)      # the quick start's and the CLI's shapes
     cfg = llm.model.config
     print(f"model: {args.model} ({cfg.num_layers} layers: "
           f"{', '.join(k.value for k in cfg.layer_types)})")

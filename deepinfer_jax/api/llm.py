@@ -15,7 +15,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from deepinfer_jax.api.model import Model, load
-from deepinfer_jax.config.engine import EngineConfig
+from deepinfer_jax.config.engine import QUICKSTART_SHAPES, EngineConfig
 from deepinfer_jax.engine.core import EngineCore, failed_output
 from deepinfer_jax.engine.devices import local_device_facts
 from deepinfer_jax.host.detokenizer import IncrementalDetokenizer
@@ -52,7 +52,8 @@ DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "deepinfer-tiny
 class LLM:
     def __init__(self, model: str | Path | Model | None = None, *, dtype=None,
                  tokenizer: str | Path | None = None, **engine_options):
-        """model: a checkpoint directory, a loaded `Model`, or None for the shipped tiny model.
+        """model: a checkpoint directory, a loaded `Model`, or None for the shipped tiny model
+        (with QUICKSTART_SHAPES where no shape is given).
         engine_options: the fields of `EngineConfig` (max_num_seqs, max_model_len,
         max_num_batched_tokens, num_pages, async_scheduling, batch_invariant, seed, ...)."""
         unknown = set(engine_options) - _ENGINE_OPTIONS
@@ -63,6 +64,7 @@ class LLM:
             if not (DEFAULT_MODEL / "config.json").exists():
                 raise FileNotFoundError(f"no model given and the default {DEFAULT_MODEL} is missing")
             model = DEFAULT_MODEL
+            engine_options = {**QUICKSTART_SHAPES, **engine_options}
         if isinstance(model, Model):
             self.model, self.tokenizer = model, None
         elif isinstance(model, (str, Path)):

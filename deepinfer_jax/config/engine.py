@@ -24,8 +24,12 @@ from deepinfer_jax.config.step import StepConfig
 # that compiles and holds pages for a 1M-token context would surprise more than it helps).
 DEFAULT_MAX_MODEL_LEN = 4096
 
+# The shapes the shipped tiny model starts with: `LLM()`, `make demo` and the `deepinfer`
+# command share them, so that one compile (two token buckets, 16 and 32) serves all three.
+QUICKSTART_SHAPES = {"max_num_seqs": 4, "max_model_len": 512, "max_num_batched_tokens": 32}
+
 __all__ = ["DEFAULT_MAX_MODEL_LEN", "EngineConfig", "EngineConfigError", "HostOptions",
-           "SpeculativeConfig", "StepConfig"]
+           "QUICKSTART_SHAPES", "SpeculativeConfig", "StepConfig"]
 
 
 @dataclasses.dataclass(frozen=True)

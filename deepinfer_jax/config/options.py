@@ -54,6 +54,11 @@ def default_cache_dir(environ: Mapping[str, str] | None = None) -> str:
     return str(Path(base) / "deepinfer-jax" / "xla")
 
 
+def xla_flags(environ: Mapping[str, str] | None = None) -> str:
+    """XLA_FLAGS as XLA will read it: compiled programs depend on it (the step cache's key)."""
+    return _environ(environ).get("XLA_FLAGS", "")
+
+
 def flag(name: str, environ: Mapping[str, str] | None = None) -> bool | None:
     """A DEEPINFER_* on/off variable: None if unset or empty, else whether it is not "0"."""
     value = _environ(environ).get(name, "")

@@ -2,14 +2,19 @@
 
 At start-up each token bucket's step is lowered and compiled once (`jit(...).lower(...)
 .compile()`); serving then only calls these executables, which raise on a shape mismatch
-instead of recompiling. The persistent compilation cache makes a second start fast.
+instead of recompiling. The step cache (engine/step_cache.py) keeps each compiled step on
+disk, so that a second process loads it instead of tracing it again.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
+import json
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
@@ -24,6 +29,7 @@ from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.contract import BatchPlan
 from deepinfer_jax.device.speculative import spec_step
 from deepinfer_jax.device.step import step
+from deepinfer_jax.engine import step_cache
 from deepinfer_jax.engine.transfer import Wire
 from deepinfer_jax.host.decision import ScheduleDecision
 from deepinfer_jax.host.plan_builder import build_plan
@@ -123,24 +129,69 @@ def compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
                   speculative: bool = False) -> CompiledSteps:
     """The step compiled for every token bucket (and sampler variant; state donated): the
     plain step, or the speculative one (verify drafts, then MTP drafting). Memoised per
-    process (`_trace_key`)."""
+    process (`_trace_key`), and across processes by the step cache (engine/step_cache.py)
+    under the compilation cache directory."""
     key = _trace_key(params, state, cfg, step_cfg, speculative)
     if key in _memo:
         _memo.move_to_end(key)
         return _memo[key]
-    _memo[key] = steps = _compile_steps(params, state, cfg, step_cfg, host, speculative)
+    _memo[key] = steps = _compile_steps(params, state, cfg, step_cfg, host, speculative, key)
     if len(_memo) > _MEMO_SIZE:
         _memo.popitem(last=False)
     return steps
 
 
 def _compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
-                   step_cfg: StepConfig, host: HostOptions, speculative: bool) -> CompiledSteps:
+                   step_cfg: StepConfig, host: HostOptions, speculative: bool,
+                   trace_key: tuple) -> CompiledSteps:
     enable_persistent_cache(host.compilation_cache_dir)
     options = BATCH_INVARIANT_COMPILER_OPTIONS if step_cfg.batch_invariant else None
     launch_bound = step_cfg.compute.launch_bound
     truncations = (False, True) if launch_bound else (None,)
     keys = [(t, truncation) for t in step_cfg.token_buckets for truncation in truncations]
+    plan_wires = {key: Wire.of(build_plan(ScheduleDecision(()), key[0], step_cfg))
+                  for key in keys}                                    # shapes are fixed
+    kind = "speculative steps" if speculative else "steps"
+    # The step cache holds CPU executables only: serializing a GPU step (its Mosaic GPU kernels
+    # included) has not been validated on the H200 yet, and there jax's persistent cache,
+    # which the step cache turns off while it compiles, keeps a later start's compile short.
+    cache_dir = host.compilation_cache_dir if jax.default_backend() == "cpu" else None
+    paths: dict = {}
+    compiled: dict = {}
+    if cache_dir:
+        start = time.perf_counter()
+        for key in keys:
+            entry = step_cache.entry_key(trace_key, *key, options)
+            paths[key] = (step_cache.entry_path(cache_dir, entry), entry)
+            found = step_cache.load(*paths[key], (params, state, plan_wires[key].spec()),
+                                    plan_wires[key])
+            if found is not None:
+                compiled[key] = CompiledStep(found[0], plan_wires[key], found[1], launch_bound)
+        if compiled:
+            _say(host, f"deepinfer: {len(compiled)} {kind} loaded from the step cache in "
+                       f"{time.perf_counter() - start:.1f} s ({Path(cache_dir) / 'steps'})")
+    missing = [key for key in keys if key not in compiled]
+    if not missing:
+        return CompiledSteps(compiled)
+    _say(host, f"deepinfer: cold start, tracing and compiling {len(missing)} {kind} "
+               f"(token buckets {sorted({t for t, _ in missing})}); "
+               f"{_estimate(cache_dir, cfg, len(missing))}"
+               + (f", then kept in {Path(cache_dir) / 'steps'} for the next start"
+                  if cache_dir else ""))
+    start = time.perf_counter()
+    with _jax_cache_off() if cache_dir else contextlib.nullcontext():
+        compiled.update(_build(params, state, cfg, step_cfg, host, speculative, missing,
+                               plan_wires, options, paths))
+    if cache_dir:
+        _record_time(cache_dir, cfg, (time.perf_counter() - start) / len(missing))
+    return CompiledSteps(compiled)
+
+
+def _build(params, state, cfg, step_cfg, host, speculative, keys, plan_wires, options,
+           paths) -> dict:
+    """Trace, lower and compile `keys`' steps; each is written to the step cache (at `paths`)
+    as it is compiled, before it ever runs."""
+    launch_bound = step_cfg.compute.launch_bound
     # Tracing and lowering is Python (one at a time); XLA's compile releases the GIL and is
     # mostly single-threaded per module, so on the CPU the buckets compile side by side.
     lowered, wires = {}, {}
@@ -149,7 +200,7 @@ def _compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
                               desc=f"tracing {kind}"):
         step_fn = functools.partial(spec_step if speculative else step, cfg=cfg, step_cfg=step_cfg,
                                     truncation=truncation)
-        plan_wire = Wire.of(build_plan(ScheduleDecision(()), t, step_cfg))   # shapes are fixed
+        plan_wire = plan_wires[t, truncation]
         output_wire = []            # the output's layout, read while the step is traced
 
         def wired_step(params, state, buffer, step_fn=step_fn, plan_wire=plan_wire,
@@ -161,6 +212,7 @@ def _compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
         lowered[t, truncation] = jax.jit(wired_step, donate_argnums=(1,)).lower(
             params, state, plan_wire.spec())
         wires[t, truncation] = (plan_wire, output_wire[-1])
+    step_cache.stats.traced += len(keys)
     progress = tqdm(total=len(keys), unit="step", disable=not host.show_progress,
                     desc=f"compiling {kind}")
     compiled = {}
@@ -170,7 +222,59 @@ def _compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
         for future in as_completed(futures):
             key = futures[future]
             compiled[key] = CompiledStep(future.result(), *wires[key], launch_bound)
+            if key in paths:
+                step_cache.store(*paths[key], compiled[key].executable, *wires[key])
             progress.set_postfix(tokens=key[0])
             progress.update()
     progress.close()
-    return CompiledSteps(compiled)
+    return compiled
+
+
+@contextlib.contextmanager
+def _jax_cache_off():
+    """Compile without jax's persistent cache: an executable read from it cannot be written
+    to the step cache (XLA's CPU client serializes a deserialized executable without all its
+    functions, jax 0.11.2), and every later start reads the step cache instead."""
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+        compilation_cache.reset_cache()
+
+
+def _say(host: HostOptions, line: str) -> None:
+    if host.show_progress:
+        print(line, file=sys.stderr, flush=True)
+
+
+# A cold step of the shipped 6-layer model on a 2-core CPU, per layer (bench/results/
+# startup-cpu.md: 2 steps in 29 s, 56 s on a busier machine), where this one has no record.
+_SECONDS_PER_STEP_PER_LAYER = 3.0
+
+
+def _estimate(cache_dir: str | None, cfg: ModelConfig, steps: int) -> str:
+    """Roughly how long the cold start takes: this machine's last cold start, per step and
+    layer, or the shipped model's figure."""
+    per_layer, where = _SECONDS_PER_STEP_PER_LAYER, "on a 2-core CPU"
+    try:
+        per_layer = json.loads((Path(cache_dir) / "steps" / "cold-start.json").read_text()
+                               )["seconds_per_step_per_layer"]
+        where = "on this machine"
+    except (OSError, TypeError, ValueError, KeyError):
+        pass
+    seconds = per_layer * steps * max(cfg.num_layers, 1)
+    about = f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+    return f"roughly {about} {where}"
+
+
+def _record_time(cache_dir: str, cfg: ModelConfig, seconds_per_step: float) -> None:
+    path = Path(cache_dir) / "steps" / "cold-start.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"seconds_per_step_per_layer":
+                                    seconds_per_step / max(cfg.num_layers, 1)}))
+    except OSError:
+        pass

@@ -31,7 +31,7 @@ from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.contract import SpecStepOutput, StepOutput
 from deepinfer_jax.device.snapshots import compile_copies, init_pool, slot_rings
-from deepinfer_jax.engine.compile import compile_steps
+from deepinfer_jax.engine.compile import compile_steps, enable_persistent_cache
 from deepinfer_jax.engine.launch import Launcher
 from deepinfer_jax.host.buckets import token_bucket
 from deepinfer_jax.host.decision import Restore, ScheduleDecision, SnapshotSave
@@ -87,6 +87,8 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.structured = None if tokenizer is None else StructuredOutputs(
             tokenizer.path, cfg.vocab_size, cfg.eos_token_ids, host.grammar_compile_timeout_s)
+        # before the state's first computations: their small programs load from jax's cache
+        enable_persistent_cache(host.compilation_cache_dir)
         self.state = init_state(self.cfg, step_cfg, params.embed.dtype)
         self.steps = compile_steps(params, self.state, self.cfg, step_cfg, host)
         # With speculation, small batches run the speculative step and large ones (no room in
