@@ -118,7 +118,8 @@ class EngineCore:
             raise InvalidRequestError("; ".join(problems))
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
         matcher = self.structured.matcher(params) if self.structured is not None else None
-        stop_strings = StopStrings(self.tokenizer, params.stop) if params.stop else None
+        stop_strings = StopStrings(self.tokenizer.decoder(params.skip_special_tokens),
+                                   params.stop) if params.stop else None
         request = Request(request_id, list(prompt), params, next(self._arrivals), seed=seed,
                           matcher=matcher, stop_strings=stop_strings)
         self.scheduler.add(request)
