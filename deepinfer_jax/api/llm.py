@@ -186,7 +186,8 @@ class LLM:
                     shown = text_tokens(req, known) if done else known
                     final_text[rid] += detokenizers[rid].add(shown[fed[rid]:])
                     fed[rid] = max(fed[rid], len(shown))
-                    decoded = final_text[rid] + detokenizers[rid].pending
+                    # the held-back tail (an unfinished character) only once it is final
+                    decoded = final_text[rid] + (detokenizers[rid].pending if done else "")
                     full = _streamable_text(decoded, req, done)
                     text, sent_text[rid] = full[len(sent_text[rid]):], full
                 if done:
