@@ -134,7 +134,7 @@ class LLM:
             raise ValueError("chat needs the model's tokenizer.json")
         template = self.chat_template
         if chat_template is not None:
-            template = ChatTemplate(chat_template, getattr(template, "_specials", None))
+            template = ChatTemplate(chat_template, getattr(template, "special_tokens", None))
         if template is None:
             raise ValueError("the model has no chat template (chat_template.jinja or "
                              "tokenizer_config.json's chat_template); pass chat_template=")

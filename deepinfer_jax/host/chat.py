@@ -37,7 +37,7 @@ _MESSAGE_FIELD = re.compile(r"""message(?:\[\s*['"](\w+)['"]\s*\]|\.(\w+))""")
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None):
         self.source = source
-        self._specials = dict(special_tokens or {})
+        self.special_tokens = dict(special_tokens or {})   # {"bos_token": "<s>", ...}
         match = _SHAPE.fullmatch(_as_transformers_loads(source))
         if match is None:
             raise ChatTemplateError("the chat template is not one loop over messages; this "
@@ -54,7 +54,7 @@ class ChatTemplate:
             raise ChatTemplateError(f"unsupported tag in the chat template: {part!r:.80}")
         for expr in _EXPR.findall(part):
             field = _MESSAGE_FIELD.fullmatch(expr)
-            known = (field is not None and (field[1] or field[2]) in fields) or expr in self._specials
+            known = (field is not None and (field[1] or field[2]) in fields) or expr in self.special_tokens
             if not known:
                 raise ChatTemplateError(f"unsupported expression in the chat template: "
                                         f"{{{{ {expr} }}}}")
@@ -64,7 +64,7 @@ class ChatTemplate:
             field = _MESSAGE_FIELD.fullmatch(m[1])
             if field is not None:
                 return str(message[field[1] or field[2]])
-            return self._specials[m[1]]
+            return self.special_tokens[m[1]]
         return _EXPR.sub(value, part)
 
     def render(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
