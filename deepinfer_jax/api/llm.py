@@ -1,7 +1,16 @@
-"""`LLM`: the vLLM-shaped facade. `generate` returns finished outputs; `stream` yields deltas.
+"""`LLM`: the vLLM-shaped facade. `generate` returns finished outputs; `stream` yields deltas;
+`chat` renders conversations with the model's chat template.
 
     llm = LLM(model="path/to/checkpoint", max_num_seqs=16, max_model_len=4096)
     outputs = llm.generate(["def fib(n):", [0, 17, 42]], SamplingParams(max_tokens=32))
+    outputs[0].outputs[0].text
+
+A prompt with `n` (or `best_of`) > 1 runs as that many requests, seeded `seed + i` when the
+prompt has a seed (vLLM's rule: reproducible, and the completions differ), grouped back into
+one `RequestOutput` (host/outputs.py). `prompt_logprobs` come from the cache-free reference
+forward (`Model.logits`, the oracle the engine's step is tested against) run once over the
+prompt when its output is assembled: the step computes logits only at sampled rows, and a
+prompt's logprobs are needed once, so a separate forward costs no change to the step.
 """
 
 from __future__ import annotations
@@ -18,7 +27,9 @@ from deepinfer_jax.api.model import Model, load
 from deepinfer_jax.config.engine import QUICKSTART_SHAPES, EngineConfig
 from deepinfer_jax.engine.core import EngineCore, failed_output
 from deepinfer_jax.engine.devices import local_device_facts
+from deepinfer_jax.host.chat import ChatTemplate
 from deepinfer_jax.host.detokenizer import IncrementalDetokenizer
+from deepinfer_jax.host.outputs import cut_at_stop, group_output, prompt_logprobs, text_tokens, token_text
 from deepinfer_jax.host.request import (
     FinishReason,
     InvalidRequestError,
@@ -27,6 +38,7 @@ from deepinfer_jax.host.request import (
     RequestOutput,
     SamplingParams,
     SpecMetrics,
+    surface_problems,
 )
 from deepinfer_jax.host.tokenizer import TextTokenizer
 
@@ -42,6 +54,17 @@ class CompletionDelta:
     finished: bool
     finish_reason: FinishReason | None = None
     error: RequestError | None = None
+    output_index: int = 0           # which of the prompt's n completions
+
+
+@dataclasses.dataclass
+class _Group:
+    """One prompt of a call: its requests (best_of or n of them), or its failure."""
+
+    request_id: str
+    params: SamplingParams | None
+    requests: list[Request]
+    failed: RequestOutput | None = None
 
 
 _ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -66,15 +89,18 @@ class LLM:
             model = DEFAULT_MODEL
             engine_options = {**QUICKSTART_SHAPES, **engine_options}
         if isinstance(model, Model):
-            self.model, self.tokenizer = model, None
+            self.model, self.tokenizer, self.chat_template = model, None, None
         elif isinstance(model, (str, Path)):
             self.model = load(model, dtype=dtype)
             self.tokenizer = TextTokenizer.from_model_dir(model)
+            self.chat_template = ChatTemplate.from_model_dir(model)
         else:
             raise TypeError(f"model must be a path or a deepinfer_jax.Model, got {type(model)}")
         if tokenizer is not None:     # a tokenizer.json, or a directory holding one
             path = Path(tokenizer)
-            self.tokenizer = TextTokenizer.from_model_dir(path.parent if path.is_file() else path)
+            path = path.parent if path.is_file() else path
+            self.tokenizer = TextTokenizer.from_model_dir(path)
+            self.chat_template = ChatTemplate.from_model_dir(path) or self.chat_template
         options = EngineConfig(**engine_options)
         self.step_config = options.resolve(self.model.config, local_device_facts())
         self.host_options = options.host_options(self.step_config)
@@ -86,36 +112,67 @@ class LLM:
     # ---- public API -----------------------------------------------------------------------
     def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = True
                  ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
-        outputs: dict[str, RequestOutput] = {}
-        pending = self._submit(prompts, sampling_params, outputs)
-        bar = tqdm(total=len(outputs) + len(pending), desc="generating", unit="req",
-                   disable=not use_tqdm)
-        bar.update(len(outputs))
+        """Run every prompt to completion; outputs come back in prompt order, each prompt's
+        completions in `outputs[i]`."""
+        groups = self._submit(prompts, sampling_params)
+        pending = {r.request_id: r for g in groups for r in g.requests}
+        bar = tqdm(total=sum(len(g.requests) or 1 for g in groups), desc="generating",
+                   unit="req", disable=not use_tqdm)
+        bar.update(sum(g.failed is not None for g in groups))
         while self.engine.has_unfinished():
             for req in self.engine.step():
-                if req.is_complete and req.request_id in pending:
-                    outputs[req.request_id] = self._output(pending.pop(req.request_id))
+                if req.is_complete and pending.pop(req.request_id, None) is not None:
                     self._count_spec(req)
                     bar.update(1)
         bar.close()
-        for rid, req in pending.items():       # aborted from elsewhere
-            outputs[rid] = self._output(req)
-        return [outputs[rid] for rid in self._order]
+        return [self._group_output(g) for g in groups]   # aborted ones too, as they are
+
+    def chat(self, messages, sampling_params=None, *, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template: str | None = None
+             ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list
+        of them, rendered with the model's chat template (host/chat.py) or `chat_template`."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs the model's tokenizer.json")
+        template = self.chat_template
+        if chat_template is not None:
+            template = ChatTemplate(chat_template, getattr(template, "special_tokens", None))
+        if template is None:
+            raise ValueError("the model has no chat template (chat_template.jinja or "
+                             "tokenizer_config.json's chat_template); pass chat_template=")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.encode(template.render(c, add_generation_prompt),
+                                         add_special_tokens=False) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def stream(self, prompts, sampling_params=None) -> Iterator[CompletionDelta]:
-        """Yield each request's new tokens (and text) as soon as a step produces them."""
-        outputs: dict[str, RequestOutput] = {}
-        pending = self._submit(prompts, sampling_params, outputs)
-        index = {rid: i for i, rid in enumerate(self._order)}
-        for rid, out in outputs.items():
-            yield CompletionDelta(index[rid], rid, [], None, True, out.finish_reason, out.error)
+        """Yield each request's new tokens (and text) as soon as a step produces them. A
+        consumer that stops early (closes the generator, or breaks out of a for loop over it)
+        aborts its unfinished requests, freeing their pages at once."""
+        groups = self._submit(prompts, sampling_params, streaming=True)
+        where = {r.request_id: (i, j) for i, g in enumerate(groups)
+                 for j, r in enumerate(g.requests)}
+        pending = {r.request_id: r for g in groups for r in g.requests}
+        try:
+            yield from self._stream(groups, where, pending)
+        finally:
+            for rid in list(pending):   # the consumer stopped: nothing will read these
+                self.engine.abort(rid)
+
+    def _stream(self, groups: list[_Group], where: dict, pending: dict[str, Request]
+                ) -> Iterator[CompletionDelta]:
+        for i, g in enumerate(groups):
+            if g.failed is not None:
+                yield CompletionDelta(i, g.request_id, [], None, True, g.failed.finish_reason,
+                                      g.failed.error)
         sent_tokens = {rid: 0 for rid in pending}
         sent_text = {rid: "" for rid in pending}
         # a request's resolved tokens only grow, so its text is decoded a piece at a time:
-        # final_text + pending text == decode(resolved tokens)
-        detokenizers = {rid: IncrementalDetokenizer(self.tokenizer) for rid in pending
-                        } if self.tokenizer is not None else {}
+        # final_text + pending text == decode(text tokens fed so far)
+        detokenizers = {rid: IncrementalDetokenizer(self.tokenizer.decoder(
+            req.params.skip_special_tokens)) for rid, req in pending.items()
+        } if self.tokenizer is not None else {}
+        fed = {rid: 0 for rid in pending}
         final_text = {rid: "" for rid in pending}
         while pending and self.engine.has_unfinished():
             for req in self.engine.step():
@@ -128,15 +185,23 @@ class LLM:
                 done = req.is_complete
                 text = None
                 if self.tokenizer is not None:
-                    final_text[rid] += detokenizers[rid].add(new)
-                    decoded = final_text[rid] + detokenizers[rid].pending
+                    shown = text_tokens(req, known) if done else known
+                    final_text[rid] += detokenizers[rid].add(shown[fed[rid]:])
+                    fed[rid] = max(fed[rid], len(shown))
+                    # the held-back tail (an unfinished character) only once it is final
+                    decoded = final_text[rid] + (detokenizers[rid].pending if done else "")
                     full = _streamable_text(decoded, req, done)
                     text, sent_text[rid] = full[len(sent_text[rid]):], full
                 if done:
                     pending.pop(rid)
-                yield CompletionDelta(index[rid], rid, new, text, done, req.finish_reason)
-        for rid, req in pending.items():       # aborted while streaming
-            yield CompletionDelta(index[rid], rid, [], None, True, req.finish_reason)
+                i, j = where[rid]
+                yield CompletionDelta(i, groups[i].request_id, new, text, done, req.finish_reason,
+                                      output_index=j)
+        for rid, req in list(pending.items()):       # aborted while streaming
+            pending.pop(rid)
+            i, j = where[rid]
+            yield CompletionDelta(i, groups[i].request_id, [], None, True, req.finish_reason,
+                                  output_index=j)
 
     def _count_spec(self, req: Request) -> None:
         for field in ("steps", "drafted", "accepted"):
@@ -147,21 +212,33 @@ class LLM:
         return self.engine.abort(request_id) is not None
 
     # ---- internals ------------------------------------------------------------------------
-    def _submit(self, prompts, sampling_params, outputs: dict) -> dict[str, Request]:
+    def _submit(self, prompts, sampling_params, streaming: bool = False) -> list[_Group]:
         prompts = _normalize_prompts(prompts)
         params = _normalize_params(sampling_params, len(prompts))
-        self._order = []
-        pending: dict[str, Request] = {}
+        groups = []
         for prompt, p in zip(prompts, params, strict=True):
-            rid = str(next(self._ids))
-            self._order.append(rid)
+            group = _Group(str(next(self._ids)), None, [])
+            groups.append(group)
             try:
-                p = SamplingParams.from_dict(p) if isinstance(p, dict) else p
-                pending[rid] = self.engine.add_request(rid, self._tokens(prompt), p)
+                p = group.params = SamplingParams.from_dict(p) if isinstance(p, dict) else p
+                problems = surface_problems(p, self.step_config.max_logprobs)
+                if streaming and (p.best_of or p.n) > p.n:
+                    problems.append("best_of > n chooses among finished completions; "
+                                    "it cannot stream (use generate)")
+                if problems:
+                    raise InvalidRequestError("; ".join(problems))
+                tokens = self._tokens(prompt)
+                children = _children(p)
+                for i, child in enumerate(children):
+                    rid = group.request_id if len(children) == 1 else f"{group.request_id}-{i}"
+                    group.requests.append(self.engine.add_request(rid, tokens, child))
             except (RequestError, TypeError) as e:
+                for req in group.requests:
+                    self.engine.abort(req.request_id)
+                group.requests = []
                 err = e if isinstance(e, RequestError) else InvalidRequestError(str(e))
-                outputs[rid] = failed_output(rid, prompt, err)
-        return pending
+                group.failed = failed_output(group.request_id, prompt, err)
+        return groups
 
     def _tokens(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -171,11 +248,19 @@ class LLM:
             return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 
-    def _output(self, req: Request) -> RequestOutput:
-        text = None if self.tokenizer is None else self.tokenizer.decode(req.generated)
-        out = req.output(text)
+    def _group_output(self, group: _Group) -> RequestOutput:
+        if group.failed is not None:
+            return group.failed
+        p = group.params
+        prompt_lps = None
+        if p.prompt_logprobs is not None:
+            prompt = group.requests[0].prompt
+            prompt_lps = prompt_logprobs(prompt, self.model.logits(prompt)[0], p.prompt_logprobs,
+                                         token_text(self.tokenizer))
+        out = group_output(group.request_id, group.requests, p.n, self.tokenizer,
+                           p.logprobs is not None, prompt_lps)
         out.batch_invariant = self.step_config.batch_invariant
-        out.spec = req.spec if self.step_config.spec_tokens else None
+        out.spec = group.requests[0].spec if self.step_config.spec_tokens else None
         return out
 
     @property
@@ -194,7 +279,7 @@ def _streamable_text(text: str, req: Request, done: bool) -> str:
     """The part of the text that may be shown: cut at a stop string, and while running, hold
     back a tail that could still grow into one."""
     if req.stop_text_at is not None:
-        return text[: req.stop_text_at]
+        return cut_at_stop(text, req)
     if done or not req.params.stop:
         return text
     for keep in range(len(text) - max(len(s) for s in req.params.stop) + 1, len(text) + 1):
@@ -203,6 +288,18 @@ def _streamable_text(text: str, req: Request, done: bool) -> str:
             continue
         return text[: max(keep, 0)]
     return text
+
+
+def _children(p: SamplingParams) -> list[SamplingParams]:
+    """The requests a prompt runs as: best_of (or n) of them, seeded seed + i as vLLM's when
+    the prompt has a seed; best_of > n ranks them by cumulative logprob, so they compute it."""
+    count = p.best_of or p.n
+    if count == 1:
+        return [p]
+    logprobs = 0 if p.logprobs is None and count > p.n else p.logprobs
+    return [dataclasses.replace(p, n=1, best_of=None, prompt_logprobs=None, logprobs=logprobs,
+                                seed=None if p.seed is None else (p.seed + i) % 2**32)
+            for i in range(count)]
 
 
 def _is_tokens(x) -> bool:

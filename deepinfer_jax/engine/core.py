@@ -124,7 +124,8 @@ class EngineCore:
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
         spec = grammar_spec(params) if self.structured is not None else None
         matcher = self.structured.lookup(spec) if spec is not None else None
-        stop_strings = StopStrings(self.tokenizer, params.stop) if params.stop else None
+        stop_strings = StopStrings(self.tokenizer.decoder(params.skip_special_tokens),
+                                   params.stop) if params.stop else None
         request = Request(request_id, list(prompt), params, next(self._arrivals), seed=seed,
                           stop_strings=stop_strings)
         if matcher is StructuredOutputs.PENDING:     # queued once its grammar compiles

@@ -34,5 +34,6 @@ def end_of_output(req: Request) -> int | None:
             at = req.stop_strings.add(generated[index], search=index + 1 >= req.params.min_tokens)
             if at is not None:
                 req.stop_text_at = at
+                req.stop_reason = req.stop_strings.matched
                 return index
     return None

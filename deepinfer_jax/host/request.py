@@ -28,7 +28,7 @@ class InvalidRequestError(RequestError):
     """The request cannot be served as given (bad prompt or sampling parameters)."""
 
 
-class FinishReason(enum.Enum):
+class FinishReason(str, enum.Enum):     # compares equal to vLLM's strings ("stop", ...)
     STOP = "stop"        # EOS or a stop token
     LENGTH = "length"    # max_tokens or max_model_len reached
     ABORT = "abort"      # aborted by the caller
@@ -64,8 +64,15 @@ class SamplingParams:
     json_schema: dict | str | None = None
     regex: str | None = None
     grammar: str | None = None
+    # vLLM's surface (api/llm.py and api/outputs.py); see outputs_problems for their values
+    n: int = 1                            # completions returned per prompt
+    best_of: int | None = None            # completions run (>= n); the n most likely returned
+    prompt_logprobs: int | None = None    # each prompt token's logprob and the top k
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
+        _check_surface_types(self)
         for name in ("max_tokens", "top_k", "min_tokens"):
             _check_type(name, getattr(self, name), int)
         for name in _FLOATS:
@@ -164,6 +171,26 @@ def unicode_error(text: str) -> UnicodeEncodeError | None:
     return None
 
 
+def _check_surface_types(p: SamplingParams) -> None:
+    _check_type("n", p.n, int)
+    for name in ("best_of", "prompt_logprobs"):
+        if getattr(p, name) is not None:
+            _check_type(name, getattr(p, name), int)
+    for name in ("include_stop_str_in_output", "skip_special_tokens"):
+        _check_type(name, getattr(p, name), bool)
+
+
+def surface_problems(p: SamplingParams, max_logprobs: int) -> list[str]:
+    """The values of the vLLM-surface options (n, best_of, prompt_logprobs)."""
+    checks = [
+        (p.n >= 1, f"n must be >= 1, got {p.n}"),
+        (p.best_of is None or p.best_of >= p.n, f"best_of must be >= n ({p.n}), got {p.best_of}"),
+        (p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= max_logprobs,
+         f"prompt_logprobs must be in [0, {max_logprobs}], got {p.prompt_logprobs}"),
+    ]
+    return [message for ok, message in checks if not ok]
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) or (
         hasattr(x, "dtype") and getattr(x.dtype, "kind", "") in "iu")
@@ -215,8 +242,36 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...]     # (token id, logprob), best first
 
 
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    """vLLM's per-token logprob entry (an element of `CompletionOutput.logprobs[i]`)."""
+
+    logprob: float
+    rank: int | None = None              # 1 = most likely; None where the step did not rank it
+    decoded_token: str | None = None     # the token's text alone (with a tokenizer)
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One completion of a prompt, as vLLM's: `RequestOutput.outputs[i]`."""
+
+    index: int
+    text: str | None
+    token_ids: list[int]
+    cumulative_logprob: float | None = None         # with logprobs (or best_of)
+    logprobs: list[dict[int, Logprob]] | None = None  # per token: the chosen one and the top k
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None   # the stop token id or stop string; None for EOS
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
 @dataclasses.dataclass
 class RequestOutput:
+    """A prompt's result. `outputs[i]` are its completions (vLLM's shape, the documented way);
+    the top-level text, token_ids, finish_reason and logprobs repeat outputs[0]'s."""
+
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]                  # generated so far (all of them, not a delta)
@@ -228,6 +283,13 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     batch_invariant: bool = False         # computed in batch-invariant mode
     spec: SpecMetrics | None = None       # speculative decoding counters (when enabled)
+    outputs: list[CompletionOutput] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # [None, {id: Logprob}, ...]
+
+    def __post_init__(self):
+        if not self.outputs:       # one completion, from the top-level fields
+            self.outputs = [CompletionOutput(0, self.text, self.token_ids,
+                                             finish_reason=self.finish_reason)]
 
 
 # A generated token whose value is still on the device (asynchronous scheduling): the step
@@ -265,6 +327,8 @@ class Request:
     stop_strings: StopStrings | None = None   # the stop-string search (with params.stop)
     num_checked: int = 0                  # generated tokens seen by stop strings / grammar
     stop_text_at: int | None = None       # where a stop string starts in the output text
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    ended_on_stop_token: bool = False     # the last token is EOS or a stop token id
     drafts: list[int] = dataclasses.field(default_factory=list)   # MTP drafts to verify next
     spec: "SpecMetrics" = dataclasses.field(default_factory=lambda: SpecMetrics())
     block_keys: list[int] = dataclasses.field(default_factory=list)  # prefix-cache block hashes

@@ -240,7 +240,7 @@ class Scheduler:
                                                       out.top_logprobs[row], req.params.logprobs)
             touched.append(req)
             if self._is_stop(req, token):
-                self._stop_at(req, index)    # drops tokens computed after the stop
+                self._stop_at(req, index, token)    # drops tokens computed after the stop
         self.kv_cache.cache_completed()
         return touched
 
@@ -270,7 +270,7 @@ class Scheduler:
                     token, out.logprob[row, j], out.top_ids[row, j], out.top_logprobs[row, j],
                     req.params.logprobs))
                 if self._is_stop(req, token):
-                    self._stop_at(req, len(req.generated) - 1)
+                    self._stop_at(req, len(req.generated) - 1, token)
                     break
                 if (len(req.generated) >= req.params.max_tokens
                         or req.num_tokens >= self.step_cfg.max_model_len):
@@ -285,10 +285,14 @@ class Scheduler:
         return (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
 
     # ---- ending requests ------------------------------------------------------------------
-    def _stop_at(self, req: Request, index: int) -> None:
+    def _stop_at(self, req: Request, index: int, stop_token: int | None = None) -> None:
         """End `req` after its generated token `index` (stop token or string, grammar done;
-        with `req.error` set, a grammar's dead end: an error)."""
+        with `req.error` set, a grammar's dead end: an error). A stop token is recorded as
+        vLLM reports it: its id is the stop reason, EOS's none."""
         req.truncate(index + 1)
+        if stop_token is not None:
+            req.ended_on_stop_token = True
+            req.stop_reason = stop_token if stop_token in req.params.stop_token_ids else None
         reason = FinishReason.STOP if req.error is None else FinishReason.ERROR
         if req.status is RequestStatus.FINISHED:
             req.finish_reason = reason

@@ -23,6 +23,7 @@ class StopStrings:
         self._overlap = max(len(s) for s in stops) - 1
         self._unsearched_from = 0     # final-text position where the unsearched part starts
         self._unsearched = ""         # the final text from there on
+        self.matched: str | None = None   # the stop string found (the first in the text)
 
     def add(self, token: int, search: bool = True) -> int | None:
         """Append a generated token; with `search`, return the position in the output text of
@@ -31,9 +32,10 @@ class StopStrings:
         if not search:
             return None
         window = self._unsearched + self._detokenizer.pending
-        hits = [i for i in (window.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((window.find(s), s) for s in self.stops) if i >= 0]
         if hits:
-            return self._unsearched_from + min(hits)
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            return self._unsearched_from + at
         keep = min(self._overlap, len(self._unsearched))   # a match may start in these
         self._unsearched_from += len(self._unsearched) - keep
         self._unsearched = self._unsearched[len(self._unsearched) - keep:]

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 
 import deepinfer_jax
 from deepinfer_jax import SamplingParams
@@ -13,29 +11,6 @@ from deepinfer_jax.api.cli import main as cli_main
 from tests.engine.conftest import ENGINE
 
 pytestmark = pytest.mark.oracle
-
-CORPUS = ["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
-          "class Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n"] * 20
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, model):
-    """The tiny-mixed checkpoint plus a byte-level BPE tokenizer that fits its 512-token vocab."""
-    from tests.conftest import oracle_case
-
-    d = tmp_path_factory.mktemp("with-tokenizer")
-    for f in oracle_case("tiny-mixed").checkpoint.iterdir():
-        os.symlink(f, d / f.name)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<bos>", "<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 0)])
-    tok.save(str(d / "tokenizer.json"))
-    return d
-
 
 def test_string_prompt_end_to_end(model_dir):
     llm = deepinfer_jax.LLM(model_dir, **ENGINE)
