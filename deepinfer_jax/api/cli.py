@@ -19,33 +19,87 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
     for name, value in QUICKSTART_SHAPES.items():
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=value)
     ap.add_argument("--num-pages", type=int)
+    ap.add_argument("--enable-prefix-caching", action="store_true")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="a request's numbers never depend on its batch")
+    ap.add_argument("--speculative-tokens", type=int, metavar="K",
+                    help="MTP speculative decoding with up to K drafts a step")
+
+
+def _sampling_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ap.add_argument("--top-k", type=int, default=0, help="0: off")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--min-p", type=float, default=0.0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0)
+    ap.add_argument("--presence-penalty", type=float, default=0.0)
+    ap.add_argument("--frequency-penalty", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, help="a request's random stream (default: drawn)")
+    ap.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    ap.add_argument("--n", type=int, default=1, help="completions per prompt")
+    ap.add_argument("--logprobs", type=int, help="top logprobs to print per token")
+    constraint = ap.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", help="a JSON schema, inline or @file")
+    constraint.add_argument("--regex")
+    constraint.add_argument("--grammar", help="a Lark / GBNF grammar, inline or @file")
+
+
+def _text_or_file(value: str | None) -> str | None:
+    if value is not None and value.startswith("@"):
+        with open(value[1:]) as f:
+            return f.read()
+    return value
+
+
+def _sampling_params(args):
+    from deepinfer_jax.host.request import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed, stop=args.stop or [],
+        n=args.n, logprobs=args.logprobs, json_schema=_text_or_file(args.json_schema),
+        regex=args.regex, grammar=_text_or_file(args.grammar))
 
 
 def _make_llm(args):
     from deepinfer_jax.api.llm import LLM
 
+    speculative = (None if not args.speculative_tokens else
+                   {"method": "mtp", "num_speculative_tokens": args.speculative_tokens})
     return LLM(args.model, dtype=args.dtype,
                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-               max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages)
+               max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages,
+               enable_prefix_caching=args.enable_prefix_caching,
+               batch_invariant=args.batch_invariant, speculative_config=speculative)
 
 
 def generate(args) -> int:
-    from deepinfer_jax.host.request import SamplingParams
-
     prompts: list = list(args.prompt or [])
     prompts += [[int(t) for t in ids.split(",")] for ids in args.prompt_ids or []]
     if not prompts:
         print("give at least one --prompt or --prompt-ids", file=sys.stderr)
         return 2
+    params = _sampling_params(args)
     llm = _make_llm(args)
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    failed = 0
     for out in llm.generate(prompts, params):
-        if out.error is not None:
-            print(f"[{out.request_id}] error: {out.error}")
+        if out.error is not None:       # that request alone: the others are still printed
+            print(f"[{out.request_id}] error: {_one_line(out.error, hint=False)}",
+                  file=sys.stderr)
+            failed += 1
             continue
-        shown = repr(out.text) if out.text is not None else out.token_ids
-        print(f"[{out.request_id}] ({out.finish_reason.value}) {shown}")
-    return 0
+        for completion in out.outputs:
+            shown = repr(completion.text) if completion.text is not None else completion.token_ids
+            tag = out.request_id if len(out.outputs) == 1 else f"{out.request_id}.{completion.index}"
+            print(f"[{tag}] ({completion.finish_reason.value}) {shown}")
+            for entry in completion.logprobs or []:
+                print("    " + ", ".join(f"{lp.decoded_token!r}: {lp.logprob:.3f}"
+                                         for lp in entry.values()))
+    return 1 if failed else 0
 
 
 def bench(args) -> int:
@@ -78,8 +132,7 @@ def main(argv=None) -> int:
     _engine_args(g)
     g.add_argument("--prompt", action="append", help="a text prompt (needs tokenizer.json)")
     g.add_argument("--prompt-ids", action="append", help="comma-separated token ids")
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--ignore-eos", action="store_true")
+    _sampling_args(g)
     g.set_defaults(func=generate)
     b = sub.add_parser("bench", help="offline throughput on random prompts")
     _engine_args(b)
@@ -103,11 +156,12 @@ def main(argv=None) -> int:
         return 1
 
 
-def _one_line(e: Exception) -> str:
+def _one_line(e: Exception, hint: bool = True) -> str:
     """The error's type and message on one line (multi-line messages, such as a checkpoint's
     list of offending tensors, joined with "; ")."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return f"{type(e).__name__}: {'; '.join(lines) or repr(e)} (--debug for the traceback)"
+    return (f"{type(e).__name__}: {'; '.join(lines) or repr(e)}"
+            + (" (--debug for the traceback)" if hint else ""))
 
 
 if __name__ == "__main__":

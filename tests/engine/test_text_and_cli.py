@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from tokenizers import Tokenizer
 
@@ -42,3 +44,25 @@ def test_cli_generate_and_bench(model_dir, capsys):
     assert cli_main(["bench", *engine, "--num-prompts", "4", "--input-len", "20",
                      "--output-len", "3"]) == 0
     assert '"requests_per_s"' in capsys.readouterr().out
+
+
+def test_cli_sampling_and_structured_flags_reach_the_request(model_dir, capsys):
+    """The CLI's sampling flags become the request's SamplingParams: two seeded completions
+    of a regex, the same as the API gives for those parameters, and a bad value fails that
+    request with a non-zero exit."""
+    engine = ["--model", str(model_dir), "--max-num-seqs", "8", "--max-model-len", "640",
+              "--max-num-batched-tokens", "128"]
+    flags = ["--temperature", "1.0", "--seed", "7", "--n", "2", "--regex", "[0-9]{3}",
+             "--max-tokens", "8"]
+    assert cli_main(["generate", *engine, "--prompt", "x = ", *flags]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    shown = [line for line in lines if line.startswith("[0.")]
+    llm = deepinfer_jax.LLM(model_dir, max_num_seqs=8, max_model_len=640, max_num_batched_tokens=128)
+    [expected] = llm.generate(["x = "], SamplingParams(temperature=1.0, seed=7, n=2,
+                                                       regex="[0-9]{3}", max_tokens=8),
+                              use_tqdm=False)
+    assert shown == [f"[0.{c.index}] ({c.finish_reason.value}) {c.text!r}"
+                     for c in expected.outputs]
+    assert all(re.fullmatch("[0-9]{3}", c.text) for c in expected.outputs)
+    assert cli_main(["generate", *engine, "--prompt", "x", "--temperature", "-1"]) == 1
+    assert "temperature" in capsys.readouterr().err
