@@ -55,6 +55,15 @@ class KVCacheManager:
     def num_free_pages(self) -> int:
         return self.pages.num_free
 
+    def can_provide(self, num_pages: int) -> bool:
+        """Whether `num_pages` pages can be had: free ones, then cached blocks that no
+        sequence uses (eviction drops them leaf first, so each can go). Counts the cached
+        blocks only when the free pages do not suffice."""
+        free = self.pages.num_free
+        if num_pages <= free or self.prefix_cache is None:
+            return num_pages <= free
+        return num_pages <= free + self.prefix_cache.num_idle_blocks()
+
     # ---- a request's pages ----------------------------------------------------------------
     def grow(self, req: Request, num_tokens: int) -> bool:
         """Give `req` the pages for its positions < num_tokens, evicting idle cached blocks if

@@ -175,6 +175,10 @@ class PrefixCache:
                 return
             self._drop(min(idle, key=lambda b: b.last_used).key)
 
+    def num_idle_blocks(self) -> int:
+        """Cached blocks that no sequence uses: the pages `evict` can free."""
+        return sum(self.pages.refs(b.page) == 1 for b in self.blocks.values())
+
     def _drop(self, key: int) -> None:
         block = self.blocks.pop(key)
         for child in list(block.children):

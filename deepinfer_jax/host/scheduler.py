@@ -6,11 +6,18 @@ step (decision.py), `postprocess(decision, output)` applies the step's results.
 Policy per step, under a token budget (`max_num_batched_tokens`):
 1. decodes of running requests (one token each), oldest first;
 2. continued prefill chunks of running requests;
-3. admission of waiting requests, first come first served, while a state slot and the pages
-   for their first chunk are free.
+3. admission of waiting requests, first come first served, while a state slot is free and
+   the cache can hold the newcomer to its end: the pages the running requests will still
+   need, each up to its own end (min(prompt + max_tokens, max_model_len)), plus the
+   newcomer's, must fit in the free pages (and idle cached blocks, which can be evicted).
+   Reserving the whole need rather than estimating it (SGLang's new-token ratio) makes a
+   batch without shared prefix pages or drafts never preempt, so it is never slower than its
+   requests one by one; a request that stops early only gives its reservation back early.
 A running request that needs a page when none is free preempts the newest running request
 (possibly itself): its slot and pages are freed and it goes back to the front of the queue,
-keeping its generated tokens, to be recomputed later. Nothing is lost.
+keeping its generated tokens, to be recomputed later. Nothing is lost. With admission as
+above this is a safety net for what the reservation cannot see (pages shared with the prefix
+cache, pages held for speculative drafts).
 
 Pages, the prefix index and its snapshots belong to the KV cache manager (kv_cache.py). With
 prefix caching, admission first looks the request's tokens up: the matched blocks' pages are
@@ -39,6 +46,7 @@ from deepinfer_jax.contract import SpecStepOutput, StepOutput
 from deepinfer_jax.host.decision import Restore, ScheduleDecision, ScheduledSeq
 from deepinfer_jax.host.kv_cache import KVCacheManager
 from deepinfer_jax.host.output_checks import end_of_output
+from deepinfer_jax.host.pages import pages_needed
 from deepinfer_jax.host.request import PLACEHOLDER, FinishReason, Request, RequestStatus, TokenLogprobs
 
 
@@ -131,16 +139,19 @@ class Scheduler:
     def _admit(self, cap: int, speculative: bool, budget: int,
                scheduled: list[ScheduledSeq]) -> list[Restore]:
         restores = []
+        reserved = sum(self._pages_to_come(r) for r in self.running)
         while self.waiting and budget > 0 and self._free_slots:
             req = self.waiting[0]
             if req.has_placeholders:   # preempted with a token in flight: recompute needs it
                 break
             match = self.kv_cache.match_prefix(req)
             n = self._chunk(req, req.num_pending, budget)
-            if not self.kv_cache.grow(req, req.num_computed + n):
+            if (not self._fits(req, reserved)
+                    or not self.kv_cache.grow(req, req.num_computed + n)):
                 self.kv_cache.release(req)
                 req.num_computed = 0
                 break
+            reserved += self._pages_to_come(req)
             self.waiting.popleft()
             req.status, req.slot = RequestStatus.RUNNING, self._free_slots.pop()
             self.running.append(req)
@@ -152,6 +163,18 @@ class Scheduler:
             scheduled.append(self._row(req, n, n == req.num_pending, 0, cap, speculative))
             budget -= n
         return restores
+
+    def _pages_to_come(self, req: Request) -> int:
+        """Pages `req` does not hold yet and will need to reach its end."""
+        end = min(len(req.prompt) + req.params.max_tokens, self.step_cfg.max_model_len)
+        return max(0, pages_needed(end, self.step_cfg.page_size) - len(req.pages))
+
+    def _fits(self, req: Request, reserved: int) -> bool:
+        """Whether `req` (holding its matched prefix pages) can run to its end next to the
+        running requests, which still need `reserved` pages. Alone it always may (as far as
+        its first chunk's pages go): the engine rejects a request that cannot fit the pool,
+        and nothing else is held up by one that waits for pages still pending."""
+        return not self.running or self.kv_cache.can_provide(reserved + self._pages_to_come(req))
 
     def _row(self, req: Request, n: int, samples: bool, num_drafts: int, cap: int,
              speculative: bool) -> ScheduledSeq:

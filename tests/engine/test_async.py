@@ -7,6 +7,7 @@ import jax
 import pytest
 
 import deepinfer_jax
+from bench.lib.admission import admit_first_chunks
 from deepinfer_jax import FinishReason, SamplingParams
 from tests.engine.conftest import ENGINE
 from tests.engine.test_engine_vs_hf import check_outputs, sampling
@@ -54,6 +55,7 @@ def test_async_loop_without_the_launch_thread(model, llm, workload):
 def test_preemption_in_both_loops(model, workload, async_scheduling):
     llm = deepinfer_jax.LLM(model, **{**ENGINE, "num_pages": 14,
                                       "async_scheduling": async_scheduling})
+    admit_first_chunks(llm)          # admission that overcommits the cache, so that it preempts
     outputs = llm.generate(workload.prompts, sampling(workload), use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     check_outputs(outputs, workload)

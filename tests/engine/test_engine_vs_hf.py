@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 import deepinfer_jax
+from bench.lib.admission import admit_first_chunks
 from deepinfer_jax import FinishReason, SamplingParams
 from tests.engine.conftest import ENGINE
 
@@ -47,12 +48,16 @@ def test_32_mixed_requests_match_hf(llm, workload):
     assert max(len(p) for p in workload.prompts) >= 600
 
 
-def test_preemption_loses_nothing(model, workload):
-    # 640 tokens need 10 pages of 64; 14 pages cannot hold the batch: requests get preempted,
-    # recomputed later, and still produce HF's tokens.
+@pytest.mark.parametrize("first_chunk_admission", [True, False])
+def test_preemption_loses_nothing(model, workload, first_chunk_admission):
+    # 640 tokens need 10 pages of 64; 14 pages cannot hold the batch. Admitted whenever their
+    # first chunk fits, requests get preempted, recomputed later, and still produce HF's
+    # tokens; admitted only while the cache holds them to their ends, none is preempted.
     llm = deepinfer_jax.LLM(model, **{**ENGINE, "num_pages": 14})
+    if first_chunk_admission:
+        admit_first_chunks(llm)
     outputs = llm.generate(workload.prompts, sampling(workload), use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert (llm.engine.scheduler.num_preemptions > 0) == first_chunk_admission
     check_outputs(outputs, workload)
 
 

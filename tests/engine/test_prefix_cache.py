@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import deepinfer_jax
+from bench.lib.admission import admit_first_chunks
 from deepinfer_jax import SamplingParams
 from deepinfer_jax.config.hf import read_model_config
 from tests.conftest import REPO
@@ -107,6 +108,7 @@ def test_preempted_sequences_resume_from_the_cache_exactly(model, cold):
 
     # 4 sequences of ~5 pages each, 16 pages: decoding runs out of pages and preempts
     tight = deepinfer_jax.LLM(model, enable_prefix_caching=True, **{**ENGINE, "num_pages": 16})
+    admit_first_chunks(tight)        # admission that overcommits the cache, so that it preempts
     assert_same(tight.generate(prompts, params, use_tqdm=False), reference)
     preemptions = tight.engine.scheduler.num_preemptions
     stats = tight.prefix_cache_stats

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from bench.lib.admission import FirstChunkAdmission
 from deepinfer_jax.config.engine import EngineConfig
 from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.contract import SpecStepOutput, StepOutput
@@ -19,11 +20,11 @@ MODEL = read_model_config(REPO / "configs" / "tiny" / "tiny-mixed.json")
 EOS = MODEL.eos_token_ids[0]
 
 
-def make(budget=32, seqs=4, pages=None, page_size=16, max_len=256):
+def make(budget=32, seqs=4, pages=None, page_size=16, max_len=256, scheduler=Scheduler):
     step_cfg = EngineConfig(max_num_seqs=seqs, max_model_len=max_len, page_size=page_size,
                             num_pages=pages, max_num_batched_tokens=budget,
                             compilation_cache_dir=None).resolve(MODEL)
-    return Scheduler(step_cfg, MODEL.eos_token_ids)
+    return scheduler(step_cfg, MODEL.eos_token_ids)
 
 
 def request(i, prompt_len, **params):
@@ -108,7 +109,8 @@ def test_admission_waits_for_slots_and_pages():
 
 
 def test_preemption_requeues_the_newest_request_with_its_tokens():
-    sched = make(seqs=2, pages=4, page_size=16, budget=64)
+    # the old admission overcommits the cache; preemption is the safety net it relies on
+    sched = make(seqs=2, pages=4, page_size=16, budget=64, scheduler=FirstChunkAdmission)
     old, new = request(0, 16, max_tokens=40), request(1, 30, max_tokens=40)
     sched.add(old), sched.add(new)
     run_step(sched)        # old holds 1 page, new 2 pages, 1 page free
@@ -127,6 +129,82 @@ def test_preemption_requeues_the_newest_request_with_its_tokens():
         run_step(sched)
     d = sched.schedule()
     assert [(s.request, s.start, s.num_tokens, s.samples) for s in d.seqs] == [(new, 0, 33, True)]
+
+
+# ---- admission under cache pressure -----------------------------------------------------------
+def fake_token(seq) -> int:
+    """A sampled token that depends only on the request and its position, as greedy decoding's
+    does, so that outputs can be compared across schedules."""
+    return 100 + (int(seq.request.request_id) * 31 + seq.token_index) % 50
+
+
+def drive(sched, requests, asynchronous=False) -> int:
+    """Run `requests` to the end (synchronous or one step late); returns the steps taken."""
+    for req in requests:
+        sched.add(req)
+    in_flight, steps = None, 0
+    while sched.has_work() or in_flight:
+        decision = sched.schedule() if sched.has_work() else None
+        done = decision if not asynchronous else in_flight
+        if done is not None:
+            sched.postprocess(done, output([fake_token(s) if s.token_index is not None else 0
+                                            for s in done.seqs]))
+        in_flight = decision if asynchronous else None
+        steps += 1
+        assert steps < 10_000
+    return steps
+
+
+def pressure_workload():
+    """8 requests of 20 + 60 tokens (5 pages of 16 each) in a pool of 12 pages: two at a time
+    fit to their ends, yet every first chunk (2 pages) fits while they are young."""
+    return [request(i, 20, max_tokens=60, ignore_eos=True) for i in range(8)]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_admission_reserves_to_the_end_and_never_preempts(asynchronous):
+    sched = make(seqs=8, pages=12, page_size=16, budget=64)
+    requests = pressure_workload()
+    drive(sched, requests, asynchronous)
+    assert sched.num_preemptions == 0
+    for req in requests:
+        assert req.finish_reason is FinishReason.LENGTH and len(req.generated) == 60
+        assert req.generated == [100 + (int(req.request_id) * 31 + i) % 50 for i in range(60)]
+    assert sched.kv_cache.num_free_pages == 12
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_first_chunk_admission_preempts_the_same_workload(asynchronous):
+    """The workload above is under pressure: the old admission preempts (the test above fails
+    with it), and the recomputed requests still produce the same tokens."""
+    new, old = pressure_workload(), pressure_workload()
+    drive(make(seqs=8, pages=12, page_size=16, budget=64), new, asynchronous)
+    sched = make(seqs=8, pages=12, page_size=16, budget=64, scheduler=FirstChunkAdmission)
+    drive(sched, old, asynchronous)
+    assert sched.num_preemptions > 0
+    assert [r.generated for r in old] == [r.generated for r in new]
+
+
+def test_admission_fills_the_pool_with_short_requests():
+    # 8 requests of 10 + 6 tokens need one page each: all 8 run at once in 8 pages
+    sched = make(seqs=8, pages=8, page_size=16, budget=128)
+    for i in range(8):
+        sched.add(request(i, 10, max_tokens=6))
+    assert len(sched.schedule().seqs) == 8 and not sched.waiting
+    assert sched.kv_cache.num_free_pages == 0
+
+
+def test_admission_waits_until_the_whole_need_fits():
+    # 3 requests of 20 + 8..12 tokens need 2 pages each to their ends; 5 pages hold two. The
+    # third waits though its first chunk's 2 pages are free, and runs once the first finishes.
+    sched = make(seqs=4, pages=5, page_size=16, budget=128)
+    for i, max_tokens in enumerate((8, 12, 12)):
+        sched.add(request(i, 20, max_tokens=max_tokens, ignore_eos=True))
+    assert [s.request.request_id for s in run_step(sched).seqs] == ["0", "1"]
+    assert sched.kv_cache.num_free_pages == 1 and [r.request_id for r in sched.waiting] == ["2"]
+    while sched.waiting:
+        run_step(sched)
+    assert [r.request_id for r in sched.running] == ["1", "2"] and sched.num_preemptions == 0
 
 
 def test_abort_frees_everything():
@@ -180,7 +258,7 @@ def test_length_limits_are_known_at_launch():
 
 
 def test_a_preempted_request_waits_for_its_token_before_recomputing():
-    sched = make(seqs=2, pages=4, page_size=16, budget=64)
+    sched = make(seqs=2, pages=4, page_size=16, budget=64, scheduler=FirstChunkAdmission)
     sched.add(request(0, 16, max_tokens=40))
     sched.add(new := request(1, 30, max_tokens=40))
     in_flight = None
