@@ -98,7 +98,8 @@ def group_output(request_id: str, requests: list[Request], n: int,
     return RequestOutput(
         request_id, list(first.prompt), top.token_ids, top.text,
         all(r.status is RequestStatus.FINISHED for r in requests), top.finish_reason,
-        next((r.error for r in requests if r.error is not None), None), first.metrics, list(first.logprobs) if with_logprobs else None,
+        next((r.error for r in requests if r.error is not None), None), first.metrics,
+        list(first.logprobs) if with_logprobs else None,
         outputs=completions, prompt_logprobs=prompt_logprobs)
 
 
