@@ -250,8 +250,8 @@ def _say(host: HostOptions, line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-# A cold step of the shipped 6-layer model on a 2-core CPU, per layer (bench/results/
-# startup-cpu.md: 2 steps in 29 s, 56 s on a busier machine), where this one has no record.
+# The cold-start estimate's fallback where this machine has no record of its own: a step of
+# the shipped model per layer on a 2-core CPU (docs/performance-log.md, start-up).
 _SECONDS_PER_STEP_PER_LAYER = 3.0
 
 

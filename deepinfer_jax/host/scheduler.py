@@ -139,6 +139,8 @@ class Scheduler:
     def _admit(self, cap: int, speculative: bool, budget: int,
                scheduled: list[ScheduledSeq]) -> list[Restore]:
         restores = []
+        if not (self.waiting and budget > 0 and self._free_slots):
+            return restores      # the common decode step: no sum over the running requests
         reserved = sum(self._pages_to_come(r) for r in self.running)
         while self.waiting and budget > 0 and self._free_slots:
             req = self.waiting[0]
