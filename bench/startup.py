@@ -33,10 +33,13 @@ start = time.perf_counter()
 from deepinfer_jax import LLM
 from deepinfer_jax.engine import step_cache
 imported = time.perf_counter()
-LLM()
+llm = LLM()
 ready = time.perf_counter()
+from deepinfer_jax import SamplingParams     # the output the CLI runs must reproduce (untimed)
+[out] = llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=16, ignore_eos=True),
+                     use_tqdm=False)
 print(json.dumps({"import_s": imported - start, "llm_s": ready - imported,
-                  "stats": vars(step_cache.stats)}))
+                  "stats": vars(step_cache.stats), "text": out.outputs[0].text}))
 """
 
 
@@ -82,6 +85,8 @@ def main() -> None:
         for _ in range(args.repeats):
             wall, out = run(cli, env)
             generate.append(wall)
+            # greedy: the warm start's tokens are the cold-compiled engine's
+            assert f"(length) {cold['text']!r}" in out, (out, cold["text"])
             print(f"warm generate 16 tokens: {wall:.2f} s  {out.strip()[:80]}", flush=True)
     payload = {
         "shapes": "QUICKSTART_SHAPES", "repeats": args.repeats,
