@@ -1,0 +1,124 @@
+"""The released checkpoint's weight formats as the kernels read them on the device.
+
+DeepSeek-V4 ships its dense projections in FP8 and its routed experts in FP4. The device keeps
+them so (about 4x fewer bytes than bf16 for the experts); the GEMMs dequantize as they read.
+
+* `Fp8Blocks`: E4M3 codes in the model's `[in, out]` layout (`x @ w`), one float32 scale per
+  128 x 128 block. The checkpoint stores `[out, in]` codes and E8M0 scales; `fp8_from_checkpoint`
+  transposes both once at load time (a byte copy, no rounding) and decodes the scales
+  (exact: E8M0 is a power of two).
+* `Fp4Blocks`: E2M1 codes packed two per byte along the input axis (low nibble = even input
+  index), `[out, in/2]` as stored, with one E8M0 scale byte per 32 inputs of a row,
+  `[out, in/32]`; routed experts stack them `[E, out, in/2]`.
+
+`dequantize` is the plain-jnp meaning of both: the CPU path's first step and the kernels'
+test oracle.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+FP8_BLOCK = 128
+FP4_GROUP = 32
+# E2M1 values by 4-bit code (bit 3: sign; bits 2-1: exponent, bias 1; bit 0: mantissa).
+_FP4_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FP4_VALUES = np.array(_FP4_MAGNITUDES + tuple(-m for m in _FP4_MAGNITUDES), np.float32)
+
+
+class Fp8Blocks(NamedTuple):
+    codes: jax.Array    # f8_e4m3fn[..., K, N]
+    scale: jax.Array    # f32[..., ceil(K/128), ceil(N/128)]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The dequantized weight's shape."""
+        return tuple(self.codes.shape)
+
+
+class Fp4Blocks(NamedTuple):
+    packed: jax.Array   # u8[..., N, K/2]   two E2M1 codes a byte, low nibble = even k
+    scale: jax.Array    # u8[..., N, K/32]  E8M0 bits: 2 ** (byte - 127)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The dequantized weight's shape in the model's layout: [..., K, N]."""
+        *lead, n, half_k = self.packed.shape
+        return (*lead, 2 * half_k, n)
+
+
+Quantized = Fp8Blocks | Fp4Blocks
+
+
+def is_quantized(w) -> bool:
+    return isinstance(w, (Fp8Blocks, Fp4Blocks))
+
+
+def nbytes(w) -> int:
+    """Bytes the weight holds on the device (codes and scales)."""
+    return sum(int(leaf.size) * leaf.dtype.itemsize for leaf in jax.tree.leaves(w))
+
+
+# ---- from the checkpoint's arrays (numpy, at load time) ---------------------------------
+
+def e8m0_to_float(scale: np.ndarray) -> np.ndarray:
+    if scale.dtype == np.uint8:
+        scale = scale.view(ml_dtypes.float8_e8m0fnu)
+    return np.asarray(scale).astype(np.float32)
+
+
+def e8m0_bits(scale: np.ndarray) -> np.ndarray:
+    """E8M0 scales as their bytes; float32 scales (Flash-Base) must be powers of two."""
+    if scale.dtype in (np.uint8, np.dtype(ml_dtypes.float8_e8m0fnu)):
+        return np.ascontiguousarray(scale).view(np.uint8)
+    mantissa, exponent = np.frexp(scale.astype(np.float32))
+    if np.any(mantissa != 0.5):
+        raise ValueError("FP4 scales must be powers of two (E8M0)")
+    return (exponent.astype(np.int32) - 1 + 127).astype(np.uint8)
+
+
+def fp8_from_checkpoint(codes: np.ndarray, scale: np.ndarray) -> Fp8Blocks:
+    """Stored E4M3 codes [out, in] and scales [ceil(out/128), ceil(in/128)] -> Fp8Blocks
+    in [in, out] (numpy arrays; the caller places them)."""
+    return Fp8Blocks(np.ascontiguousarray(codes.view(ml_dtypes.float8_e4m3fn).T),
+                     np.ascontiguousarray(e8m0_to_float(scale).T))
+
+
+def fp4_from_checkpoint(packed: np.ndarray, scale: np.ndarray) -> Fp4Blocks:
+    """Stored packed E2M1 [..., out, in/2] (int8 or uint8) and scales [..., out, in/32]."""
+    return Fp4Blocks(np.ascontiguousarray(packed).view(np.uint8), e8m0_bits(scale))
+
+
+# ---- the meaning (jnp) ------------------------------------------------------------------
+
+def _fp8_dequantize(w: Fp8Blocks, dtype) -> jax.Array:
+    k, n = w.codes.shape[-2:]
+    full = jnp.repeat(jnp.repeat(w.scale, FP8_BLOCK, axis=-2), FP8_BLOCK, axis=-1)
+    return (w.codes.astype(jnp.float32) * full[..., :k, :n]).astype(dtype)
+
+
+def fp4_codes(packed: jax.Array) -> jax.Array:
+    """u8[..., N, K/2] -> u8[..., N, K] 4-bit codes (low nibble first)."""
+    codes = jnp.stack([packed & 0x0F, packed >> 4], axis=-1)
+    return codes.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def _fp4_dequantize(w: Fp4Blocks, dtype) -> jax.Array:
+    values = jnp.asarray(FP4_VALUES)[fp4_codes(w.packed)]                 # f32[..., N, K]
+    scale = jax.lax.bitcast_convert_type(w.scale.astype(jnp.uint32) << 23, jnp.float32)
+    values = values * jnp.repeat(scale, FP4_GROUP, axis=-1)
+    return jnp.swapaxes(values, -1, -2).astype(dtype)                    # [..., K, N]
+
+
+def dequantize(w, dtype=jnp.bfloat16) -> jax.Array:
+    """The weight in the model's [..., K, N] layout as `dtype` (a plain array passes)."""
+    if isinstance(w, Fp8Blocks):
+        return _fp8_dequantize(w, dtype)
+    if isinstance(w, Fp4Blocks):
+        return _fp4_dequantize(w, dtype)
+    return w
