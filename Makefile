@@ -37,6 +37,7 @@ env: $(VENV)/.installed
 
 oracle: $(ORACLE_VENV)/.installed
 	$(ORACLE_VENV)/bin/python tests/oracle/build.py --out $(ORACLE_DIR)
+	$(ORACLE_VENV)/bin/python tests/oracle/build_quantized.py --out $(ORACLE_DIR)
 
 test: $(VENV)/.installed oracle
 	$(VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15 \

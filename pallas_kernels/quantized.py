@@ -122,3 +122,9 @@ def dequantize(w, dtype=jnp.bfloat16) -> jax.Array:
     if isinstance(w, Fp4Blocks):
         return _fp4_dequantize(w, dtype)
     return w
+
+
+def dequantize_tree(tree, dtype=jnp.bfloat16):
+    """Every quantized weight in a pytree dequantized (the rest as it is)."""
+    return jax.tree.map(lambda w: dequantize(w, dtype) if is_quantized(w) else w, tree,
+                        is_leaf=is_quantized)

@@ -74,9 +74,12 @@ DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "deepinfer-tiny
 
 class LLM:
     def __init__(self, model: str | Path | Model | None = None, *, dtype=None,
-                 tokenizer: str | Path | None = None, **engine_options):
+                 weights: str = "quantized", tokenizer: str | Path | None = None,
+                 **engine_options):
         """model: a checkpoint directory, a loaded `Model`, or None for the shipped tiny model
         (with QUICKSTART_SHAPES where no shape is given).
+        weights: "quantized" keeps a checkpoint's FP8/FP4 weights as stored, "bf16"
+        dequantizes them at load (api/model.py's load).
         engine_options: the fields of `EngineConfig` (max_num_seqs, max_model_len,
         max_num_batched_tokens, num_pages, async_scheduling, batch_invariant, seed, ...)."""
         unknown = set(engine_options) - _ENGINE_OPTIONS
@@ -91,7 +94,7 @@ class LLM:
         if isinstance(model, Model):
             self.model, self.tokenizer, self.chat_template = model, None, None
         elif isinstance(model, (str, Path)):
-            self.model = load(model, dtype=dtype)
+            self.model = load(model, dtype=dtype, weights=weights)
             self.tokenizer = TextTokenizer.from_model_dir(model)
             self.chat_template = ChatTemplate.from_model_dir(model)
         else:

@@ -95,12 +95,20 @@ def checkpoint_dtype(path: str | Path):
     return _DTYPES.get(str(name).removeprefix("torch."), jnp.bfloat16)
 
 
-def load(path: str | Path, dtype=None) -> Model:
+WEIGHT_FORMATS = ("quantized", "bf16")
+
+
+def load(path: str | Path, dtype=None, weights: str = "quantized") -> Model:
     """Load a DeepSeek-V4 checkpoint directory (config.json + safetensors).
 
     dtype: the compute dtype of the projections (norms, mHC and other small parameters stay
     float32); None takes the checkpoint's own (`dtype` in config.json), else bfloat16.
+    weights: "quantized" keeps FP8/FP4 tensors as stored (the GEMMs dequantize as they read);
+    "bf16" dequantizes them to `dtype` at load time.
     """
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
     cfg = read_model_config(path)
     dtype = checkpoint_dtype(path) if dtype is None else dtype
-    return Model(config=cfg, params=load_params(path, cfg, dtype))
+    return Model(config=cfg, params=load_params(path, cfg, dtype,
+                                                 keep_quantized=weights == "quantized"))

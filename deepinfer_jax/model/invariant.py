@@ -18,8 +18,10 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config.compute import ComputeConfig
-from pallas_kernels.common import in_row_tiles
+from pallas_kernels.common import NotSupported, in_row_tiles
+from pallas_kernels.grouped_gemm import api as gemm
 from pallas_kernels.grouped_gemm import invariant as invariant_gemm
+from pallas_kernels.quantized import Fp8Blocks, dequantize
 
 
 def per_row_tiles(fn: Callable, *args, tile: int):
@@ -50,7 +52,12 @@ def linear(x: jax.Array, w: jax.Array, compute: ComputeConfig, out_dtype=None) -
     out_dtype float32 and bf16 operands this is a float32 matmul of them (each product is
     exact in float32, the sum is float32) without converting w first. Float32 operands are
     multiplied in float32: a GPU's default for them is TF32 (10-bit mantissas), which the
-    reference model, torch with TF32 off, does not use."""
+    reference model, torch with TF32 off, does not use.
+
+    w may be FP8 (Fp8Blocks): the GEMM kernel dequantizes it tile by tile as it reads
+    (fp8_linear); where no kernel takes it, it is dequantized in the step first."""
+    if isinstance(w, Fp8Blocks):
+        return fp8_linear(x, w, compute, out_dtype)
     if not compute.batch_invariant:
         precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
         return jnp.matmul(x, w, preferred_element_type=out_dtype, precision=precision)
@@ -60,11 +67,33 @@ def linear(x: jax.Array, w: jax.Array, compute: ComputeConfig, out_dtype=None) -
     return out.reshape(*x.shape[:-1], w.shape[-1])
 
 
+def _fp8_kernels(compute: ComputeConfig) -> tuple[str, ...]:
+    return tuple(name for name in compute.kernels.grouped_gemm if name not in ("dense", "reference"))
+
+
+def fp8_linear(x: jax.Array, w: Fp8Blocks, compute: ComputeConfig, out_dtype=None) -> jax.Array:
+    """x [..., K] @ FP8 w [K, N]: the grouped GEMM kernel on one group (it reads the E4M3
+    codes and their block scales), else the dequantized weight through `linear`. Batch-
+    invariant mode takes the latter (its dense GEMM reads 16-bit weights only)."""
+    kernels = _fp8_kernels(compute)
+    if kernels and not compute.batch_invariant:
+        flat = x.reshape(-1, x.shape[-1])
+        try:
+            out = gemm.grouped_matmul(flat, w.codes[None], jnp.full((1,), flat.shape[0], jnp.int32),
+                                      rhs_scale=w.scale[None], implementation=kernels)
+            return out.reshape(*x.shape[:-1], w.shape[-1]).astype(out_dtype or x.dtype)
+        except NotSupported:
+            pass
+    return linear(x, dequantize(w, x.dtype), compute, out_dtype)
+
+
 def f32_linear(x: jax.Array, w: jax.Array, compute: ComputeConfig) -> jax.Array:
     """x @ w in float32 (the compressor's and the router's projections, float32 in the
     reference model). With both in bf16 every product is exact in float32 and the sum is
     float32, so it is the same quantity as the float32 matmul of their values, without a
     float32 copy of w and on a GPU at bf16 tensor-core speed; otherwise both go to float32."""
+    if isinstance(w, Fp8Blocks):
+        w = dequantize(w, x.dtype if x.dtype == jnp.bfloat16 else jnp.float32)
     if x.dtype == w.dtype == jnp.bfloat16:
         return linear(x, w, compute, out_dtype=jnp.float32)
     return linear(x.astype(jnp.float32), w.astype(jnp.float32), compute)
@@ -72,7 +101,21 @@ def f32_linear(x: jax.Array, w: jax.Array, compute: ComputeConfig) -> jax.Array:
 
 def grouped_linear(x: jax.Array, w: jax.Array, compute: ComputeConfig) -> jax.Array:
     """x [..., G, K] @ w [G, K, N] per group g -> [..., G, N] (the attention's grouped
-    low-rank output projection): one batched product, not G of them (G launches on a GPU)."""
+    low-rank output projection): one batched product, not G of them (G launches on a GPU).
+    An FP8 w: the grouped GEMM kernel, each group's rows its own group."""
+    if isinstance(w, Fp8Blocks):
+        kernels = _fp8_kernels(compute)
+        if kernels and not compute.batch_invariant:
+            groups, k, n = w.shape
+            rows = x.reshape(-1, groups, k).swapaxes(0, 1)                   # [G, M, K]
+            sizes = jnp.full((groups,), rows.shape[1], jnp.int32)
+            try:
+                out = gemm.grouped_matmul(rows.reshape(-1, k), w.codes, sizes, rhs_scale=w.scale,
+                                          implementation=kernels)
+                return out.reshape(groups, -1, n).swapaxes(0, 1).reshape(*x.shape[:-1], n)
+            except NotSupported:
+                pass
+        w = dequantize(w, x.dtype)
     if not compute.batch_invariant:
         return jnp.einsum("...gk,gkn->...gn", x, w)
     groups, k, n = w.shape

@@ -17,22 +17,28 @@ from deepinfer_jax.weights.sources import CheckpointError, CheckpointSource, Ran
 __all__ = ["CheckpointError", "load_params", "random_params"]
 
 
-def load_params(path: str | Path, cfg: ModelConfig, dtype=jnp.bfloat16) -> ModelParams:
-    """Read a checkpoint directory into device arrays; raises CheckpointError listing every
-    missing, unexpected, mis-shaped or undecodable tensor."""
-    source = CheckpointSource(Checkpoint(path), cfg, dtype)
-    host_params = build_params(cfg, source)
+def load_params(path: str | Path, cfg: ModelConfig, dtype=jnp.bfloat16,
+                keep_quantized: bool = True) -> ModelParams:
+    """Read a checkpoint directory onto the device, a layer at a time; raises CheckpointError
+    listing every missing, unexpected, mis-shaped or undecodable tensor.
+
+    keep_quantized: FP8 and FP4 weights stay in their formats (pallas_kernels/quantized.py);
+    False dequantizes them to `dtype` (about 4x the bytes for FP4 experts)."""
+    source = CheckpointSource(Checkpoint(path), cfg, dtype, keep_quantized)
+    params = build_params(cfg, source)
     source.finish()
-    return jax.device_put(host_params)
+    return params
 
 
-def random_params(cfg: ModelConfig, key: jax.Array | int = 0, dtype=jnp.bfloat16) -> ModelParams:
-    """Random weights with the checkpoint's shapes, drawn on the device (benchmarks)."""
+def random_params(cfg: ModelConfig, key: jax.Array | int = 0, dtype=jnp.bfloat16,
+                  release_formats: bool = False) -> ModelParams:
+    """Random weights with the checkpoint's shapes, drawn on the device (benchmarks);
+    release_formats: in the release's FP8 / FP4 formats where it has them."""
     if isinstance(key, int):
         key = jax.random.key(key)
-    return _random_params(key, cfg, jnp.dtype(dtype))
+    return _random_params(key, cfg, jnp.dtype(dtype), release_formats)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dtype"))
-def _random_params(key: jax.Array, cfg: ModelConfig, dtype) -> ModelParams:
-    return build_params(cfg, RandomSource(cfg, key, dtype))
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "release_formats"))
+def _random_params(key: jax.Array, cfg: ModelConfig, dtype, release_formats: bool) -> ModelParams:
+    return build_params(cfg, RandomSource(cfg, key, dtype, release_formats))

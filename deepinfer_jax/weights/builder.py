@@ -4,6 +4,14 @@ The builder knows every tensor's official name and `[out, in]` shape and convert
 model's layout; a `TensorSource` supplies the tensors: `CheckpointSource` reads (and checks)
 a safetensors checkpoint, `RandomSource` draws them on the device for benchmarks. One
 description of the model's tensors therefore serves both.
+
+Projections come from the source already in the model's `[in, out]` layout, as plain arrays
+or, where the release stores them quantized and the source keeps them so, as `Fp8Blocks`
+(dense projections) and `Fp4Blocks` (routed experts); the few re-layouts below (grouping
+wo_a, joining gate and up) keep the quantized forms where the 128 x 128 scale blocks allow
+and dequantize otherwise (only tiny test models, whose widths are not multiples of 128).
+The source places each finished layer on the device (`place`), so a checkpoint is never
+held whole on the host.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from deepinfer_jax.model.params import (
     MTPParams,
     SharedExpertParams,
 )
+from pallas_kernels.quantized import FP8_BLOCK, Fp8Blocks, dequantize
 
 
 class Role(enum.Enum):
@@ -43,11 +52,21 @@ class Role(enum.Enum):
 
 
 class TensorSource(Protocol):
+    dtype: object       # the compute dtype of plain projections
+
     def tensor(self, name: str, shape: tuple[int, ...], role: Role): ...
 
-    def stacked(self, names: list[str], shape: tuple[int, ...], role: Role): ...
+    def projection(self, name: str, shape: tuple[int, int], released_fp8: bool):
+        """The `[out, in]` tensor `name` as [in, out]: an array, or Fp8Blocks where the source
+        keeps FP8 (released_fp8: whether the release stores this projection in FP8)."""
+
+    def experts(self, names: list[list[str]], shape: tuple[int, int]):
+        """Per expert e the tensors names[j][e] (each [out, in]) joined along out, stacked:
+        [E, in, J*out], or Fp4Blocks [E, J*out, in/2] (or Fp8Blocks) where kept quantized."""
 
     def has_prefix(self, prefix: str) -> bool: ...
+
+    def place(self, tree): ...
 
 
 def _xp(array):
@@ -58,13 +77,42 @@ def _concat(arrays, axis):
     return _xp(arrays[0]).concatenate(arrays, axis=axis)
 
 
+def _whole_blocks(*sizes: int) -> bool:
+    return all(size % FP8_BLOCK == 0 for size in sizes)
+
+
+def join_columns(ws: list, dtype):
+    """[K, N_j] projections side by side -> [K, sum N_j]; FP8 ones stay FP8 when each part
+    is whole 128-column blocks (the scale blocks then do not straddle two parts)."""
+    if all(isinstance(w, Fp8Blocks) for w in ws) and _whole_blocks(*(w.shape[1] for w in ws)):
+        return Fp8Blocks(_concat([w.codes for w in ws], 1), _concat([w.scale for w in ws], 1))
+    return _concat([dequantize(w, dtype) for w in ws], 1)
+
+
+def split_groups(w, groups: int, dtype):
+    """[K, G*L] -> [G, K, L] (columns g*L ... g*L + L - 1 to group g). An FP8 weight stays
+    FP8 where each group's columns share whole scale blocks or lie inside one."""
+    k, n = w.shape
+    width = n // groups
+    if not isinstance(w, Fp8Blocks):
+        return w.reshape(k, groups, width).transpose(1, 0, 2)
+    codes = w.codes.reshape(k, groups, width).transpose(1, 0, 2)
+    if width % FP8_BLOCK == 0:
+        blocks = w.scale.shape[0]
+        return Fp8Blocks(codes, w.scale.reshape(blocks, groups, -1).transpose(1, 0, 2))
+    if FP8_BLOCK % width == 0:
+        block_of_group = np.arange(groups) * width // FP8_BLOCK
+        return Fp8Blocks(codes, w.scale[:, block_of_group].T[:, :, None])
+    return split_groups(dequantize(w, dtype), groups, dtype)
+
+
 class _Builder:
     def __init__(self, cfg: ModelConfig, src: TensorSource):
         self.cfg, self.src = cfg, src
 
-    def linear(self, name: str, out_dim: int, in_dim: int):
+    def linear(self, name: str, out_dim: int, in_dim: int, released_fp8: bool = False):
         """A projection stored [in, out] for `x @ w`."""
-        return self.src.tensor(name + ".weight", (out_dim, in_dim), Role.LINEAR).T
+        return self.src.projection(name + ".weight", (out_dim, in_dim), released_fp8)
 
     def norm(self, name: str, dim: int):
         return self.src.tensor(name + ".weight", (dim,), Role.NORM)
@@ -73,12 +121,13 @@ class _Builder:
         c, src = self.cfg, self.src
         embed = src.tensor("embed.weight", (c.vocab_size, c.hidden_size), Role.EMBED)
         head = embed.T if c.tie_word_embeddings else self.linear("head", c.vocab_size, c.hidden_size)
-        layers = tuple(self.layer(f"layers.{i}.", c.layer_types[i], c.mlp_types[i])
+        embed, head = src.place((embed, head))
+        layers = tuple(src.place(self.layer(f"layers.{i}.", c.layer_types[i], c.mlp_types[i]))
                        for i in range(c.num_layers))
-        mtp = tuple(self.mtp(f"mtp.{j}.") for j in range(c.num_mtp_layers)
+        mtp = tuple(src.place(self.mtp(f"mtp.{j}.")) for j in range(c.num_mtp_layers)
                     if src.has_prefix(f"mtp.{j}."))
-        return ModelParams(embed=embed, layers=layers, hc_head=self.hc_head(""),
-                           norm=self.norm("norm", c.hidden_size), head=head, mtp=mtp)
+        return ModelParams(embed=embed, layers=layers, hc_head=src.place(self.hc_head("")),
+                           norm=src.place(self.norm("norm", c.hidden_size)), head=head, mtp=mtp)
 
     def hc_head(self, prefix: str) -> HyperHeadParams:
         hc, d = self.cfg.hc_mult, self.cfg.hidden_size
@@ -109,8 +158,7 @@ class _Builder:
         c = self.cfg
         d, h, hd, r = c.hidden_size, c.num_heads, c.head_dim, c.q_lora_rank
         group_in = h * hd // c.o_groups
-        wo_a = self.src.tensor(prefix + "wo_a.weight", (c.o_groups * c.o_lora_rank, group_in),
-                               Role.LINEAR)
+        wo_a = self.linear(prefix + "wo_a", c.o_groups * c.o_lora_rank, group_in, True)
         compressor = indexer = None
         if kind is not AttentionKind.SLIDING:
             compressor = self.compressor(prefix + "compressor.", c.compress_rate(kind),
@@ -118,18 +166,18 @@ class _Builder:
         if kind is AttentionKind.CSA:
             ih, idim = c.index_n_heads, c.index_head_dim
             indexer = IndexerParams(
-                wq_b=self.linear(prefix + "indexer.wq_b", ih * idim, r),
+                wq_b=self.linear(prefix + "indexer.wq_b", ih * idim, r, True),
                 weights_proj=self.linear(prefix + "indexer.weights_proj", ih, d),
                 compressor=self.compressor(prefix + "indexer.compressor.", c.compress_rate_csa,
                                            True, idim))
         return AttentionParams(
-            wq_a=self.linear(prefix + "wq_a", r, d),
+            wq_a=self.linear(prefix + "wq_a", r, d, True),
             q_norm=self.norm(prefix + "q_norm", r),
-            wq_b=self.linear(prefix + "wq_b", h * hd, r),
-            wkv=self.linear(prefix + "wkv", hd, d),
+            wq_b=self.linear(prefix + "wq_b", h * hd, r, True),
+            wkv=self.linear(prefix + "wkv", hd, d, True),
             kv_norm=self.norm(prefix + "kv_norm", hd),
-            wo_a=wo_a.reshape(c.o_groups, c.o_lora_rank, group_in).transpose(0, 2, 1),
-            wo_b=self.linear(prefix + "wo_b", d, c.o_groups * c.o_lora_rank),
+            wo_a=split_groups(wo_a, c.o_groups, self.src.dtype),
+            wo_b=self.linear(prefix + "wo_b", d, c.o_groups * c.o_lora_rank, True),
             sinks=self.src.tensor(prefix + "attn_sink", (h,), Role.ZEROS),
             compressor=compressor, indexer=indexer)
 
@@ -146,17 +194,15 @@ class _Builder:
         c = self.cfg
         d, e, i = c.hidden_size, c.n_routed_experts, c.moe_intermediate_size
         names = lambda w: [f"{prefix}experts.{x}.{w}.weight" for x in range(e)]  # noqa: E731
-        w1 = self.src.stacked(names("w1"), (i, d), Role.LINEAR)               # [E, I, D]
-        w3 = self.src.stacked(names("w3"), (i, d), Role.LINEAR)
-        w2 = self.src.stacked(names("w2"), (d, i), Role.LINEAR)               # [E, D, I]
-        experts = ExpertParams(w13=_concat([w1, w3], 1).transpose(0, 2, 1), w2=w2.transpose(0, 2, 1))
+        experts = ExpertParams(w13=self.src.experts([names("w1"), names("w3")], (i, d)),
+                               w2=self.src.experts([names("w2")], (d, i)))
         shared = None
         if c.n_shared_experts:
             si = c.shared_intermediate_size
-            s1 = self.src.tensor(prefix + "shared_experts.w1.weight", (si, d), Role.LINEAR)
-            s3 = self.src.tensor(prefix + "shared_experts.w3.weight", (si, d), Role.LINEAR)
-            shared = SharedExpertParams(w13=_concat([s1, s3], 0).T,
-                                        w2=self.linear(prefix + "shared_experts.w2", d, si))
+            s1 = self.linear(prefix + "shared_experts.w1", si, d, True)
+            s3 = self.linear(prefix + "shared_experts.w3", si, d, True)
+            shared = SharedExpertParams(w13=join_columns([s1, s3], self.src.dtype),
+                                        w2=self.linear(prefix + "shared_experts.w2", d, si, True))
         routed = kind is MlpKind.MOE
         return MoEParams(
             gate=self.linear(prefix + "gate", e, d),
@@ -169,8 +215,8 @@ class _Builder:
     def mtp(self, prefix: str) -> MTPParams:
         d = self.cfg.hidden_size
         return MTPParams(
-            e_proj=self.linear(prefix + "e_proj", d, d),
-            h_proj=self.linear(prefix + "h_proj", d, d),
+            e_proj=self.linear(prefix + "e_proj", d, d, True),
+            h_proj=self.linear(prefix + "h_proj", d, d, True),
             enorm=self.norm(prefix + "enorm", d),
             hnorm=self.norm(prefix + "hnorm", d),
             norm=self.norm(prefix + "norm", d),

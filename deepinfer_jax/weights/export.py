@@ -20,6 +20,7 @@ from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.weights.builder import Role, build_params
 from deepinfer_jax.weights.safetensors_io import save_file
+from pallas_kernels.quantized import dequantize_tree
 
 
 class _IndexSource:
@@ -39,12 +40,24 @@ class _IndexSource:
         self.size += n
         return np.arange(self.size - n, self.size).reshape(shape)
 
-    def stacked(self, names: list[str], shape: tuple[int, ...], role: Role) -> np.ndarray:
-        return np.stack([self.tensor(name, shape, role) for name in names])
+    dtype = np.dtype(np.int64)
+
+    def projection(self, name: str, shape: tuple[int, int], released_fp8: bool) -> np.ndarray:
+        return self.tensor(name, shape, Role.LINEAR).T
+
+    def experts(self, names: list[list[str]], shape: tuple[int, int]) -> np.ndarray:
+        stacks = [np.stack([self.tensor(name, shape, Role.LINEAR) for name in column])
+                  for column in names]
+        return np.concatenate(stacks, axis=1).transpose(0, 2, 1)
+
+    def place(self, tree):
+        return tree
 
 
 def export_tensors(params: ModelParams, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Official name -> numpy array (projections in the params' dtype, the rest as loaded)."""
+    """Official name -> numpy array (projections in the params' dtype, the rest as loaded;
+    quantized weights dequantized)."""
+    params = dequantize_tree(params, params.embed.dtype)
     src = _IndexSource(with_mtp=bool(params.mtp))
     layout = build_params(cfg, src)
     values = np.zeros(src.size, np.float64)       # exact for f32, bf16 and small int tables

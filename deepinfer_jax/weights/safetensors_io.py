@@ -71,7 +71,6 @@ class SafetensorsFile:
                 f"{self.path}: truncated: the data section holds {data_size} bytes, "
                 f"{len(cut)} tensor(s) reach past it: {', '.join(cut[:8])}"
                 + (f" and {len(cut) - 8} more" if len(cut) > 8 else ""))
-        self._mmap: np.memmap | None = None
 
     def _check(self, key: str, entry) -> int:
         """Check one header entry; returns where its data ends."""
@@ -99,16 +98,36 @@ class SafetensorsFile:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._header[key]["shape"])
 
-    def get(self, key: str) -> np.ndarray:
+    def _entry(self, key: str) -> tuple[np.dtype, tuple[int, ...], int, int]:
         entry = self._header[key]
         if entry["dtype"] not in DTYPES:
             raise SafetensorsError(f"{self.path}: tensor {key} has unsupported dtype "
                                    f"{entry['dtype']} (expected one of {sorted(DTYPES)})")
-        if self._mmap is None:
-            self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
         start, end = entry["data_offsets"]
-        raw = self._mmap[self._data_start + start: self._data_start + end]
-        return raw.view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
+        return DTYPES[entry["dtype"]], tuple(entry["shape"]), self._data_start + start, end - start
+
+    def get(self, key: str) -> np.ndarray:
+        dtype, shape, _, _ = self._entry(key)
+        out = np.empty(shape, dtype)
+        self.read_into(key, out)
+        return out
+
+    def read_into(self, key: str, out: np.ndarray) -> None:
+        """Read tensor `key` into `out` (C-contiguous, of its byte size; any dtype view)."""
+        _, _, offset, size = self._entry(key)
+        if not out.flags.c_contiguous or out.nbytes != size:
+            raise ValueError(f"{key}: a contiguous buffer of {size} bytes is needed, got "
+                             f"{out.nbytes} bytes")
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            done = 0
+            while done < size:
+                got = f.readinto(view[done:])
+                if not got:
+                    raise SafetensorsError(f"{self.path}: tensor {key}: the file ended after "
+                                           f"{done} of its {size} bytes")
+                done += got
 
 
 def save_file(tensors: dict[str, np.ndarray], path: str | Path,
@@ -179,3 +198,6 @@ class Checkpoint:
 
     def get(self, key: str) -> np.ndarray:
         return self._where[key].get(key)
+
+    def read_into(self, key: str, out: np.ndarray) -> None:
+        self._where[key].read_into(key, out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import zlib
 
@@ -14,6 +15,7 @@ from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.weights import quant
 from deepinfer_jax.weights.builder import Role
 from deepinfer_jax.weights.safetensors_io import Checkpoint
+from pallas_kernels import quantized
 
 _F32_ROLES = {Role.NORM, Role.MIX, Role.ZEROS, Role.ONES}
 
@@ -57,12 +59,16 @@ def _numpy_dtype(dtype) -> np.dtype:
 
 
 class CheckpointSource:
-    """Reads tensors by official name, dequantises FP8/FP4 weights, checks shapes, and
-    remembers what was used so that `finish()` can report missing and unexpected tensors."""
+    """Reads tensors by official name, checks their shapes and dtypes against the config, and
+    remembers what was used so that `finish()` can report missing and unexpected tensors.
 
-    def __init__(self, ckpt: Checkpoint, cfg: ModelConfig, dtype):
+    keep_quantized: FP8 projections and FP4 (or FP8) routed experts stay as stored (codes and
+    scales, pallas_kernels/quantized.py); else they are dequantized to the compute dtype."""
+
+    def __init__(self, ckpt: Checkpoint, cfg: ModelConfig, dtype, keep_quantized: bool = True):
         self.ckpt = ckpt
         self.dtype = _numpy_dtype(dtype)
+        self.keep_quantized = keep_quantized
         self.block = cfg.quantization.weight_block_size if cfg.quantization else (128, 128)
         self.n_experts = cfg.n_routed_experts
         self.by_name: dict[str, str] = {}
@@ -79,23 +85,77 @@ class CheckpointSource:
     def has_prefix(self, prefix: str) -> bool:
         return any(name.startswith(prefix) for name in self.by_name)
 
-    def tensor(self, name: str, shape: tuple[int, ...], role: Role) -> np.ndarray:
-        array = self._read(name, role)
-        if array is None:
-            return np.zeros(shape, self._dtype(role))
-        if array.shape != shape:
-            self.misshaped.append(f"{name}: {array.shape}, expected {shape}")
-            return np.zeros(shape, self._dtype(role))
-        if role is Role.TABLE and (array.min() < 0 or array.max() >= self.n_experts):
-            self.invalid.append(f"{name}: expert ids outside [0, {self.n_experts})")
-        if role is not Role.TABLE and not _all_finite(array):
-            bad = array.size - np.count_nonzero(np.isfinite(array))
-            what = "all NaN" if np.isnan(array).all() else f"{bad} of {array.size} values NaN or inf"
-            self.invalid.append(f"{name}: {what} (expected finite weights)")
-        return array.astype(self._dtype(role))
+    def place(self, tree):
+        """Host arrays to the device, as each layer is finished (their host copies then go)."""
+        return jax.device_put(tree)
 
-    def stacked(self, names: list[str], shape: tuple[int, ...], role: Role) -> np.ndarray:
-        return np.stack([self.tensor(n, shape, role) for n in names])
+    def tensor(self, name: str, shape: tuple[int, ...], role: Role) -> np.ndarray:
+        stored = self._stored(name, role)
+        if stored is None:
+            return np.zeros(shape, self._dtype(role))
+        return self._plain(name, stored, shape, role)
+
+    def projection(self, name: str, shape: tuple[int, int], released_fp8: bool):
+        stored = self._stored(name, Role.LINEAR)
+        if stored is None:
+            return np.zeros(shape[::-1], self.dtype)
+        if stored.scale_key is None or not self.keep_quantized:
+            return self._plain(name, stored, shape, Role.LINEAR).T
+        if stored.kind != "F8_E4M3":
+            self.invalid.append(f"{name}: a quantized dense projection must be F8_E4M3, found "
+                                f"{stored.kind}")
+            return np.zeros(shape[::-1], self.dtype)
+        codes, scale = self._fp8_parts(name, stored, shape)
+        if codes is None:
+            return np.zeros(shape[::-1], self.dtype)
+        return quantized.fp8_from_checkpoint(codes, scale)
+
+    def experts(self, names: list[list[str]], shape: tuple[int, int]):
+        """Expert e's tensors names[j][e] read straight into one stacked buffer (no per-expert
+        copies kept), placed on the device before the next stack is read."""
+        out_dim, in_dim = shape
+        parts = len(names)
+        kind = self._quantized_kind(names[0][0])
+        if not self.keep_quantized or kind is None:
+            stack = np.zeros((self.n_experts, in_dim, parts * out_dim), self.dtype)
+            for j, column_names in enumerate(names):
+                for e, name in enumerate(column_names):
+                    stack[e, :, j * out_dim:(j + 1) * out_dim] = self.tensor(name, shape,
+                                                                             Role.LINEAR).T
+            return self.place(stack)
+        if kind == "F8_E4M3":        # FP8 experts (the Flash-Base release)
+            codes = np.zeros((self.n_experts, in_dim, parts * out_dim), ml_dtypes.float8_e4m3fn)
+            bo, bi = self.block
+            scale = np.zeros((self.n_experts, -(-in_dim // bi), parts * -(-out_dim // bo)),
+                             np.float32)
+            for j, column_names in enumerate(names):
+                for e, name in enumerate(column_names):
+                    stored = self._stored(name, Role.LINEAR)
+                    parts_e = None if stored is None else self._fp8_parts(name, stored, shape)
+                    if parts_e is None or parts_e[0] is None:
+                        continue
+                    blocks = quantized.fp8_from_checkpoint(*parts_e)
+                    codes[e, :, j * out_dim:(j + 1) * out_dim] = blocks.codes
+                    width = blocks.scale.shape[1]
+                    scale[e, :, j * width:(j + 1) * width] = blocks.scale
+            return self.place(quantized.Fp8Blocks(codes, scale))
+        if kind not in ("I8", "U8"):
+            self.invalid.append(f"{names[0][0]}: quantized experts must be FP4 (I8/U8 with "
+                                f"F8_E8M0 scales) or F8_E4M3, found {kind}")
+            return np.zeros((self.n_experts, in_dim, parts * out_dim), self.dtype)
+        if in_dim % quantized.FP4_GROUP:
+            raise CheckpointError(f"FP4 experts need the input width to be a multiple of "
+                                  f"{quantized.FP4_GROUP}, got {in_dim}")
+        packed = np.zeros((self.n_experts, parts * out_dim, in_dim // 2), np.uint8)
+        scale = np.zeros((self.n_experts, parts * out_dim, in_dim // quantized.FP4_GROUP),
+                         np.uint8)
+        for j, column_names in enumerate(names):
+            rows = slice(j * out_dim, (j + 1) * out_dim)
+            for e, name in enumerate(column_names):
+                stored = self._stored(name, Role.LINEAR)
+                if stored is not None:
+                    self._read_fp4_into(name, stored, packed[e, rows], scale[e, rows])
+        return self.place(quantized.Fp4Blocks(packed, scale))
 
     def finish(self) -> None:
         unexpected = sorted(set(self.by_name) - self.used)
@@ -109,12 +169,23 @@ class CheckpointSource:
         if problems:
             raise CheckpointError("checkpoint does not match its config:\n" + "\n".join(problems))
 
+    # ---- reading and checking ------------------------------------------------------------
+
     def _dtype(self, role: Role) -> np.dtype:
         if role is Role.TABLE:
             return np.dtype(np.int32)
         return np.dtype(np.float32) if role in _F32_ROLES else self.dtype
 
-    def _read(self, name: str, role: Role) -> np.ndarray | None:
+    def _quantized_kind(self, name: str) -> str | None:
+        """The stored dtype of `name` if it has a .scale (nothing noted, nothing marked used)."""
+        key = self.by_name.get(name)
+        if key is None or self.by_name.get(name[: -len("weight")] + "scale") is None:
+            return None
+        return self.ckpt.dtype_name(key)
+
+    def _stored(self, name: str, role: Role) -> _Stored | None:
+        """Where tensor `name` (and its .scale) is, with its dtype checked against what its
+        role allows; None (and the problem noted) when absent or of the wrong kind."""
         key = self.by_name.get(name)
         if key is None:
             self.missing.append(name)
@@ -124,7 +195,7 @@ class CheckpointSource:
         scale_key = self.by_name.get(scale_name) if scale_name else None
         kind = self.ckpt.dtype_name(key)
         if scale_key is None:
-            if kind.startswith("F8") or kind in ("I8", "U8"):
+            if kind.startswith("F8") or kind in ("I8", "U8") and role is not Role.TABLE:
                 self.invalid.append(f"{name}: quantised dtype {kind} without a .scale tensor")
                 return None
             expected = _INT_KINDS if role is Role.TABLE else _FLOAT_KINDS
@@ -133,20 +204,110 @@ class CheckpointSource:
                                     + ("" if role is Role.TABLE else
                                        " (or F8_E4M3 / FP4 in I8 with a .scale tensor)"))
                 return None
-            return self.ckpt.get(key)
-        array = self.ckpt.get(key)
+            return _Stored(key, kind, None, None)
         self.used.add(scale_name)
-        scale = self.ckpt.get(scale_key)
-        try:
-            if kind == "F8_E4M3":
-                return quant.dequant_fp8(array, scale, self.block)
-            if kind in ("I8", "U8"):
-                return quant.dequant_fp4(array, scale)
-        except quant.QuantFormatError as e:
-            self.invalid.append(f"{name}: {e}")
+        scale_kind = self.ckpt.dtype_name(scale_key)
+        if scale_kind not in ("F8_E8M0", "U8", "F32"):
+            self.invalid.append(f"{scale_name}: dtype {scale_kind}, expected F8_E8M0 (or F32)")
             return None
-        self.invalid.append(f"{name}: a .scale tensor next to a {kind} weight")
-        return None
+        if kind not in ("F8_E4M3", "I8", "U8"):
+            self.invalid.append(f"{name}: a .scale tensor next to a {kind} weight (expected "
+                                f"F8_E4M3, or FP4 packed in I8)")
+            return None
+        return _Stored(key, kind, scale_key, scale_name)
+
+    def _plain(self, name: str, stored: _Stored, shape: tuple[int, ...], role: Role) -> np.ndarray:
+        """The tensor as an array of its role's dtype (quantized ones dequantized)."""
+        if stored.scale_key is None:
+            array = self.ckpt.get(stored.key)
+        else:
+            array = self._dequantized(name, stored, shape)
+            if array is None:
+                return np.zeros(shape, self._dtype(role))
+        if array.shape != shape:
+            self.misshaped.append(f"{name}: found shape {array.shape}, expected {shape}")
+            return np.zeros(shape, self._dtype(role))
+        if role is Role.TABLE and (array.min() < 0 or array.max() >= self.n_experts):
+            self.invalid.append(f"{name}: expert ids outside [0, {self.n_experts})")
+        if role is not Role.TABLE and not _all_finite(array):
+            bad = array.size - np.count_nonzero(np.isfinite(array))
+            what = "all NaN" if np.isnan(array).all() else f"{bad} of {array.size} values NaN or inf"
+            self.invalid.append(f"{name}: {what} (expected finite weights)")
+        return array.astype(self._dtype(role))
+
+    def _dequantized(self, name: str, stored: _Stored, shape) -> np.ndarray | None:
+        if stored.kind == "F8_E4M3":
+            codes, scale = self._fp8_parts(name, stored, shape)
+            return None if codes is None else quant.dequant_fp8(codes, scale, self.block)
+        packed = np.zeros((shape[0], shape[1] // 2), np.uint8)
+        scale = np.zeros((shape[0], shape[1] // quantized.FP4_GROUP), np.uint8)
+        if not self._read_fp4_into(name, stored, packed, scale):
+            return None
+        return quant.dequant_fp4(packed, scale)
+
+    def _check_shape(self, name: str, key: str, expected: tuple[int, ...], what: str) -> bool:
+        found = self.ckpt.shape(key)
+        if found != tuple(expected):
+            self.misshaped.append(f"{name}: found shape {found}, expected {tuple(expected)} "
+                                  f"({what})")
+            return False
+        return True
+
+    def _fp8_parts(self, name: str, stored: _Stored, shape: tuple[int, int]):
+        """The stored FP8 codes [out, in] and scales [ceil(out/bo), ceil(in/bi)], checked."""
+        out_dim, in_dim = shape
+        bo, bi = self.block
+        grid = (-(-out_dim // bo), -(-in_dim // bi))
+        if not (self._check_shape(name, stored.key, shape, "FP8 E4M3 codes [out, in]")
+                and self._check_shape(stored.scale_name, stored.scale_key, grid,
+                                      f"one scale per {bo}x{bi} block of a {list(shape)} weight")):
+            return None, None
+        codes = self.ckpt.get(stored.key)
+        if np.any((codes.view(np.uint8) & 0x7F) == 0x7F):
+            self.invalid.append(f"{name}: NaN codes (expected finite weights)")
+        scale = self._scale(stored)
+        return (codes, scale) if scale is not None else (None, None)
+
+    def _scale(self, stored: _Stored) -> np.ndarray | None:
+        scale = self.ckpt.get(stored.scale_key)
+        bad = (np.count_nonzero(scale.view(np.uint8) == 0xFF) if scale.dtype.itemsize == 1
+               else np.count_nonzero(~np.isfinite(scale) | (scale <= 0)))
+        if bad:
+            self.invalid.append(f"{stored.scale_name}: {bad} of {scale.size} scales NaN or not "
+                                f"positive")
+            return None
+        return scale
+
+    def _read_fp4_into(self, name: str, stored: _Stored, packed: np.ndarray,
+                       scale: np.ndarray) -> bool:
+        """FP4 tensor `name` ([out, in/2] packed, scales [out, in/32]) into the two buffers."""
+        if stored.kind not in ("I8", "U8") or stored.scale_key is None:
+            self.invalid.append(f"{name}: dtype {stored.kind}"
+                                f"{'' if stored.scale_key else ' without a .scale'}, expected "
+                                f"FP4 packed in I8 with an F8_E8M0 .scale like the other experts")
+            return False
+        out_dim, half = packed.shape
+        if not (self._check_shape(name, stored.key, packed.shape,
+                                  f"FP4 E2M1 two per byte: [{out_dim}, {2 * half} / 2]")
+                and self._check_shape(stored.scale_name, stored.scale_key, scale.shape,
+                                      f"one scale per {quantized.FP4_GROUP} inputs of a row")):
+            return False
+        self.ckpt.read_into(stored.key, packed)
+        if self.ckpt.dtype_name(stored.scale_key) == "F32":
+            scale[...] = quantized.e8m0_bits(self.ckpt.get(stored.scale_key))
+        else:
+            self.ckpt.read_into(stored.scale_key, scale)
+        if np.any(scale == 0xFF):
+            self.invalid.append(f"{stored.scale_name}: NaN scales (E8M0 byte 255)")
+        return True
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stored:
+    key: str                    # the checkpoint's key of the weight
+    kind: str                   # its safetensors dtype name
+    scale_key: str | None       # its .scale tensor's key, if quantized
+    scale_name: str | None
 
 
 class RandomSource:
@@ -157,14 +318,46 @@ class RandomSource:
     depend on build order.
     """
 
-    def __init__(self, cfg: ModelConfig, key: jax.Array, dtype):
+    def __init__(self, cfg: ModelConfig, key: jax.Array, dtype, release_formats: bool = False):
         self.cfg, self.key, self.dtype = cfg, key, jnp.dtype(dtype)
+        self.release_formats = release_formats
 
     def has_prefix(self, prefix: str) -> bool:
         return True
 
+    def place(self, tree):
+        return tree
+
+    def _key(self, name: str) -> jax.Array:
+        return jax.random.fold_in(self.key, zlib.crc32(name.encode()))
+
+    def projection(self, name: str, shape: tuple[int, int], released_fp8: bool):
+        if not (self.release_formats and released_fp8):
+            return self.tensor(name, shape, Role.LINEAR).T
+        # N(0, 1/in) as E4M3 codes N(0, 16^2) (far inside +-448) times a power-of-two scale
+        out_dim, in_dim = shape
+        codes = (jax.random.normal(self._key(name), (in_dim, out_dim)) * 16)
+        grid = (-(-in_dim // quantized.FP8_BLOCK), -(-out_dim // quantized.FP8_BLOCK))
+        scale = jnp.full(grid, _power_of_two(in_dim ** -0.5 / 16), jnp.float32)
+        return quantized.Fp8Blocks(codes.astype(jnp.float8_e4m3fn), scale)
+
+    def experts(self, names: list[list[str]], shape: tuple[int, int]):
+        out_dim, in_dim = shape
+        n = len(names[0])
+        if not self.release_formats:
+            stacks = [self.tensor(column[0] + "#stack", (n, out_dim, in_dim), Role.LINEAR)
+                      for column in names]
+            return jnp.concatenate(stacks, axis=1).transpose(0, 2, 1)
+        # uniform random E2M1 codes (RMS value 2.93) at a scale giving about N(0, 1/in)
+        rows = len(names) * out_dim
+        packed = jax.random.bits(self._key(names[0][0] + "#fp4"), (n, rows, in_dim // 2),
+                                 jnp.uint8)
+        exponent = round(np.log2(in_dim ** -0.5 / 2.93))
+        scale = jnp.full((n, rows, in_dim // quantized.FP4_GROUP), 127 + exponent, jnp.uint8)
+        return quantized.Fp4Blocks(packed, scale)
+
     def tensor(self, name: str, shape: tuple[int, ...], role: Role) -> jax.Array:
-        key = jax.random.fold_in(self.key, zlib.crc32(name.encode()))
+        key = self._key(name)
         match role:
             case Role.LINEAR:
                 return (jax.random.normal(key, shape, jnp.float32) * shape[-1] ** -0.5).astype(self.dtype)
@@ -182,5 +375,7 @@ class RandomSource:
                 return jnp.argsort(noise, axis=-1)[:, :top_k].astype(jnp.int32)
         raise ValueError(role)
 
-    def stacked(self, names: list[str], shape: tuple[int, ...], role: Role) -> jax.Array:
-        return self.tensor(names[0] + "#stack", (len(names), *shape), role)
+
+
+def _power_of_two(x: float) -> float:
+    return float(2.0 ** round(np.log2(x)))

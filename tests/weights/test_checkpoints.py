@@ -16,6 +16,7 @@ from deepinfer_jax.config.hf import read_model_config, to_hf_dict
 from deepinfer_jax.weights import CheckpointError, load_params, quant, random_params
 from deepinfer_jax.weights.export import export_tensors, save_checkpoint
 from deepinfer_jax.weights.safetensors_io import Checkpoint, save_file
+from pallas_kernels.quantized import Fp4Blocks, Fp8Blocks, dequantize_tree
 from tests.conftest import REPO
 
 CFG = read_model_config(REPO / "configs" / "tiny" / "tiny-mixed.json")
@@ -142,15 +143,23 @@ def test_quantized_checkpoint_matches_its_dequantized_twin(tmp_path, tensors):
                                                          "weight_block_size": [128, 128]}}
     write(tmp_path / "q", quantised, cfg_q)
     write(tmp_path / "twin", twin)
-    # float32 loads are exact: dequantisation on load equals the twin bit for bit.
-    assert_same_params(load_params(tmp_path / "q", CFG, jnp.float32),
-                       load_params(tmp_path / "twin", CFG, jnp.float32))
-    # bf16: dequantise-then-cast equals cast-of-the-twin, so the logits are identical ...
+    # float32 loads are exact: dequantisation on load equals the twin bit for bit, and so
+    # does the quantized load's meaning (pallas_kernels/quantized.py's dequantize).
+    twin_f32 = load_params(tmp_path / "twin", CFG, jnp.float32)
+    assert_same_params(load_params(tmp_path / "q", CFG, jnp.float32, keep_quantized=False),
+                       twin_f32)
+    kept = load_params(tmp_path / "q", CFG, jnp.float32)
+    assert isinstance(kept.layers[0].attn.wq_a, Fp8Blocks)
+    assert isinstance(kept.layers[0].moe.experts.w13, Fp4Blocks)
+    assert_same_params(dequantize_tree(kept, jnp.float32), twin_f32)
+    # bf16: dequantise-then-cast equals cast-of-the-twin, so the logits are identical, with
+    # the weights dequantized at load or kept quantized ...
     ids = np.random.default_rng(0).integers(2, CFG.vocab_size, size=(1, 200))
-    q_bf16 = deepinfer_jax.load(tmp_path / "q", dtype=jnp.bfloat16)
+    q_bf16 = deepinfer_jax.load(tmp_path / "q", dtype=jnp.bfloat16, weights="bf16")
     assert q_bf16.params.layers[0].attn.wq_a.dtype == jnp.bfloat16
     got = q_bf16.logits(ids)
     np.testing.assert_array_equal(got, deepinfer_jax.load(tmp_path / "twin", dtype=jnp.bfloat16).logits(ids))
+    np.testing.assert_array_equal(got, deepinfer_jax.load(tmp_path / "q", dtype=jnp.bfloat16).logits(ids))
     # ... and within bf16 tolerance of the float32 twin. bf16 rounding flips discrete choices
     # (expert and indexer top-k) at a few positions of a random model, so the bound is on the
     # typical position, not the worst.
