@@ -4,6 +4,13 @@ Hugging Face peer, in one run.
     python bench/e2e.py                                   # H200: 4 layers (CSA, HCA, CSA, HCA)
     python bench/e2e.py --config configs/bench/small-cpu.json --layers 2 --prefill 256 \\
         --batches 1 4 --context 512 --peer-python .venv-oracle/bin/python   # CPU check
+    python bench/e2e.py --quantized --layers 34 --prefill 8192 --batches 1 16 64 \\
+        --peer-python ''       # H200: the release's FP8 / FP4 formats, deepest slice that fits
+
+With --quantized the weights are random in the release's formats (FP8 dense projections,
+FP4 routed experts, as the loader keeps them), and the run first times decode at batch
+--versus-batch on a --versus-layers slice in bf16 and then quantized (one model on the GPU
+at a time), the speed-up the formats buy at equal depth.
 
 Rows: prefill of one 1k / 8k-token prompt (tokens/s, which is also its time to first token)
 and steady decode at batch 1, 16, 64, 256 with a 4k context (tokens/s and the per-step
@@ -13,7 +20,8 @@ and each request still attends over its full context.
 
 Rooflines, measured in the same run: a decode step must read the dense weights, the hit
 experts' weights (expected number for uniform routing) and each request's cache rows (window,
-selected compressed rows, the indexer's keys); over the measured copy bandwidth. A prefill
+selected compressed rows, the indexer's keys), counted in the bytes stored (FP8 codes, packed
+FP4 and their scales when quantized); over the measured copy bandwidth. A prefill
 token costs 2 FLOPs per active parameter plus attention's; over XLA's measured bf16 matmul
 rate. The peer (bench/peers/hf_e2e.py) runs in its own process first, so that the two
 never share the GPU's memory.
@@ -22,7 +30,9 @@ never share the GPU's memory.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -44,6 +54,7 @@ from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
 from deepinfer_jax.config.hf import to_hf_dict  # noqa: E402
 from deepinfer_jax.config.model import AttentionKind, ModelConfig  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
+from pallas_kernels.quantized import dequantize_tree, is_quantized, nbytes  # noqa: E402
 
 TAIL = 64            # tokens of each decode request after the shared prefix
 
@@ -51,13 +62,20 @@ TAIL = 64            # tokens of each decode request after the shared prefix
 # --- rooflines ------------------------------------------------------------------------------
 
 def weight_counts(params, cfg: ModelConfig) -> dict:
-    """Elements: dense (read every step; the embedding table excluded, it is gathered) and
-    one routed expert of one layer."""
-    total = sum(leaf.size for leaf in jax.tree.leaves(params))
-    routed = sum(layer.moe.experts.w13.size + layer.moe.experts.w2.size
-                 for layer in params.layers)
-    return {"dense": total - routed - params.embed.size,
-            "per_expert": routed // (cfg.num_layers * cfg.n_routed_experts)}
+    """Parameters (dequantized elements, for FLOPs) and stored bytes, each for the dense
+    weights (read every step; the embedding table excluded, it is gathered) and one routed
+    expert of one layer."""
+    def elements(w):
+        return math.prod(w.shape)
+
+    leaves = jax.tree.leaves(params, is_leaf=is_quantized)
+    experts = [w for layer in params.layers for w in (layer.moe.experts.w13, layer.moe.experts.w2)]
+    per_layer_experts = cfg.num_layers * cfg.n_routed_experts
+    return {"dense": sum(map(elements, leaves)) - sum(map(elements, experts)) - params.embed.size,
+            "per_expert": sum(map(elements, experts)) // per_layer_experts,
+            "dense_bytes": sum(map(nbytes, leaves)) - sum(map(nbytes, experts))
+            - nbytes(params.embed),
+            "per_expert_bytes": sum(map(nbytes, experts)) // per_layer_experts}
 
 
 def rows_read(cfg: ModelConfig, kind: AttentionKind, position: int) -> tuple[int, int]:
@@ -75,7 +93,7 @@ def decode_roofline(counts: dict, cfg: ModelConfig, batch: int, context: int,
                     copy_tbps: float) -> dict:
     experts, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     hit = experts * (1 - (1 - k / experts) ** batch)
-    weight_bytes = 2 * (counts["dense"] + cfg.num_layers * hit * counts["per_expert"])
+    weight_bytes = counts["dense_bytes"] + cfg.num_layers * hit * counts["per_expert_bytes"]
     cache_bytes = 0
     for kind in cfg.layer_types:
         attn, index = rows_read(cfg, kind, context)
@@ -189,6 +207,11 @@ def main() -> None:
     ap.add_argument("--peer-new-tokens", type=int, default=16)
     ap.add_argument("--peer-timeout", type=int, default=420)
     ap.add_argument("--name", default=None)
+    ap.add_argument("--quantized", action="store_true",
+                    help="weights in the release's formats (FP8 dense, FP4 routed experts)")
+    ap.add_argument("--versus-layers", type=int, default=4,
+                    help="with --quantized: the slice timed in bf16 and quantized first")
+    ap.add_argument("--versus-batch", type=int, default=16)
     args = ap.parse_args()
 
     cfg = slice_config(args.config, args.layers)
@@ -196,8 +219,9 @@ def main() -> None:
     print("peer:", peer, flush=True)
     ceilings = measure_ceilings(small=jax.default_backend() != "gpu")
     print(ceilings, flush=True)
+    versus = quantized_versus_bf16(args, ceilings) if args.quantized else None
 
-    params = random_params(cfg, 0, jnp.bfloat16)
+    params = random_params(cfg, 0, jnp.bfloat16, release_formats=args.quantized)
     counts = weight_counts(params, cfg)
     budget = max(args.prefill)
     llm = LLM(Model(cfg, params), max_num_seqs=max(args.batches),
@@ -228,18 +252,78 @@ def main() -> None:
         print(row, flush=True)
 
     env = environment() | {"peer": {k: v for k, v in (peer or {}).items() if k != "rows"}}
+    formats = ("the release's formats (FP8 dense projections, FP4 routed experts; "
+               f"{sum(map(nbytes, jax.tree.leaves(params, is_leaf=is_quantized))) / 2**30:.1f} "
+               "GiB of weights)" if args.quantized else "bf16")
     note = (f"Model: {args.config.name} cut to {args.layers} layers "
-            f"({', '.join(k.name for k in cfg.layer_types)}), random bf16 weights, routed MoE "
-            f"in every layer. Ceilings measured in this run: matmul "
+            f"({', '.join(k.name for k in cfg.layer_types)}), random weights in {formats}, "
+            f"routed MoE in every layer. Ceilings measured in this run: matmul "
             f"{ceilings['matmul_tflops']:.0f} TFLOP/s, copy {ceilings['copy_tbps']:.2f} TB/s. "
             f"Peer: HF transformers {env['peer'].get('transformers', '-')} DeepseekV4ForCausalLM, "
             f"bf16, eager attention (its only one), same slice and prompt lengths; its decode "
             f"rows: prompts prefilled in chunks through its cache, then greedy steps timed.")
     text = table(rows, note)
+    if versus:
+        text += "\n\n" + versus_table(versus)
     print(text)
     name = args.name or f"e2e-{jax.devices()[0].platform}"
     write_results(name, {"environment": env, "ceilings": ceilings, "weights": counts,
-                         "rows": rows, "peer": peer}, text)
+                         "rows": rows, "peer": peer, "quantized_vs_bf16": versus}, text)
+
+
+# --- quantized vs bf16 at equal depth ------------------------------------------------------
+
+def quantized_versus_bf16(args, ceilings: dict) -> dict:
+    """Decode at args.versus_batch on an args.versus_layers slice, its weights in the release's
+    formats and the same weights dequantized to bf16; first a check that the two models'
+    logits agree (the FP8 codes and FP4 values times power-of-two scales are exact in bf16,
+    so the weights are the same numbers; only the GEMMs' summation order differs)."""
+    cfg = slice_config(args.config, args.versus_layers)
+    quantized = random_params(cfg, 1, jnp.bfloat16, release_formats=True)
+    dequantized = dequantize_tree(quantized, jnp.bfloat16)
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(2, cfg.vocab_size, 256)
+    logits = {name: Model(cfg, p).logits(prompt)[0]
+              for name, p in (("quantized", quantized), ("bf16", dequantized))}
+    error = float(np.abs(logits["quantized"] - logits["bf16"]).max()
+                  / np.abs(logits["bf16"]).max())
+    agree = float(np.mean(logits["quantized"].argmax(-1) == logits["bf16"].argmax(-1)))
+    out = {"layers": args.versus_layers, "batch": args.versus_batch, "context": args.context,
+           "logits_max_rel_error": error, "argmax_agreement": agree, "rows": {}}
+    print(out, flush=True)
+    for name, params in (("bf16", dequantized), ("quantized", quantized)):
+        counts = weight_counts(params, cfg)
+        llm = LLM(Model(cfg, params), max_num_seqs=args.versus_batch,
+                  max_model_len=args.context + 64, max_num_batched_tokens=1024,
+                  token_buckets=(16, 64, 1024), enable_prefix_caching=True,
+                  compilation_cache_dir=str(REPO / ".cache" / "xla-bench"))
+        row = decode(llm, args.versus_batch, args.context, args.steps, rng)
+        roof = decode_roofline(counts, cfg, args.versus_batch, args.context, ceilings["copy_tbps"])
+        row |= {"roofline_tokens_per_s": roof["tokens_per_s"],
+                "bytes_per_step": roof["bytes_per_step"]}
+        out["rows"][name] = row
+        print(name, row, flush=True)
+        del llm
+        gc.collect()
+    out["speedup"] = out["rows"]["quantized"]["tokens_per_s"] / out["rows"]["bf16"]["tokens_per_s"]
+    del quantized, dequantized
+    gc.collect()
+    return out
+
+
+def versus_table(versus: dict) -> str:
+    lines = [f"Quantized vs bf16, {versus['layers']} layers, decode batch {versus['batch']} at a "
+             f"{versus['context']}-token context (the bf16 model: the quantized one's weights "
+             f"dequantized; logits max |diff| / max |logit| {versus['logits_max_rel_error']:.1e}, "
+             f"argmax agreement {100 * versus['argmax_agreement']:.0f}% over 256 positions):",
+             "", "| weights | tok/s | bytes / step | roofline tok/s | % of roofline |",
+             "|---|---:|---:|---:|---:|"]
+    for name, r in versus["rows"].items():
+        lines.append(f"| {name} | {r['tokens_per_s']:.0f} | {r['bytes_per_step'] / 1e9:.2f} GB | "
+                     f"{r['roofline_tokens_per_s']:.0f} | "
+                     f"{100 * r['tokens_per_s'] / r['roofline_tokens_per_s']:.0f}% |")
+    lines.append(f"\nSpeed-up quantized / bf16: {versus['speedup']:.2f}x (asked: >= 1.6x).")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
