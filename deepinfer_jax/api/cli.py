@@ -20,6 +20,10 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
     for name, value in QUICKSTART_SHAPES.items():
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=value)
     ap.add_argument("--num-pages", type=int)
+    ap.add_argument("--gpu-memory-utilization", type=float,
+                    help="share of a device's memory for weights, activations, cache (0.9)")
+    ap.add_argument("--device-memory-gib", type=float,
+                    help="a device's memory (default: what the device reports)")
     ap.add_argument("--enable-prefix-caching", action="store_true")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="a request's numbers never depend on its batch")
@@ -74,6 +78,8 @@ def _make_llm(args):
     return LLM(args.model, dtype=args.dtype,
                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages,
+               gpu_memory_utilization=args.gpu_memory_utilization,
+               device_memory_gib=args.device_memory_gib,
                enable_prefix_caching=args.enable_prefix_caching,
                batch_invariant=args.batch_invariant, speculative_config=speculative)
 
