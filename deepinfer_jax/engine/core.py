@@ -34,7 +34,7 @@ from deepinfer_jax.contract import SpecStepOutput, StepOutput
 from deepinfer_jax.device.snapshots import compile_copies, init_pool, slot_rings
 from deepinfer_jax.engine.compile import compile_steps, enable_persistent_cache
 from deepinfer_jax.engine.launch import Launcher
-from deepinfer_jax.engine.memory_plan import engine_plan
+from deepinfer_jax.engine.memory_plan import check_compiled, engine_plan
 from deepinfer_jax.host.buckets import token_bucket
 from deepinfer_jax.host.decision import Restore, ScheduleDecision, SnapshotSave
 from deepinfer_jax.host.grammar import GrammarError, StructuredOutputs, grammar_spec
@@ -107,6 +107,8 @@ class EngineCore:
         self.spec_steps = (compile_steps(params, self.state, self.cfg, step_cfg, host,
                                          speculative=True)
                            if step_cfg.spec_tokens else None)
+        if self.memory_plan is not None:
+            check_compiled(self.memory_plan, self.steps, self.spec_steps)
         self.scheduler = Scheduler(step_cfg, cfg.eos_token_ids)
         if step_cfg.enable_prefix_caching:     # slot snapshots of the prefix cache
             self.snapshot_pool = init_pool(self.state, step_cfg.num_snapshots)

@@ -16,6 +16,7 @@ the cache's layout and the pool's rule; this module supplies the figures only ja
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 import jax
@@ -40,6 +41,8 @@ from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.model.state import init_state
 from deepinfer_jax.weights import random_params
 from pallas_kernels import quantized as q
+
+log = logging.getLogger("deepinfer_jax")
 
 # Which projections the release stores in FP8 (E4M3, 128 x 128 blocks) and FP4 (E2M1, 32
 # per scale), by the pytree's dotted names (MTP layers included: same names under mtp.j.layer).
@@ -176,3 +179,15 @@ def check_checkpoint_fits(path, limits: MemoryLimits) -> None:
     cfg = read_model_config(path)
     weights = weight_bytes(abstract_params(cfg), quantized=cfg.quantization is not None)
     check_weights(weights, limits.device_bytes, limits.utilization, f" of {path}")
+
+
+def check_compiled(plan: MemoryPlan, *steps) -> None:
+    """After the real buckets compiled: warn if one needs more than the probe measured (the
+    plan assumes the largest bucket is the peak)."""
+    peaks = [step_peak(c.executable) for group in steps if group is not None
+             for c in group.by_key.values()]
+    peak = max((p for p in peaks if p is not None), default=0)
+    if plan.activations_measured and peak > plan.activations:
+        log.warning("deepinfer_jax: a compiled step needs %d bytes of activations, more than "
+                    "the %d the memory plan measured on the largest bucket", peak,
+                    plan.activations)

@@ -111,6 +111,9 @@ def test_the_pool_is_sized_from_the_stated_memory():
     assert llm.step_config.num_pages == expected == llm.memory_plan.pages
     assert _nbytes(llm.engine.state) == fixed + expected * page
     assert llm.memory_plan.activations_measured and llm.memory_plan.fits
+    # the probe's one-page pool measured what the real pool's step needs
+    real = [memory_plan.step_peak(c.executable) for c in llm.engine.steps.by_key.values()]
+    assert max(real) == activations
     out = llm.generate([[0, 5, 7]], {"max_tokens": 3}, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
 
