@@ -1,4 +1,5 @@
-"""The `deepinfer` command: `generate` a few prompts, or `bench` the engine's throughput."""
+"""The `deepinfer` command: `generate` a few prompts, `bench` the engine's throughput, or
+`plan` a model's device memory from its configuration."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
     for name, value in QUICKSTART_SHAPES.items():
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=value)
     ap.add_argument("--num-pages", type=int)
+    ap.add_argument("--gpu-memory-utilization", type=float,
+                    help="share of a device's memory for weights, activations, cache (0.9)")
+    ap.add_argument("--device-memory-gib", type=float,
+                    help="a device's memory (default: what the device reports)")
     ap.add_argument("--enable-prefix-caching", action="store_true")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="a request's numbers never depend on its batch")
@@ -73,6 +78,8 @@ def _make_llm(args):
     return LLM(args.model, dtype=args.dtype,
                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages,
+               gpu_memory_utilization=args.gpu_memory_utilization,
+               device_memory_gib=args.device_memory_gib,
                enable_prefix_caching=args.enable_prefix_caching,
                batch_invariant=args.batch_invariant, speculative_config=speculative)
 
@@ -123,6 +130,54 @@ def bench(args) -> int:
     return 0
 
 
+def plan(args) -> int:
+    """Print the memory plan from the model's config alone: no weights read, nothing
+    compiled (engine/memory_plan.py `config_plan`)."""
+    from deepinfer_jax.config import options
+    from deepinfer_jax.config.engine import EngineConfig
+    from deepinfer_jax.config.errors import InsufficientMemoryError
+    from deepinfer_jax.config.hf import read_model_config
+    from deepinfer_jax.config.memory import plan_pool
+    from deepinfer_jax.engine.memory_plan import config_plan
+
+    path = _model_config_path(args.model)
+    cfg = read_model_config(path)
+    engine = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                          max_num_batched_tokens=args.max_num_batched_tokens or max(
+                              256, args.max_num_seqs))
+    step_cfg = engine.resolve(cfg)
+    quantized = (args.weights or ("quantized" if cfg.quantization else "bf16")) == "quantized"
+    device_bytes = options.device_memory(args.device_memory_gib, options.CPU)
+    result = config_plan(cfg, step_cfg, devices=args.devices, quantized=quantized,
+                         device_bytes=device_bytes,
+                         utilization=options.memory_utilization(args.gpu_memory_utilization))
+    print(f"model            {path}")
+    print(f"shapes           max_num_seqs {step_cfg.max_num_seqs}, max_model_len "
+          f"{step_cfg.max_model_len}, token buckets {list(step_cfg.token_buckets)}")
+    print(result.format())
+    if result.fits is False:
+        try:
+            plan_pool(result)
+        except InsufficientMemoryError as e:
+            print(f"does not fit: {e}")
+        return 1
+    return 0
+
+
+def _model_config_path(name: str):
+    """A model directory or config.json, else one of the project's configs (configs/NAME.json,
+    as `deepseek-v4-flash` or `tiny/tiny-mixed`) or models (models/NAME)."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    for path in (Path(name), repo / "configs" / f"{name}.json", repo / "configs" / name,
+                 repo / "models" / name):
+        if path.is_file() or (path / "config.json").is_file():
+            return path
+    raise FileNotFoundError(f"no model directory, config.json or project config named {name!r} "
+                            f"(configs/: {sorted(p.stem for p in (repo / 'configs').glob('*.json'))})")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="deepinfer", description=__doc__)
     ap.add_argument("--debug", action="store_true",
@@ -141,6 +196,21 @@ def main(argv=None) -> int:
     b.add_argument("--output-len", type=int, default=32)
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(func=bench)
+    p = sub.add_parser("plan", help="device memory plan from a model's config (no weights, "
+                                    "no compile)")
+    p.add_argument("model", help="model directory, config.json, or a project config "
+                                 "(e.g. deepseek-v4-flash)")
+    p.add_argument("--devices", type=int, default=1,
+                   help="devices: routed experts split N ways, the rest replicated")
+    p.add_argument("--device-memory-gib", type=float, help="one device's memory (default: "
+                   "DEEPINFER_DEVICE_MEMORY_GIB, else the plan says what is needed)")
+    p.add_argument("--gpu-memory-utilization", type=float, help="default 0.9")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, help="default: max(256, max-num-seqs)")
+    p.add_argument("--weights", choices=["quantized", "bf16"],
+                   help="default: quantized for an FP8 checkpoint's config, else bf16")
+    p.set_defaults(func=plan)
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv        # anywhere, before or after the command
     args = ap.parse_args([a for a in argv if a != "--debug"])

@@ -27,6 +27,7 @@ from deepinfer_jax.api.model import Model, load
 from deepinfer_jax.config.engine import QUICKSTART_SHAPES, EngineConfig
 from deepinfer_jax.engine.core import EngineCore, failed_output
 from deepinfer_jax.engine.devices import local_device_facts
+from deepinfer_jax.engine.memory_plan import check_checkpoint_fits
 from deepinfer_jax.host.chat import ChatTemplate
 from deepinfer_jax.host.detokenizer import IncrementalDetokenizer
 from deepinfer_jax.host.outputs import cut_at_stop, group_output, prompt_logprobs, text_tokens, token_text
@@ -81,7 +82,10 @@ class LLM:
         weights: "quantized" keeps a checkpoint's FP8/FP4 weights as stored, "bf16"
         dequantizes them at load (api/model.py's load).
         engine_options: the fields of `EngineConfig` (max_num_seqs, max_model_len,
-        max_num_batched_tokens, num_pages, async_scheduling, batch_invariant, seed, ...)."""
+        max_num_batched_tokens, num_pages, gpu_memory_utilization, device_memory_gib,
+        async_scheduling, batch_invariant, seed, ...). Where the device's memory is known
+        (a GPU's, or stated), the page pool is planned from it (`memory_plan`) and a model
+        that does not fit raises InsufficientMemoryError before anything compiles."""
         unknown = set(engine_options) - _ENGINE_OPTIONS
         if unknown:
             raise TypeError(f"unknown engine option(s) {sorted(unknown)}; "
@@ -91,9 +95,14 @@ class LLM:
                 raise FileNotFoundError(f"no model given and the default {DEFAULT_MODEL} is missing")
             model = DEFAULT_MODEL
             engine_options = {**QUICKSTART_SHAPES, **engine_options}
+        options = EngineConfig(**engine_options)
+        device = local_device_facts()
+        memory = options.memory(device)
         if isinstance(model, Model):
             self.model, self.tokenizer, self.chat_template = model, None, None
         elif isinstance(model, (str, Path)):
+            if memory is not None:        # weights that cannot fit fail before they load
+                check_checkpoint_fits(model, memory, quantized=weights == "quantized")
             self.model = load(model, dtype=dtype, weights=weights)
             self.tokenizer = TextTokenizer.from_model_dir(model)
             self.chat_template = ChatTemplate.from_model_dir(model)
@@ -104,11 +113,11 @@ class LLM:
             path = path.parent if path.is_file() else path
             self.tokenizer = TextTokenizer.from_model_dir(path)
             self.chat_template = ChatTemplate.from_model_dir(path) or self.chat_template
-        options = EngineConfig(**engine_options)
-        self.step_config = options.resolve(self.model.config, local_device_facts())
-        self.host_options = options.host_options(self.step_config)
-        self.engine = EngineCore(self.model.config, self.model.params, self.step_config,
-                                 self.host_options, self.tokenizer)
+        step_config = options.resolve(self.model.config, device)
+        self.host_options = options.host_options(step_config)
+        self.engine = EngineCore(self.model.config, self.model.params, step_config,
+                                 self.host_options, self.tokenizer, memory)
+        self.step_config = self.engine.step_cfg          # with the planned page pool
         self._ids = itertools.count()
         self._spec_totals = SpecMetrics()
 
@@ -265,6 +274,12 @@ class LLM:
         out.batch_invariant = self.step_config.batch_invariant
         out.spec = group.requests[0].spec if self.step_config.spec_tokens else None
         return out
+
+    @property
+    def memory_plan(self):
+        """The device memory plan (weights, measured activations, cache, pages), or None where
+        the device's memory is not known (the CPU, unless device_memory_gib is given)."""
+        return self.engine.memory_plan
 
     @property
     def prefix_cache_stats(self):

@@ -16,6 +16,7 @@ from deepinfer_jax.config import options
 from deepinfer_jax.config.compute import KernelChoices
 from deepinfer_jax.config.errors import EngineConfigError
 from deepinfer_jax.config.host import HostOptions
+from deepinfer_jax.config.memory import MemoryLimits
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.speculative import SpeculativeConfig
 from deepinfer_jax.config.step import StepConfig
@@ -39,7 +40,14 @@ class EngineConfig:
     # capped at DEFAULT_MAX_MODEL_LEN, as vLLM derives it from the model)
     max_model_len: int | None = None
     page_size: int | None = None         # tokens per page of compressed rows (None: derived)
-    num_pages: int | None = None         # page pool size (None: every slot can reach max_model_len)
+    # page pool size (None: planned from the device's memory, config/memory.py; where that is
+    # not known, every slot can reach max_model_len). A stated pool must fit too.
+    num_pages: int | None = None
+    # The share of a device's memory for weights, activations and the cache (vLLM's name;
+    # None: DEEPINFER_GPU_MEMORY_UTILIZATION, else 0.9), and the device's memory in GiB
+    # (None: DEEPINFER_DEVICE_MEMORY_GIB, else what the device reports; the CPU reports none)
+    gpu_memory_utilization: float | None = None
+    device_memory_gib: float | None = None
     max_num_batched_tokens: int = 256    # chunked-prefill budget: tokens per step
     token_buckets: tuple[int, ...] | None = None   # None: powers of two up to the budget
     compilation_cache_dir: str | None = dataclasses.field(default_factory=options.default_cache_dir)
@@ -86,6 +94,11 @@ class EngineConfig:
             object.__setattr__(self, "token_buckets", buckets)
         if self.num_prefix_snapshots is not None and self.num_prefix_snapshots < 1:
             raise EngineConfigError("num_prefix_snapshots must be >= 1")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise EngineConfigError(f"gpu_memory_utilization must be in (0, 1], got "
+                                    f"{self.gpu_memory_utilization}")
+        if self.device_memory_gib is not None and self.device_memory_gib <= 0:
+            raise EngineConfigError(f"device_memory_gib must be > 0, got {self.device_memory_gib}")
 
     def resolve(self, model: ModelConfig, device: options.DeviceFacts = options.CPU,
                 environ: Mapping[str, str] | None = None) -> StepConfig:
@@ -129,6 +142,18 @@ class EngineConfig:
             enable_prefix_caching=self.enable_prefix_caching,
             num_snapshots=(self.num_prefix_snapshots or 4 * self.max_num_seqs)
             if self.enable_prefix_caching else 0)
+
+    def memory(self, device: options.DeviceFacts = options.CPU,
+               environ: Mapping[str, str] | None = None) -> MemoryLimits | None:
+        """What the page pool is planned against (config/memory.py): None where the device's
+        memory is neither stated nor reported, and the pool follows the shapes alone."""
+        device_bytes = options.device_memory(self.device_memory_gib, device, environ)
+        if device_bytes is None:
+            return None
+        utilization = options.memory_utilization(self.gpu_memory_utilization, environ)
+        if not 0 < utilization <= 1:
+            raise EngineConfigError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+        return MemoryLimits(device_bytes, utilization, self.num_pages)
 
     def model_len(self, model: ModelConfig) -> int:
         """max_model_len for this model: as given (at most the model's context), or the

@@ -11,6 +11,8 @@ read at import time, and traced code only ever sees the frozen result.
 | DEEPINFER_STEP_FORMULATION=cpu\\|gpu | the jnp formulation traced (config/compute.py) |
 | DEEPINFER_INVARIANT_TILE=n | batch-invariant mode's row tile |
 | DEEPINFER_COMPILE_THREADS=n | step buckets compiled at once at start-up |
+| DEEPINFER_DEVICE_MEMORY_GIB=g | device_memory_gib: the memory a device has, in GiB |
+| DEEPINFER_GPU_MEMORY_UTILIZATION=u | gpu_memory_utilization: the share of it the engine plans for |
 | XDG_CACHE_HOME | where the persistent compilation cache goes |
 """
 
@@ -31,11 +33,14 @@ ATTENTION_MIN_TOKENS = 512      # the sink-attention kernel's default threshold 
 
 @dataclasses.dataclass(frozen=True)
 class DeviceFacts:
-    """What the defaults depend on: the backend's platform and, on GPUs, the compute
-    capability ("9.0"). Gathered once by the engine (engine/devices.py)."""
+    """What the defaults depend on: the backend's platform, on GPUs the compute capability
+    ("9.0"), and the memory XLA's allocator may use where the device reports it (its
+    `memory_stats()["bytes_limit"]`; None on the CPU). Gathered once by the engine
+    (engine/devices.py)."""
 
     platform: str = "cpu"
     compute_capability: str | None = None
+    memory_bytes: int | None = None
 
     @property
     def major(self) -> int:
@@ -82,6 +87,27 @@ def compile_threads(given: int | None, formulation: str, cpu_count: int,
     if forced:
         return max(1, int(forced))
     return 1 if formulation == "gpu" else max(1, cpu_count)
+
+
+# vLLM's default share of a GPU's memory for weights, activations and the cache.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
+def device_memory(given_gib: float | None, device: DeviceFacts,
+                  environ: Mapping[str, str] | None = None) -> int | None:
+    """Bytes of memory one device has for the engine: `device_memory_gib` if given, else
+    DEEPINFER_DEVICE_MEMORY_GIB, else what the device reports (None where it reports nothing:
+    the CPU, whose pool then keeps its size from the shapes alone)."""
+    value = given_gib or _environ(environ).get("DEEPINFER_DEVICE_MEMORY_GIB")
+    if value:
+        return int(float(value) * 2**30)
+    return device.memory_bytes
+
+
+def memory_utilization(given: float | None, environ: Mapping[str, str] | None = None) -> float:
+    """The share of the device's memory the engine plans for (gpu_memory_utilization)."""
+    value = given or _environ(environ).get("DEEPINFER_GPU_MEMORY_UTILIZATION")
+    return float(value) if value else DEFAULT_GPU_MEMORY_UTILIZATION
 
 
 def default_kernels(device: DeviceFacts) -> KernelChoices:

@@ -126,16 +126,20 @@ def _trace_key(params: ModelParams, state: StateCache, cfg: ModelConfig,
 
 def compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
                   step_cfg: StepConfig, host: HostOptions,
-                  speculative: bool = False) -> CompiledSteps:
+                  speculative: bool = False,
+                  truncations: tuple[bool | None, ...] | None = None) -> CompiledSteps:
     """The step compiled for every token bucket (and sampler variant; state donated): the
     plain step, or the speculative one (verify drafts, then MTP drafting). Memoised per
     process (`_trace_key`), and across processes by the step cache (engine/step_cache.py)
-    under the compilation cache directory."""
-    key = _trace_key(params, state, cfg, step_cfg, speculative)
+    under the compilation cache directory. `truncations` restricts the sampler variants
+    compiled (the memory probe's, engine/memory_plan.py); None: the formulation's."""
+    trace_key = _trace_key(params, state, cfg, step_cfg, speculative)
+    key = trace_key + (truncations,)
     if key in _memo:
         _memo.move_to_end(key)
         return _memo[key]
-    _memo[key] = steps = _compile_steps(params, state, cfg, step_cfg, host, speculative, key)
+    _memo[key] = steps = _compile_steps(params, state, cfg, step_cfg, host, speculative,
+                                        trace_key, truncations)
     if len(_memo) > _MEMO_SIZE:
         _memo.popitem(last=False)
     return steps
@@ -143,11 +147,11 @@ def compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
 
 def _compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
                    step_cfg: StepConfig, host: HostOptions, speculative: bool,
-                   trace_key: tuple) -> CompiledSteps:
+                   trace_key: tuple, truncations: tuple | None = None) -> CompiledSteps:
     enable_persistent_cache(host.compilation_cache_dir)
     options = BATCH_INVARIANT_COMPILER_OPTIONS if step_cfg.batch_invariant else None
     launch_bound = step_cfg.compute.launch_bound
-    truncations = (False, True) if launch_bound else (None,)
+    truncations = truncations or ((False, True) if launch_bound else (None,))
     keys = [(t, truncation) for t in step_cfg.token_buckets for truncation in truncations]
     plan_wires = {key: Wire.of(build_plan(ScheduleDecision(()), key[0], step_cfg))
                   for key in keys}                                    # shapes are fixed

@@ -27,12 +27,14 @@ import numpy as np
 
 from deepinfer_jax.config.errors import EngineConfigError
 from deepinfer_jax.config.host import HostOptions
+from deepinfer_jax.config.memory import MemoryLimits, MemoryPlan
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.contract import SpecStepOutput, StepOutput
 from deepinfer_jax.device.snapshots import compile_copies, init_pool, slot_rings
 from deepinfer_jax.engine.compile import compile_steps, enable_persistent_cache
 from deepinfer_jax.engine.launch import Launcher
+from deepinfer_jax.engine.memory_plan import check_compiled, engine_plan
 from deepinfer_jax.host.buckets import token_bucket
 from deepinfer_jax.host.decision import Restore, ScheduleDecision, SnapshotSave
 from deepinfer_jax.host.grammar import GrammarError, StructuredOutputs, grammar_spec
@@ -76,19 +78,28 @@ class InFlight:
 
 class EngineCore:
     def __init__(self, cfg: ModelConfig, params: ModelParams, step_cfg: StepConfig,
-                 host: HostOptions, tokenizer: TextTokenizer | None = None):
+                 host: HostOptions, tokenizer: TextTokenizer | None = None,
+                 memory: MemoryLimits | None = None):
+        """memory: the device memory to plan the page pool against (engine/memory_plan.py);
+        the step's shapes then take the planned pool (`self.step_cfg`), and a model that does
+        not fit raises InsufficientMemoryError before its steps compile. None: the pool as
+        `step_cfg` has it."""
         if step_cfg.batch_invariant:
             require_batch_invariant_support()
         if step_cfg.spec_tokens and not params.mtp:
             raise EngineConfigError("speculative decoding needs the checkpoint's MTP weights "
                                     "(mtp.* tensors); this checkpoint has none")
         self.cfg = cfg
+        # before the probe's and the state's first computations: their programs load from
+        # jax's cache
+        enable_persistent_cache(host.compilation_cache_dir)
+        self.memory_plan: MemoryPlan | None = None
+        if memory is not None:
+            step_cfg, self.memory_plan = engine_plan(params, cfg, step_cfg, host, memory)
         self.params, self.step_cfg, self.host = params, step_cfg, host
         self.tokenizer = tokenizer
         self.structured = None if tokenizer is None else StructuredOutputs(
             tokenizer.path, cfg.vocab_size, cfg.eos_token_ids, host.grammar_compile_timeout_s)
-        # before the state's first computations: their small programs load from jax's cache
-        enable_persistent_cache(host.compilation_cache_dir)
         self.state = init_state(self.cfg, step_cfg, params.embed.dtype)
         self.steps = compile_steps(params, self.state, self.cfg, step_cfg, host)
         # With speculation, small batches run the speculative step and large ones (no room in
@@ -96,6 +107,8 @@ class EngineCore:
         self.spec_steps = (compile_steps(params, self.state, self.cfg, step_cfg, host,
                                          speculative=True)
                            if step_cfg.spec_tokens else None)
+        if self.memory_plan is not None:
+            check_compiled(self.memory_plan, self.steps, self.spec_steps)
         self.scheduler = Scheduler(step_cfg, cfg.eos_token_ids)
         if step_cfg.enable_prefix_caching:     # slot snapshots of the prefix cache
             self.snapshot_pool = init_pool(self.state, step_cfg.num_snapshots)

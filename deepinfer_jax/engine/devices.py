@@ -8,8 +8,19 @@ from deepinfer_jax.config.options import DeviceFacts
 
 
 def local_device_facts() -> DeviceFacts:
-    """The default backend's first device: its platform and, on GPUs, compute capability."""
+    """The default backend's first device: its platform, on GPUs its compute capability, and
+    the memory its allocator may use where it reports one (`bytes_limit`; the CPU does not)."""
     device = jax.devices()[0]
     capability = getattr(device, "compute_capability", None)
     return DeviceFacts(platform=device.platform,
-                       compute_capability=None if capability is None else str(capability))
+                       compute_capability=None if capability is None else str(capability),
+                       memory_bytes=_bytes_limit(device))
+
+
+def _bytes_limit(device) -> int | None:
+    try:
+        stats = device.memory_stats()
+    except Exception:       # backends without allocator statistics raise or return None
+        return None
+    limit = (stats or {}).get("bytes_limit")
+    return int(limit) if limit else None

@@ -1,0 +1,173 @@
+"""The memory plan from a model's parameters and its compiled step (config/memory.py holds
+the cache's layout and the pool's rule; this module supplies the figures only jax knows).
+
+* Weights: the bytes of every leaf of the parameter pytree (loaded arrays, `Fp8Blocks` /
+  `Fp4Blocks`, or `jax.eval_shape`'s abstract leaves: no weights are read to plan). Quantized,
+  the pytree is the one the loader builds from a released checkpoint: FP8 dense projections
+  (1 byte a parameter + a float32 scale per 128 x 128 block), FP4 routed experts (half a byte
+  + one scale byte per 32 inputs), everything else as the builder has it.
+* Devices: DeepSeek's serving layout, routed experts split N ways (expert parallel),
+  everything else replicated (data-parallel attention); figures are per device.
+* Activations: XLA's memory analysis of the largest token bucket's compiled step, compiled
+  once with a one-page pool (the temporaries do not depend on the pool's size) before the
+  real pool is chosen; the probe goes through the step cache, so a warm start loads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_jax.config.hf import read_model_config
+from deepinfer_jax.config.host import HostOptions
+from deepinfer_jax.config.memory import (
+    MemoryLimits,
+    MemoryPlan,
+    activation_estimate,
+    best_pool,
+    check_weights,
+    fixed_cache_bytes,
+    page_bytes,
+    plan_pool,
+)
+from deepinfer_jax.config.model import ModelConfig
+from deepinfer_jax.config.step import StepConfig
+from deepinfer_jax.engine.compile import compile_steps
+from deepinfer_jax.model.params import ModelParams
+from deepinfer_jax.model.state import init_state
+from deepinfer_jax.weights import random_params
+from pallas_kernels import quantized as q
+
+log = logging.getLogger("deepinfer_jax")
+
+def abstract_params(cfg: ModelConfig, dtype=jnp.bfloat16, quantized: bool = False) -> ModelParams:
+    """The parameter pytree's shapes and dtypes (MTP block included), without a byte of it;
+    quantized: in the release's formats (weights/builder.py says which tensors)."""
+    return jax.eval_shape(lambda: random_params(cfg, 0, dtype, release_formats=quantized))
+
+
+def named_leaves(params) -> list[tuple[str, object]]:
+    """(dotted name, leaf) for every weight; a quantized weight is one leaf."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=q.is_quantized)
+    return [(jax.tree_util.keystr(path, simple=True, separator="."), leaf)
+            for path, leaf in flat]
+
+
+def leaf_bytes(leaf) -> int:
+    """A weight's bytes as it is held (a quantized one: codes and scales)."""
+    if q.is_quantized(leaf):
+        return q.nbytes(leaf)
+    return math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
+
+
+def weight_bytes(params, devices: int = 1) -> int:
+    """Bytes of the weights on one of `devices` devices: routed experts split, the rest
+    replicated."""
+    total = 0
+    for name, leaf in named_leaves(params):
+        size = leaf_bytes(leaf)
+        if ".moe.experts." in name and devices > 1:
+            experts = leaf.shape[0] if not q.is_quantized(leaf) else jax.tree.leaves(leaf)[0].shape[0]
+            size = size // experts * math.ceil(experts / devices)
+        total += size
+    return total
+
+
+def step_peak(executable: jax.stages.Compiled) -> int | None:
+    """A compiled step's memory beyond its arguments: XLA's temporaries, generated code and
+    outputs that do not alias a donated argument (None where the backend has no analysis)."""
+    stats = executable.memory_analysis()
+    if stats is None:
+        return None
+    return (stats.temp_size_in_bytes + stats.generated_code_size_in_bytes
+            + max(0, stats.output_size_in_bytes - stats.alias_size_in_bytes))
+
+
+def measured_activations(params: ModelParams, cfg: ModelConfig, step_cfg: StepConfig,
+                         host: HostOptions) -> int | None:
+    """The largest bucket's activation peak, from its step compiled over a one-page pool (the
+    truncating sampler's variant where there are two; the speculative step's too)."""
+    probe = dataclasses.replace(step_cfg, num_pages=1,
+                                token_buckets=(max(step_cfg.token_buckets),))
+    state = jax.eval_shape(lambda: init_state(cfg, probe, params.embed.dtype))
+    truncations = (True,) if step_cfg.compute.launch_bound else None
+    peaks = []
+    for speculative in (False, True) if step_cfg.spec_tokens else (False,):
+        steps = compile_steps(params, state, cfg, probe, host, speculative=speculative,
+                              truncations=truncations)
+        peaks += [step_peak(c.executable) for c in steps.by_key.values()]
+    return None if None in peaks else max(peaks)
+
+
+def engine_plan(params: ModelParams, cfg: ModelConfig, step_cfg: StepConfig,
+                host: HostOptions, limits: MemoryLimits) -> tuple[StepConfig, MemoryPlan]:
+    """The step's shapes with the planned pool, and the plan. Raises InsufficientMemoryError
+    before the real steps compile: weights alone over the budget before any compile, the
+    rest after the probe's."""
+    weights = weight_bytes(params)
+    check_weights(weights, limits.device_bytes, limits.utilization)
+    activations = measured_activations(params, cfg, step_cfg, host)
+    measured = activations is not None
+    if not measured:
+        activations = activation_estimate(cfg, step_cfg)
+    dtype_bytes = jnp.dtype(params.embed.dtype).itemsize
+    plan = plan_pool(MemoryPlan(
+        weights=weights, activations=activations, activations_measured=measured,
+        fixed_cache=fixed_cache_bytes(cfg, step_cfg, dtype_bytes),
+        page_bytes=page_bytes(cfg, step_cfg.page_size, dtype_bytes),
+        page_size=step_cfg.page_size, pages=0, max_num_seqs=step_cfg.max_num_seqs,
+        max_model_len=step_cfg.max_model_len, blocks_per_seq=step_cfg.max_blocks_per_seq,
+        device_bytes=limits.device_bytes, utilization=limits.utilization), limits.num_pages)
+    return dataclasses.replace(step_cfg, num_pages=plan.pages), plan
+
+
+def config_plan(cfg: ModelConfig, step_cfg: StepConfig, *, devices: int = 1,
+                quantized: bool = True, device_bytes: int | None = None,
+                utilization: float = 0.9, dtype=jnp.bfloat16) -> MemoryPlan:
+    """A plan from the configuration alone (`deepinfer plan`): weights from the parameter
+    pytree's shapes, the activation estimate, and as many pages as fit (it may not fit:
+    `plan.fits`). No weights are read and nothing is compiled."""
+    weights = weight_bytes(abstract_params(cfg, dtype, quantized), devices)
+    dtype_bytes = jnp.dtype(dtype).itemsize
+    experts = math.ceil(cfg.n_routed_experts / devices)
+    notes = ((f"weights {'quantized as released (FP8 dense projections, FP4 routed experts; '
+                          'from shapes)' if quantized else 'in bf16 (norms, mixing, biases in f32)'}"
+              ),
+             "activations: an estimate (config/memory.py activation_estimate); LLM(...) "
+             "measures the compiled step instead")
+    if devices > 1:
+        notes += (f"layout: routed experts split {devices} ways (expert parallel, {experts} "
+                  f"of {cfg.n_routed_experts} a device), everything else replicated "
+                  f"(data-parallel attention); slots and pages are each device's own",)
+    return best_pool(MemoryPlan(
+        weights=weights, activations=activation_estimate(cfg, step_cfg),
+        activations_measured=False, fixed_cache=fixed_cache_bytes(cfg, step_cfg, dtype_bytes),
+        page_bytes=page_bytes(cfg, step_cfg.page_size, dtype_bytes),
+        page_size=step_cfg.page_size, pages=0, max_num_seqs=step_cfg.max_num_seqs,
+        max_model_len=step_cfg.max_model_len, blocks_per_seq=step_cfg.max_blocks_per_seq,
+        device_bytes=device_bytes, utilization=utilization, devices=devices, notes=notes))
+
+
+def check_checkpoint_fits(path, limits: MemoryLimits, quantized: bool = True) -> None:
+    """Before a checkpoint loads: its weights counted from its config.json (quantized where
+    the checkpoint is and the load keeps it so), which must fit the budget. The exact check
+    follows once they are loaded (`engine_plan`)."""
+    cfg = read_model_config(path)
+    weights = weight_bytes(abstract_params(cfg, quantized=quantized and cfg.quantization is not None))
+    check_weights(weights, limits.device_bytes, limits.utilization, f" of {path}")
+
+
+def check_compiled(plan: MemoryPlan, *steps) -> None:
+    """After the real buckets compiled: warn if one needs more than the probe measured (the
+    plan assumes the largest bucket is the peak)."""
+    peaks = [step_peak(c.executable) for group in steps if group is not None
+             for c in group.by_key.values()]
+    peak = max((p for p in peaks if p is not None), default=0)
+    if plan.activations_measured and peak > plan.activations:
+        log.warning("deepinfer_jax: a compiled step needs %d bytes of activations, more than "
+                    "the %d the memory plan measured on the largest bucket", peak,
+                    plan.activations)
