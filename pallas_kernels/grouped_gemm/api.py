@@ -6,6 +6,10 @@ sorted by group). On the kernel path the rows are laid out in whole tiles per gr
 its epilogue) and the down GEMM in that tiled layout, so the intermediate is never re-laid.
 The batch-invariant mode's dense GEMM (the same kernel on one group) is in invariant.py.
 
+FP4 weights (`quantized.Fp4Blocks`, the released routed experts' format) take the same
+entry points: the jnp forms dequantize them first (`quantized.dequantize`), the kernel names run
+mosaic_gpu_fp4.py, which dequantizes as it reads.
+
 The kernels raise NotSupported for shapes they cannot tile (K or N not a multiple of their
 blocks, as in tiny test models) and dtypes other than 16-bit floats. "dense" is the jnp form
 for launch-bound devices (one einsum over every group, for small products; NotSupported for
@@ -19,8 +23,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import quantized
 from pallas_kernels.common import NotSupported, dispatch, kernel_mode
 from pallas_kernels.grouped_gemm import (
+    fp4_path,
     layout,
     mosaic_gpu,
     mosaic_gpu_persistent,
@@ -76,18 +82,22 @@ def _check_fits(k: int, n_out: int, config: Config, fp8: bool, dtype) -> None:
         raise NotSupported(f"K={k}, N={n_out}, {jnp.dtype(dtype)} with {config}")
 
 
-def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array | quantized.Fp4Blocks,
+                   group_sizes: jax.Array, *,
                    rhs_scale: jax.Array | None = None, swiglu_limit: float | None = None,
                    implementation: Implementation = "reference",
                    config: Config | None = None) -> jax.Array:
-    """lhs [M, K] rows sorted by group, rhs [G, K, N], group_sizes i32[G] -> [M, N]
-    ([M, N/2] with swiglu_limit). config: the kernels' tile config (default_config's if
-    None)."""
+    """lhs [M, K] rows sorted by group, rhs [G, K, N] (or Fp4Blocks of that shape),
+    group_sizes i32[G] -> [M, N] ([M, N/2] with swiglu_limit). config: the kernels' tile config
+    (default_config's if None; for FP4 weights a mosaic_gpu_fp4.Fp4Config)."""
     return dispatch("grouped_gemm", _MATMUL, implementation, lhs, rhs, group_sizes,
                     rhs_scale=rhs_scale, swiglu_limit=swiglu_limit, config=config)
 
 
 def _matmul_kernel(lhs, rhs, group_sizes, *, rhs_scale, swiglu_limit, config, interpret):
+    if isinstance(rhs, quantized.Fp4Blocks):
+        return fp4_path.grouped_matmul(lhs, rhs, group_sizes, swiglu_limit=swiglu_limit,
+                                       config=config, interpret=interpret)
     n_out = rhs.shape[2] // (2 if swiglu_limit is not None else 1)
     config = config or default_config(lhs.shape[0], n_out, rhs_scale is not None,
                                       swiglu_limit is not None)
@@ -99,6 +109,7 @@ def _matmul_kernel(lhs, rhs, group_sizes, *, rhs_scale, swiglu_limit, config, in
 
 
 def _matmul_jnp(lhs, rhs, group_sizes, *, rhs_scale, swiglu_limit, config, dense):
+    rhs = quantized.dequantize(rhs, lhs.dtype)
     if dense and lhs.shape[0] * rhs.shape[0] * rhs.shape[2] > reference.DENSE_PRODUCTS:
         raise NotSupported("too many products for the dense form")
     return reference.grouped_matmul(lhs, rhs, group_sizes, rhs_scale=rhs_scale,
@@ -113,14 +124,16 @@ _MATMUL = {
 }
 
 
-def expert_mlp(x: jax.Array, w13: jax.Array, w2: jax.Array, group_sizes: jax.Array,
+def expert_mlp(x: jax.Array, w13: jax.Array | quantized.Fp4Blocks,
+               w2: jax.Array | quantized.Fp4Blocks, group_sizes: jax.Array,
                swiglu_limit: float, *, w13_scale: jax.Array | None = None,
                w2_scale: jax.Array | None = None, implementation: Implementation = "reference",
                configs: tuple[Config, Config] | None = None, source_rows: jax.Array | None = None,
                out_order: jax.Array | None = None, invariant: bool = False) -> jax.Array:
     """Each row through its group's clamped-SwiGLU expert: x [M, D] sorted by group,
-    w13 [G, D, 2I] (gate | up), w2 [G, I, D] -> [M, D] in x's dtype. configs: the gate/up
-    and down kernels' (their tiles must have the same rows).
+    w13 [G, D, 2I] (gate | up), w2 [G, I, D] -> [M, D] in x's dtype; both may be Fp4Blocks
+    (w13 stored [G, 2I, D/2], gate rows first). configs: the gate/up and down kernels' (their
+    tiles must have the same rows).
 
     source_rows i32[M]: x is [N, D] and sorted row i is x[source_rows[i]]; out_order i32[M]:
     row j of the result is sorted row out_order[j]. The routed experts pass both (tokens in,
@@ -137,6 +150,10 @@ def expert_mlp(x: jax.Array, w13: jax.Array, w2: jax.Array, group_sizes: jax.Arr
 
 def _expert_mlp_kernel(x, w13, w2, group_sizes, swiglu_limit, *, w13_scale, w2_scale,
                        configs, source_rows, out_order, invariant, interpret):
+    if isinstance(w13, quantized.Fp4Blocks) or isinstance(w2, quantized.Fp4Blocks):
+        return fp4_path.expert_mlp(x, w13, w2, group_sizes, swiglu_limit, configs=configs,
+                                   source_rows=source_rows, out_order=out_order,
+                                   interpret=interpret)
     rows = x.shape[0] if source_rows is None else source_rows.shape[0]
     dim, inter = x.shape[1], w2.shape[1]
     fp8 = w13_scale is not None
@@ -164,6 +181,7 @@ def _expert_mlp_kernel(x, w13, w2, group_sizes, swiglu_limit, *, w13_scale, w2_s
 def _expert_mlp_jnp(x, w13, w2, group_sizes, swiglu_limit, *, w13_scale, w2_scale, configs,
                     source_rows, out_order, invariant, dense):
     sorted_x = x if source_rows is None else x[source_rows]
+    w13, w2 = quantized.dequantize(w13, x.dtype), quantized.dequantize(w2, x.dtype)
     if invariant:
         if dense:
             raise NotSupported("batch-invariant mode runs rows one by one")

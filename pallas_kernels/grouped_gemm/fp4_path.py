@@ -1,0 +1,82 @@
+"""The kernel path of the grouped GEMM and the expert MLP on FP4 weights (mosaic_gpu_fp4.py).
+
+The kernel works on transposed operands: activations come in as x^T [K, tiled rows] with K in
+the kernel's nibble order, results go out as out^T [N, tiled rows]. This module moves rows in
+and out of that form with jnp (a gather and a transpose of the few activation rows; the
+weights are never touched), and chains the expert MLP's two GEMMs in it: the gate/up kernel's
+out^T [I, tiled rows] is the down kernel's x^T once its rows are put in nibble order.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import quantized
+from pallas_kernels.common import NotSupported, kernel_mode
+from pallas_kernels.grouped_gemm import layout
+from pallas_kernels.grouped_gemm.mosaic_gpu_fp4 import Fp4Config, nibble_order, tiled_fp4_matmul_t
+
+KERNEL_DTYPES = (jnp.bfloat16,)
+
+
+def default_config(num_rows: int, interpret: bool = False) -> Fp4Config:
+    """Decode-sized batches: 16-token tiles (a hit expert usually has one or two rows);
+    prefill-sized: 64-token tiles, fewer re-reads and re-dequantizations of each expert."""
+    block_m = 16 if num_rows < 4096 else 64
+    return Fp4Config(block_m=block_m, a_in_registers=not interpret)
+
+
+def _check(x: jax.Array, w: quantized.Fp4Blocks, n_out: int, config: Fp4Config) -> None:
+    if jnp.dtype(x.dtype) not in KERNEL_DTYPES:
+        raise NotSupported(f"FP4 kernel: activations {x.dtype}, not bf16")
+    try:
+        config.check(w.shape[-2], n_out)
+    except ValueError as why:
+        raise NotSupported(f"FP4 kernel: {why}") from None
+
+
+def _to_kernel_form(rows: jax.Array, tiles: layout.TileLayout, block_m: int) -> jax.Array:
+    """Sorted rows [M, K] -> x^T [K, T * block_m] in nibble order (padding columns 0)."""
+    order = jnp.asarray(nibble_order(rows.shape[1]))
+    return layout.to_tiles(rows, tiles, block_m).T[order]
+
+
+def _from_kernel_form(out_t: jax.Array, tiles: layout.TileLayout, order=None) -> jax.Array:
+    return layout.from_tiles(out_t.T, tiles, order)
+
+
+def grouped_matmul(lhs, w: quantized.Fp4Blocks, group_sizes, *, swiglu_limit, config, interpret):
+    n_out = w.shape[-1] // (2 if swiglu_limit is not None else 1)
+    config = config or default_config(lhs.shape[0], interpret)
+    _check(lhs, w, n_out, config)
+    with kernel_mode(interpret):
+        tiles = layout.tile_layout(group_sizes, lhs.shape[0], config.block_m)
+        out_t = tiled_fp4_matmul_t(_to_kernel_form(lhs, tiles, config.block_m), w.packed,
+                                   w.scale, tiles.tile_group, swiglu_limit=swiglu_limit,
+                                   config=config, out_dtype=lhs.dtype)
+        return _from_kernel_form(out_t, tiles)
+
+
+def expert_mlp(x, w13, w2, group_sizes, swiglu_limit, *, configs, source_rows, out_order,
+               interpret):
+    if not (isinstance(w13, quantized.Fp4Blocks) and isinstance(w2, quantized.Fp4Blocks)):
+        raise NotSupported("FP4 kernel: both expert weights FP4")
+    rows = x.shape[0] if source_rows is None else source_rows.shape[0]
+    dim, inter = x.shape[1], w2.shape[-2]
+    up_cfg, down_cfg = configs or (default_config(rows, interpret),) * 2
+    if up_cfg.block_m != down_cfg.block_m:
+        raise ValueError("the gate/up and down kernels must tile the same rows")
+    _check(x, w13, inter, up_cfg)
+    _check(x, w2, dim, down_cfg)
+    with kernel_mode(interpret):
+        tiles = layout.tile_layout(group_sizes, rows, up_cfg.block_m)
+        sorted_x = x if source_rows is None else x[source_rows]
+        hidden_t = tiled_fp4_matmul_t(_to_kernel_form(sorted_x, tiles, up_cfg.block_m),
+                                      w13.packed, w13.scale, tiles.tile_group,
+                                      swiglu_limit=swiglu_limit, config=up_cfg,
+                                      out_dtype=x.dtype)
+        out_t = tiled_fp4_matmul_t(hidden_t[jnp.asarray(nibble_order(inter))], w2.packed,
+                                   w2.scale, tiles.tile_group, config=down_cfg,
+                                   out_dtype=x.dtype)
+        return _from_kernel_form(out_t, tiles, out_order)

@@ -1,0 +1,194 @@
+"""The grouped GEMM on FP4 weights as a Mosaic GPU kernel (SM90), dequantizing as it reads.
+
+Weights stay as stored (`quantized.Fp4Blocks`: E2M1 codes packed two a byte along K, `[G, N,
+K/2]`, one E8M0 scale byte per 32 inputs of a row, `[G, N, K/32]`), so the kernel computes the
+transposed product out^T = W x^T: the weight rows are wgmma's M side (64 per instruction), the
+tokens of one tile its N side (`block_m`, 8 to 256), and the packed bytes go from shared memory
+into registers, where they become wgmma's A operand:
+
+* a code c becomes the E4M3 byte ((c & 7) << 2) | ((c & 8) << 4), whose value is exactly
+  E2M1(c) * 2**-6 (E2M1's subnormal 0.5 lands on E4M3's subnormal range, also exact); the
+  E4M3 -> f16 -> f32 conversions are exact, the product with 64 * scale (a power of two) is
+  exact, and the bf16 rounding is that of `quantized.dequantize`, so the operand is bit for bit
+  the dequantized weight (scale bytes up to 248, i.e. scales below 2**121);
+* the low nibbles of a row's 16 bytes of one scale group are 16 even inputs, the high nibbles
+  the 16 odd ones: the activations come in "nibble order" (`nibble_order`: in every group of
+  32 inputs the even ones first, then the odd ones), so each half-group is one K=16 wgmma with
+  one scale per row;
+* a row's scale for a group is picked from a [rows, 16] register tile of the group's 16-group
+  chunk (staged in shared memory once per program) by a masked row maximum, then broadcast
+  along the row.
+
+Interpret mode (the CPU) has no register-A wgmma: there (`Fp4Config.a_in_registers=False`) the
+same bf16 operand is staged in shared memory first, which the compiled kernel can also do.
+
+One program per (row tile, block of `block_n` weight rows); the K loop is a TMA pipeline over
+`block_k` inputs a step. SwiGLU: the gate rows' and the up rows' accumulators side by side
+(`w13` stores gate rows first). Only the hit experts' bytes are read; no bf16 copy of a weight
+is ever written to memory. A row's result depends on its own tokens column and its expert only,
+summed in a fixed K order: batch-invariant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.grouped_gemm.mosaic_gpu import epilogue
+
+GROUP = 32                 # inputs per scale byte
+CHUNK = 16                 # scale bytes per TMA row piece (TMA's 16-byte minimum)
+X_SWIZZLE = 32             # bytes: wgmma's K step is then 16 bf16 rows of x^T, one half-group
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp4Config:
+    block_m: int = 16              # tokens per tile (wgmma N)
+    block_n: int = 64              # weight rows per program (wgmma M; a multiple of 64)
+    block_k: int = 256             # inputs per pipeline step
+    max_concurrent_steps: int = 4
+    a_in_registers: bool = True    # False: the dequantized operand goes through shared memory
+
+    def check(self, k: int, n_out: int) -> None:
+        if self.block_m % 8 or not 8 <= self.block_m <= 256:
+            raise ValueError(f"block_m: a multiple of 8 up to 256 ({self})")
+        if self.block_n % 64 or n_out % self.block_n:
+            raise ValueError(f"block_n a multiple of 64 dividing N={n_out} ({self})")
+        if self.block_k % GROUP or CHUNK * GROUP % self.block_k or k % self.block_k:
+            raise ValueError(f"block_k a multiple of 32 dividing 512 and K={k} ({self})")
+        if k % (CHUNK * GROUP):
+            raise ValueError(f"K={k}: scale rows are staged in 16-byte pieces (K % 512)")
+        if self.max_concurrent_steps < 2:
+            raise ValueError("at least 2 pipeline steps")
+
+
+def nibble_order(k: int) -> np.ndarray:
+    """The input order the kernel reads activations in: position p holds input perm[p]
+    (in each group of 32, the 16 even inputs, then the 16 odd ones)."""
+    within = np.concatenate([np.arange(0, GROUP, 2), np.arange(1, GROUP, 2)])
+    return (np.arange(0, k, GROUP)[:, None] + within[None, :]).reshape(-1)
+
+
+def _row_scales(chunk: jax.Array, index) -> jax.Array:
+    """[rows, 16] E8M0 bytes -> f32[rows], 64 * 2**(byte - 127) of column `index` (dynamic)."""
+    value = lax.bitcast_convert_type((chunk.astype(jnp.uint32) + 6) << 23, jnp.float32)
+    column = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, chunk.shape, 1),
+                               plgpu.Layout.WGMMA)
+    return jnp.max(jnp.where(column == index, value, 0.0), axis=1)
+
+
+def _dequantized_halves(packed16: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """u16[rows, 16] packed bytes (one scale group) and f32[rows] (64 * scale) -> the bf16
+    weights of the group's 16 even and 16 odd inputs."""
+    scale = lax.broadcast_in_dim(scale, packed16.shape, (0,))
+
+    def value(e4m3_bits):
+        e4m3 = lax.bitcast_convert_type(e4m3_bits.astype(jnp.uint8), jnp.float8_e4m3fn)
+        return (e4m3.astype(jnp.float16).astype(jnp.float32) * scale).astype(jnp.bfloat16)
+
+    low = ((packed16 & 0x07) << 2) | ((packed16 & 0x08) << 4)
+    high = ((packed16 >> 2) & 0x1C) | (packed16 & 0x80)
+    return value(low), value(high)
+
+
+def kernel_name(config: Fp4Config, k: int, n_out: int, swiglu: bool) -> str:
+    c = config
+    return "_".join(["grouped_gemm_fp4", f"{c.block_n}x{c.block_m}x{c.block_k}",
+                     f"k{k}", f"n{n_out}"] + ["swiglu"] * swiglu
+                    + ["smem_a"] * (not c.a_in_registers))
+
+
+@functools.partial(jax.jit, static_argnames=("swiglu_limit", "config", "out_dtype"))
+def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
+                       tile_group: jax.Array, *, swiglu_limit: float | None = None,
+                       config: Fp4Config = Fp4Config(), out_dtype=jnp.bfloat16) -> jax.Array:
+    """x_t bf16[K, T * block_m] (columns = tiled rows, K in `nibble_order`; tile t belongs to
+    group tile_group[t], -1: unused), packed u8[G, N, K/2], scale u8[G, N, K/32] ->
+    out_t [N_out, T * block_m] (N_out = N, or N/2 with the SwiGLU epilogue: rows [0, N/2) of
+    the weight are the gate, the rest the up projection). Unused tiles' columns stay unwritten."""
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    k, cols = x_t.shape
+    n = packed.shape[1]
+    halves = 2 if swiglu_limit is not None else 1
+    n_out = n // halves
+    config.check(k, n_out)
+    steps, chunks = k // bk, k // (GROUP * CHUNK)
+    groups_per_step = bk // GROUP
+    x_transforms = (plgpu.TilingTransform((8, X_SWIZZLE // 2)), plgpu.SwizzleTransform(X_SWIZZLE))
+    a_transforms = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
+    scale4 = scale.reshape(*scale.shape[:2], chunks, CHUNK)    # [G, N, chunks, 16]
+
+    def body(tile_group_ref, x_ref, packed_ref, scale_ref, out_ref, scale_smem, scale_bars,
+             staging=None):
+        tile, col = lax.axis_index("tile"), lax.axis_index("col")
+        group = tile_group_ref[tile]
+
+        @pl.when(group >= 0)
+        def _():
+            for half in range(halves):
+                rows = pl.ds((col + half * (n_out // bn)) * bn, bn)
+                for c in range(chunks):
+                    plgpu.copy_gmem_to_smem(scale_ref.at[group, rows, c],
+                                            scale_smem.at[half, c], scale_bars.at[half * chunks + c])
+            for half in range(halves):
+                for c in range(chunks):
+                    plgpu.barrier_wait(scale_bars.at[half * chunks + c])
+
+            def accumulate(*accs):
+                def step(index, x_smem, *w_smems):
+                    (kk,) = index
+                    first = kk * groups_per_step            # the step's first scale group
+                    for half, (acc, w_smem) in enumerate(zip(accs, w_smems, strict=True)):
+                        w = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA).astype(jnp.uint16)
+                        chunk = plgpu.load(scale_smem.at[half, first // CHUNK],
+                                           layout=plgpu.Layout.WGMMA)
+                        for j in range(groups_per_step):
+                            row_scale = _row_scales(chunk, first % CHUNK + j)
+                            both = _dequantized_halves(w[:, 16 * j:16 * (j + 1)], row_scale)
+                            for parity, a in enumerate(both):
+                                if staging is not None:
+                                    slot = staging.at[parity]
+                                    slot[...] = a
+                                    plgpu.commit_smem()
+                                    a = slot
+                                plgpu.wgmma(acc, a, x_smem.at[pl.ds(GROUP * j + 16 * parity, 16)])
+                            if staging is not None:
+                                plgpu.wgmma_wait(0)     # the slots are rewritten next group
+                        plgpu.wgmma_wait(0)
+
+                specs = [plgpu.BlockSpec((bk, bm), lambda kk: (kk, tile), transforms=x_transforms)]
+                specs += [plgpu.BlockSpec((bn, bk // 2), functools.partial(
+                    lambda kk, half: (col + half * (n_out // bn), kk), half=half))
+                    for half in range(halves)]
+                plgpu.emit_pipeline(step, grid=(steps,), in_specs=specs,
+                                    max_concurrent_steps=config.max_concurrent_steps)(
+                    x_ref, *[packed_ref.at[group]] * halves)
+                return tuple(acc[...] for acc in accs)
+
+            result = epilogue(pl.run_scoped(accumulate, *[plgpu.ACC((bn, bm))
+                                                          for _ in range(halves)]), swiglu_limit)
+
+            @functools.partial(pl.run_scoped, out_smem=plgpu.SMEM((bn, bm), out_dtype))
+            def store(out_smem):
+                out_smem[...] = result.astype(out_dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem, out_ref.at[pl.ds(col * bn, bn),
+                                                             pl.ds(tile * bm, bm)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    scratch = {"scale_smem": plgpu.SMEM((halves, chunks, bn, CHUNK), jnp.uint8),
+               "scale_bars": plgpu.Barrier(num_barriers=halves * chunks)}
+    if not config.a_in_registers:
+        scratch["staging"] = plgpu.SMEM((2, bn, 16), jnp.bfloat16, transforms=a_transforms)
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((n_out, cols), out_dtype),
+        scratch_types=scratch, grid=(cols // bm, n_out // bn), grid_names=("tile", "col"),
+        kernel_name=kernel_name(config, k, n_out, swiglu_limit is not None))
+    return kernel(tile_group, x_t, packed, scale4)

@@ -1,0 +1,151 @@
+"""The grouped GEMM on FP4 weights (quantized.Fp4Blocks): the jnp forms are dequantize-then-bf16
+exactly, and the kernel (mosaic_gpu_fp4.py; interpreted on the CPU, compiled on an SM90 GPU)
+matches `quantized.dequantize` + the reference at several group-size patterns, with and without
+the SwiGLU epilogue, and through the whole expert MLP."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import quantized
+from pallas_kernels.common import NotSupported, abstract_gpu
+from pallas_kernels.grouped_gemm import api, fp4_path, reference
+from pallas_kernels.grouped_gemm.mosaic_gpu_fp4 import Fp4Config, tiled_fp4_matmul_t
+from tests.kernels.gemm_cases import KERNEL, close
+
+K = 512                       # the kernel stages scale rows in 16-byte pieces: K % 512 == 0
+N = 128
+SIZES = {
+    "empty experts": [0, 20, 0, 0, 3, 0, 1],
+    "one hot expert": [0, 0, 40, 0],
+    "one token": [0, 1, 0],
+}
+
+
+def fp4_weights(rng, groups: int, n: int, k: int) -> quantized.Fp4Blocks:
+    """Random codes (every nibble value, subnormal 0.5 and -0 included) and scales 2**-9..2**0."""
+    return quantized.Fp4Blocks(
+        jnp.asarray(rng.integers(0, 256, (groups, n, k // 2)), jnp.uint8),
+        jnp.asarray(rng.integers(118, 128, (groups, n, k // 32)), jnp.uint8))
+
+
+def rows(rng, sizes, k: int = K, integers: bool = False):
+    shape = (int(sum(sizes)), k)
+    values = rng.integers(-3, 4, shape) if integers else rng.standard_normal(shape)
+    return jnp.asarray(values, jnp.bfloat16), jnp.asarray(sizes, jnp.int32)
+
+
+def bits(a) -> np.ndarray:
+    return np.asarray(a, np.float32)
+
+
+@pytest.mark.parametrize("swiglu", [None, 7.0])
+def test_reference_is_dequantize_then_bf16(swiglu):
+    rng = np.random.default_rng(0)
+    w = fp4_weights(rng, 7, N, 64)
+    lhs, sizes = rows(rng, SIZES["empty experts"], k=64)
+    dense = quantized.dequantize(w, jnp.bfloat16)
+    for impl in ("reference", "dense"):
+        np.testing.assert_array_equal(
+            bits(api.grouped_matmul(lhs, w, sizes, swiglu_limit=swiglu, implementation=impl)),
+            bits(api.grouped_matmul(lhs, dense, sizes, swiglu_limit=swiglu,
+                                    implementation=impl)))
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_expert_mlp_reference_is_dequantize_then_bf16(invariant):
+    rng = np.random.default_rng(1)
+    w13, w2 = fp4_weights(rng, 7, 2 * 32, 64), fp4_weights(rng, 7, 64, 32)
+    x, sizes = rows(rng, SIZES["empty experts"], k=64)
+    run = functools.partial(api.expert_mlp, group_sizes=sizes, swiglu_limit=7.0,
+                            implementation="reference", invariant=invariant)
+    np.testing.assert_array_equal(
+        bits(run(x, w13, w2)),
+        bits(run(x, quantized.dequantize(w13), quantized.dequantize(w2))))
+
+
+def test_the_dequantized_meaning_against_the_e2m1_table():
+    """quantized.dequantize, the oracle, against a by-hand decode of a few bytes."""
+    packed = jnp.asarray([[[0x21, 0xF9] + [0] * 14]], jnp.uint8)     # codes 1, 2, 9, 15
+    scale = jnp.asarray([[[126]]], jnp.uint8)                       # 2 ** -1
+    w = quantized.dequantize(quantized.Fp4Blocks(packed, scale))
+    np.testing.assert_array_equal(bits(w)[0, :4, 0], [0.25, 0.5, -0.25, -3.0])
+
+
+@pytest.mark.parametrize("case", SIZES)
+@pytest.mark.parametrize("swiglu", [None, 7.0])
+def test_kernel_matches_dequantize_and_reference(case, swiglu):
+    rng = np.random.default_rng(2)
+    lhs, sizes = rows(rng, SIZES[case])
+    w = fp4_weights(rng, len(SIZES[case]), N, K)
+    ref = reference.grouped_matmul(lhs, quantized.dequantize(w), sizes, swiglu_limit=swiglu)
+    close(api.grouped_matmul(lhs, w, sizes, swiglu_limit=swiglu, implementation=KERNEL), ref)
+
+
+def test_kernel_reads_every_nibble_and_scale_exactly():
+    """Small-integer activations: every product and partial sum is exact in f32, so the
+    kernel's output must equal the reference's bit for bit; a wrong nibble, sign, input
+    order or scale would show."""
+    rng = np.random.default_rng(3)
+    lhs, sizes = rows(rng, SIZES["empty experts"], integers=True)
+    w = fp4_weights(rng, len(SIZES["empty experts"]), N, K)
+    ref = reference.grouped_matmul(lhs, quantized.dequantize(w), sizes)
+    out = api.grouped_matmul(lhs, w, sizes, implementation=KERNEL)
+    np.testing.assert_array_equal(bits(out), bits(ref))
+
+
+@pytest.mark.parametrize("a_in_registers", [True, False])
+def test_expert_mlp_end_to_end(a_in_registers):
+    """Tokens in by source_rows, (token, slot) pairs out by out_order, through both FP4 GEMMs
+    (w13 [G, 2I, D/2] gate rows first; w2 [G, D, I/2]), against the reference chain."""
+    if KERNEL == "interpret" and a_in_registers:
+        pytest.skip("interpret mode has no register-A wgmma (the kernel stages A there)")
+    rng = np.random.default_rng(4)
+    sizes = jnp.asarray(SIZES["empty experts"], jnp.int32)
+    pairs = int(sizes.sum())
+    tokens = jnp.asarray(rng.standard_normal((pairs // 2 + 1, K)), jnp.bfloat16)
+    source_rows = jnp.asarray(rng.integers(0, tokens.shape[0], pairs), jnp.int32)
+    out_order = jnp.asarray(rng.permutation(pairs), jnp.int32)
+    w13, w2 = fp4_weights(rng, len(sizes), 2 * K, K), fp4_weights(rng, len(sizes), K, K)
+    config = Fp4Config(a_in_registers=a_in_registers)
+    ref = api.expert_mlp(tokens, w13, w2, sizes, 7.0, implementation="reference",
+                         source_rows=source_rows, out_order=out_order)
+    close(api.expert_mlp(tokens, w13, w2, sizes, 7.0, implementation=KERNEL,
+                         configs=(config, config), source_rows=source_rows,
+                         out_order=out_order), ref)
+
+
+def test_unfit_shapes_fall_through_to_the_reference():
+    rng = np.random.default_rng(5)
+    w = fp4_weights(rng, 3, 64, 64)                   # K = 64: not a multiple of 512
+    lhs, sizes = rows(rng, SIZES["one token"], k=64)
+    with pytest.raises(NotSupported, match="K=64"):
+        api.grouped_matmul(lhs, w, sizes, implementation="mosaic_gpu")
+    np.testing.assert_array_equal(
+        bits(api.grouped_matmul(lhs, w, sizes, implementation=("mosaic_gpu", "reference"))),
+        bits(api.grouped_matmul(lhs, quantized.dequantize(w), sizes)))
+
+
+@pytest.mark.parametrize("swiglu, k, n", [(10.0, 4096, 4096), (None, 2048, 4096)])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_kernel_lowers_for_cuda_at_v4_flash_shapes(swiglu, k, n, block_m):
+    """Mosaic's layout, register and shared-memory rules, checked at lowering (no GPU)."""
+    config = dataclasses_replace(fp4_path.default_config(100), block_m=block_m)
+    fn = jax.jit(functools.partial(tiled_fp4_matmul_t, swiglu_limit=swiglu, config=config))
+    with abstract_gpu():
+        exported = jax.export.export(fn, platforms=["cuda"])(
+            jax.ShapeDtypeStruct((k, 400 * block_m), jnp.bfloat16),
+            jax.ShapeDtypeStruct((256, n, k // 2), jnp.uint8),
+            jax.ShapeDtypeStruct((256, n, k // 32), jnp.uint8),
+            jax.ShapeDtypeStruct((400,), jnp.int32))
+    assert "mosaic_gpu" in exported.mlir_module()
+
+
+def dataclasses_replace(config, **changes):
+    import dataclasses
+    return dataclasses.replace(config, **changes)
