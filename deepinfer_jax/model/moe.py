@@ -25,7 +25,7 @@ from deepinfer_jax.model.params import ExpertParams, MoEParams, SharedExpertPara
 from deepinfer_jax.model.ragged import settled
 from pallas_kernels.grouped_gemm import api as gemm
 from pallas_kernels.grouped_gemm.reference import swiglu  # the clamped SwiGLU, one definition
-from pallas_kernels.quantized import Fp4Blocks, Fp8Blocks, dequantize
+from pallas_kernels.quantized import Fp8Blocks
 
 NO_EXPERT = -1      # a (token, slot) pair routed nowhere: a padding row's
 
@@ -107,11 +107,9 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, p: Expe
 
 def _as_gemm_operands(p: ExpertParams, dtype):
     """The experts' weights as the grouped GEMM takes them: FP8 ones as codes and block
-    scales; FP4 ones are dequantized in the step for now (the FP4 kernel is not in yet)."""
+    scales, FP4 ones (Fp4Blocks) and plain ones as they are."""
     if isinstance(p.w13, Fp8Blocks):
         return p.w13.codes, p.w2.codes, {"w13_scale": p.w13.scale, "w2_scale": p.w2.scale}
-    if isinstance(p.w13, Fp4Blocks):
-        return dequantize(p.w13, dtype), dequantize(p.w2, dtype), {}
     return p.w13, p.w2, {}
 
 
