@@ -196,7 +196,8 @@ def table(rows: list[dict], note: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", type=Path, default=V4_FLASH)
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=4,
+                    help="layers of the slice; 0: the deepest that fits the device (its plan)")
     ap.add_argument("--prefill", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--context", type=int, default=4096)
@@ -212,7 +213,15 @@ def main() -> None:
     ap.add_argument("--versus-layers", type=int, default=4,
                     help="with --quantized: the slice timed in bf16 and quantized first")
     ap.add_argument("--versus-batch", type=int, default=16)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     args = ap.parse_args()
+    engine_shapes = lambda: dict(  # noqa: E731
+        max_num_seqs=max(args.batches), max_model_len=max(max(args.prefill), args.context) + 64,
+        max_num_batched_tokens=max(args.prefill), enable_prefix_caching=True,
+        token_buckets=tuple(sorted({16, 64, 256, 1024, max(args.prefill)} | set(args.prefill))),
+        gpu_memory_utilization=args.gpu_memory_utilization)
+    if args.layers == 0:
+        args.layers = deepest_slice(args, engine_shapes())
 
     cfg = slice_config(args.config, args.layers)
     peer = run_peer(args, cfg)                         # first: it frees the GPU when it exits
@@ -223,12 +232,11 @@ def main() -> None:
 
     params = random_params(cfg, 0, jnp.bfloat16, release_formats=args.quantized)
     counts = weight_counts(params, cfg)
-    budget = max(args.prefill)
-    llm = LLM(Model(cfg, params), max_num_seqs=max(args.batches),
-              max_model_len=max(budget, args.context) + 64, max_num_batched_tokens=budget,
-              token_buckets=tuple(sorted({16, 64, 256, 1024, budget} | set(args.prefill))),
-              enable_prefix_caching=True,
+    llm = LLM(Model(cfg, params), **engine_shapes(),
               compilation_cache_dir=str(REPO / ".cache" / "xla-bench"))
+    plan = llm.engine.memory_plan
+    if plan is not None:
+        print(plan.format(), flush=True)
     rng = np.random.default_rng(0)
     peer_rows = {r["case"]: r for r in (peer or {}).get("rows", [])}
     rows = []
@@ -263,12 +271,50 @@ def main() -> None:
             f"bf16, eager attention (its only one), same slice and prompt lengths; its decode "
             f"rows: prompts prefilled in chunks through its cache, then greedy steps timed.")
     text = table(rows, note)
+    if plan is not None:
+        text += "\n\nMemory plan of this run (LLM's, measured activations):\n\n" + plan.format()
     if versus:
         text += "\n\n" + versus_table(versus)
     print(text)
     name = args.name or f"e2e-{jax.devices()[0].platform}"
     write_results(name, {"environment": env, "ceilings": ceilings, "weights": counts,
                          "rows": rows, "peer": peer, "quantized_vs_bf16": versus}, text)
+
+
+# --- depth ------------------------------------------------------------------------------------
+
+def deepest_slice(args, shapes: dict) -> int:
+    """The most layers of args.config whose plan (weights from the parameter pytree's shapes,
+    the activation estimate, the cache for the run's shapes) fits this device at
+    args.gpu_memory_utilization, less one layer for the estimate's error."""
+    from deepinfer_jax.config.engine import EngineConfig
+    from deepinfer_jax.engine.devices import local_device_facts
+    from deepinfer_jax.engine.memory_plan import config_plan
+
+    facts = local_device_facts()
+    if facts.memory_bytes is None:
+        raise SystemExit("--layers 0 (the deepest slice that fits) needs a device that reports "
+                         "its memory")
+
+    def fits(layers: int) -> bool:
+        cfg = slice_config(args.config, layers)
+        step_cfg = EngineConfig(**shapes).resolve(cfg, facts)
+        plan = config_plan(cfg, step_cfg, quantized=args.quantized,
+                           device_bytes=facts.memory_bytes,
+                           utilization=args.gpu_memory_utilization)
+        return bool(plan.fits) and plan.pages >= step_cfg.max_num_seqs * step_cfg.max_blocks_per_seq
+
+    low, high = 1, read_config_layers(args.config)
+    while low < high:                       # the largest n with fits(n)
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    print(f"deepest slice that fits: {low} layers; running {max(1, low - 1)}", flush=True)
+    return max(1, low - 1)
+
+
+def read_config_layers(path: Path) -> int:
+    from deepinfer_jax.config.hf import read_model_config
+    return read_model_config(path).num_layers
 
 
 # --- quantized vs bf16 at equal depth ------------------------------------------------------
@@ -296,6 +342,7 @@ def quantized_versus_bf16(args, ceilings: dict) -> dict:
         llm = LLM(Model(cfg, params), max_num_seqs=args.versus_batch,
                   max_model_len=args.context + 64, max_num_batched_tokens=1024,
                   token_buckets=(16, 64, 1024), enable_prefix_caching=True,
+                  gpu_memory_utilization=args.gpu_memory_utilization,
                   compilation_cache_dir=str(REPO / ".cache" / "xla-bench"))
         row = decode(llm, args.versus_batch, args.context, args.steps, rng)
         roof = decode_roofline(counts, cfg, args.versus_batch, args.context, ceilings["copy_tbps"])

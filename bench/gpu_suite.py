@@ -63,6 +63,21 @@ RUNS = {
     "e2e": Run(540, "end to end on a 4-layer V4-Flash slice, beside its roofline and HF's "
                     "(needs transformers >= 5.23: .whl)",
                (bench("e2e.py", "--peer-timeout", "150"),)),
+    "quantized-tests": Run(540, "the FP4 grouped GEMM and FP8 path compiled; the shipped model "
+                                "quantized vs bf16 in the engine; the memory plan on a GPU",
+                           ((*PYTEST, "tests/kernels/test_grouped_gemm_fp4.py",
+                             "tests/engine/test_quantized_engine.py",
+                             "tests/engine/test_memory_plan.py"),
+                            (*PYTEST, "tests/kernels/test_grouped_gemm.py", "-k", "fp8"))),
+    "load-memory": Run(420, "host memory while loading a 3-layer V4-Flash-sized FP8/FP4 "
+                            "checkpoint; the device holds the packed bytes",
+                       (bench("load_memory.py", "--layers", "3"),)),
+    "e2e-quantized": Run(590, "the deepest V4-Flash slice that fits, in the release's formats "
+                              "(prefill 8k, decode 1/16/64 at 4k); 4 layers quantized vs bf16",
+                         (("env", "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95", PY, "bench/e2e.py",
+                           "--quantized", "--layers", "0", "--prefill", "8192", "--batches", "1",
+                           "16", "64", "--steps", "16", "--peer-python", "",
+                           "--gpu-memory-utilization", "0.95", "--name", "e2e-quantized-gpu"),)),
     "kernels-moe": Run(420, "grouped MoE GEMM vs XLA and tokamax (.whl)",
                        (bench("kernels_moe.py"),)),
     "kernels-attention": Run(480, "sink attention kernels vs the XLA path",
