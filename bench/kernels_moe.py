@@ -9,7 +9,8 @@ Cases: routed experts (256 experts, hidden 4096, expert width 2048, top-6) for a
 (8192 tokens) and decode batches (16, 64 tokens); tokens pick 6 distinct experts uniformly.
 Per case: the gate/up GEMM (ours fuses the clamped SwiGLU into it), the down GEMM, and the
 whole expert MLP, each as time (median of 5 repeats, with their spread), TFLOP/s and the
-rate at which the hit experts' weights were read; the prefill's MLP also timed alternately
+rate at which the hit experts' weights were read (FP4: packed codes plus scale bytes, % of the
+run's copy ceiling and of the H200's 4.8 TB/s datasheet); the prefill's MLP also timed alternately
 with the ceiling's dot (the two rates in one thermal state). Ceilings measured in the same
 run: XLA's dense bf16 matmul (8192^3) and device copy bandwidth (torch's copy when torch is
 there, as the issue's reference, and XLA's).
@@ -35,8 +36,10 @@ from bench.lib.ceilings import beside_the_dot, beside_the_dot_table  # noqa: E40
 from bench.lib.ceilings import measure as measure_ceilings  # noqa: E402
 from bench.lib.results import environment, write_results  # noqa: E402
 from bench.lib.timing import rel_err, spread, timing  # noqa: E402
+from pallas_kernels import quantized  # noqa: E402
 from pallas_kernels.grouped_gemm import api, mosaic_gpu_persistent, reference  # noqa: E402
 from pallas_kernels.grouped_gemm.mosaic_gpu import TileConfig  # noqa: E402
+from pallas_kernels.grouped_gemm.mosaic_gpu_fp4 import Fp4Config  # noqa: E402
 from pallas_kernels.grouped_gemm.mosaic_gpu_ws import WarpSpecializedConfig  # noqa: E402
 
 
@@ -72,19 +75,37 @@ def fp8_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     return codes.reshape(g, k, n), scale
 
 
+def fp4_blocks(key, experts: int, n: int, k: int, fan_in: int) -> quantized.Fp4Blocks:
+    """Random FP4 expert weights as the release stores them: uniform codes, E8M0 scales near
+    what a fan_in-wide layer's weights get (so the dequantized weights are ~N(0, 1/fan_in))."""
+    codes, scales = jax.random.split(key)
+    center = 127 - 2 - int(round(0.5 * (fan_in.bit_length() - 1)))
+    return quantized.Fp4Blocks(
+        jax.random.randint(codes, (experts, n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8),
+        jax.random.randint(scales, (experts, n, k // 32), center - 1, center + 2,
+                           jnp.int32).astype(jnp.uint8))
+
+
 @dataclasses.dataclass
 class Experts:
-    w13: jax.Array          # [E, D, 2I] bf16
+    w13: jax.Array          # [E, D, 2I] bf16: the FP4 weights dequantized
     w2: jax.Array           # [E, I, D]  bf16
     w13_fp8: tuple          # (codes, scales)
     w2_fp8: tuple
+    w13_fp4: quantized.Fp4Blocks   # [E, 2I, D/2] (+ scales): the released experts' format
+    w2_fp4: quantized.Fp4Blocks
 
 
 def make_experts(shapes: Shapes) -> Experts:
+    """FP4 weights first; the bf16 ones are their dequantized values (so every impl computes
+    the same function and the FP4 rows' error against the peers is the kernel's alone), the
+    FP8 ones quantized from those."""
     e, d, i = shapes.experts, shapes.hidden, shapes.inter
-    w13 = (jax.random.normal(jax.random.key(1), (e, d, 2 * i), jnp.bfloat16) * d**-0.5)
-    w2 = (jax.random.normal(jax.random.key(2), (e, i, d), jnp.bfloat16) * i**-0.5)
-    return Experts(w13, w2, jax.jit(fp8_blocks)(w13), jax.jit(fp8_blocks)(w2))
+    w13_fp4 = fp4_blocks(jax.random.key(1), e, 2 * i, d, d)
+    w2_fp4 = fp4_blocks(jax.random.key(2), e, d, i, i)
+    w13 = jax.jit(quantized.dequantize)(w13_fp4)
+    w2 = jax.jit(quantized.dequantize)(w2_fp4)
+    return Experts(w13, w2, jax.jit(fp8_blocks)(w13), jax.jit(fp8_blocks)(w2), w13_fp4, w2_fp4)
 
 
 # --- implementations ------------------------------------------------------------------------
@@ -119,10 +140,12 @@ def row_problem(tokens: int, shapes: Shapes, seed: int):
 
 
 LIMIT = 10.0   # V4-Flash's swiglu_limit
+DATASHEET_TBPS = 4.8   # the H200's HBM3e
 
 
 def moe_case(name: str, tokens: int, shapes: Shapes, experts: Experts, impl: str,
-             tokamax_dot, sweep: dict[str, list]) -> list[dict]:
+             tokamax_dot, sweep: dict[str, list], fp4_sweep: dict[str, list] | None = None,
+             only_ours: bool = False) -> list[dict]:
     sizes, x, h = row_problem(tokens, shapes, seed=tokens)
     rows, d, i = x.shape[0], shapes.hidden, shapes.inter
     hit = int(jnp.count_nonzero(sizes))
@@ -130,16 +153,18 @@ def moe_case(name: str, tokens: int, shapes: Shapes, experts: Experts, impl: str
              "mlp": 2 * rows * d * 3 * i}
     weight_bytes = {"gate_up": hit * d * 2 * i * 2, "down": hit * i * d * 2,
                     "mlp": hit * d * 3 * i * 2}
+    fp4_bytes = {op: n // 4 + n // 64 for op, n in weight_bytes.items()}   # codes + scales
 
     # Weights are jit arguments (closed over, jit would embed gigabytes of constants).
     bf16 = {"gate_up": (experts.w13, None), "down": (experts.w2, None)}
     fp8 = {"gate_up": experts.w13_fp8, "down": experts.w2_fp8}
+    fp4 = {"gate_up": (experts.w13_fp4, None), "down": (experts.w2_fp4, None)}
 
     def ours(weights):
         def op(name, a, s, w13, s13, w2, s2, cfg=None):
             k, n_out = (d, i) if name == "gate_up" else (i, d)
-            if name != "mlp" and cfg is not None and not api.kernel_fits(k, n_out, cfg,
-                                                                         s13 is not None):
+            if name != "mlp" and isinstance(cfg, TileConfig | WarpSpecializedConfig) and \
+                    not api.kernel_fits(k, n_out, cfg, s13 is not None):
                 raise ValueError(f"{cfg} does not fit K={k}, N={n_out} (it would time the "
                                  "reference path)")
             if name == "gate_up":
@@ -161,6 +186,10 @@ def moe_case(name: str, tokens: int, shapes: Shapes, experts: Experts, impl: str
         return op, bf16
 
     peers = {}
+    if only_ours:
+        peers_ours = {"ours bf16": ours(bf16), "ours fp4": ours(fp4)}
+        return _time_peers(name, tokens, rows, hit, flops, weight_bytes, fp4_bytes, x, h, sizes,
+                           peers_ours, impl, fp4_sweep)
     # XLA lowers ragged_dot densely on GPU: a [rows, experts, N] intermediate.
     dense_bytes = rows * shapes.experts * 2 * i * 2
     if dense_bytes < 32 * 2**30:
@@ -171,11 +200,17 @@ def moe_case(name: str, tokens: int, shapes: Shapes, experts: Experts, impl: str
                                     "GiB (rows x experts x N), more than the GPU has"}
     if tokamax_dot is not None:                           # the peers first: ours are
         peers["tokamax ragged_dot"] = via(tokamax_dot)    # checked against their outputs
-    peers |= {"ours bf16": ours(bf16), "ours fp8": ours(fp8)}
+    peers |= {"ours bf16": ours(bf16), "ours fp8": ours(fp8), "ours fp4": ours(fp4)}
+    results = [] if "xla ragged_dot" in peers else [results_skipped]
+    results += _time_peers(name, tokens, rows, hit, flops, weight_bytes, fp4_bytes, x, h, sizes,
+                           peers, impl, fp4_sweep, sweep)
+    return results
 
+
+def _time_peers(name, tokens, rows, hit, flops, weight_bytes, fp4_bytes, x, h, sizes, peers, impl,
+                fp4_sweep, sweep=None) -> list[dict]:
     results, outputs = [], {}
-    if "xla ragged_dot" not in peers:
-        results.append(results_skipped)
+    sweep = sweep or {}
     for op in ("gate_up", "down", "mlp"):
         arg = h if op == "down" else x
         for peer, (fn, weights) in peers.items():
@@ -190,13 +225,17 @@ def moe_case(name: str, tokens: int, shapes: Shapes, experts: Experts, impl: str
                 row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
                 results.append(row)
                 continue
-            read = weight_bytes[op] // (2 if peer == "ours fp8" else 1)
+            read = (fp4_bytes[op] if peer == "ours fp4" else
+                    weight_bytes[op] // (2 if peer == "ours fp8" else 1))
             row["tflops"] = flops[op] / row["ms"] / 1e9
-            if op == "mlp" and name == "prefill" and peer != "ours fp8" and impl != "interpret":
+            if op == "mlp" and name == "prefill" and peer in ("ours bf16", "tokamax ragged_dot") \
+                    and impl != "interpret":
                 beside = beside_the_dot(fn, *args)
                 row["beside_dot"] = beside | {"tflops": flops[op] / beside["ms"] / 1e9}
             row["weight_tbps"] = read / row["ms"] / 1e9
             ref = outputs.get(("xla ragged_dot", op), outputs.get(("tokamax ragged_dot", op)))
+            if ref is None and peer == "ours fp4":   # the bf16 kernel on the dequantized weights
+                ref = outputs.get(("ours bf16", op))
             if ref is not None and peer.startswith("ours"):
                 row["rel_err_vs_peer"] = rel_err(outputs[peer, op], ref)
             results.append(row)
@@ -205,10 +244,21 @@ def moe_case(name: str, tokens: int, shapes: Shapes, experts: Experts, impl: str
             args = (arg, sizes, *weights["gate_up"], *weights["down"])
             results += tile_sweep(name, op, tokens, rows, hit, flops[op], weight_bytes[op],
                                   functools.partial(fn, op), args, sweep[op])
+        if fp4_sweep and op in fp4_sweep and impl != "interpret" and "ours fp4" in peers:
+            fn, weights = peers["ours fp4"]
+            args = (arg, sizes, *weights["gate_up"], *weights["down"])
+            ref = outputs.get(("xla ragged_dot", op), outputs.get(("tokamax ragged_dot", op),
+                                                                  outputs.get(("ours bf16", op))))
+            results += tile_sweep(name, op, tokens, rows, hit, flops[op], fp4_bytes[op],
+                                  functools.partial(fn, op), args, fp4_sweep[op], ref)
     return results
 
 
 def label(cfg) -> str:
+    if isinstance(cfg, Fp4Config):
+        where = "" if cfg.a_in_registers else " A via smem"
+        return (f"ours fp4 {cfg.block_n}x{cfg.block_m}x{cfg.block_k}/"
+                f"{cfg.max_concurrent_steps}{where}")
     if isinstance(cfg, tuple):
         return " + ".join(label(c) for c in cfg).replace(" + ours bf16", " +")
     kind = ("ws " if isinstance(cfg, WarpSpecializedConfig) else
@@ -218,13 +268,18 @@ def label(cfg) -> str:
             f"{cfg.max_concurrent_steps}{grouped}")
 
 
-def tile_sweep(name, op, tokens, rows, hit, flops, weight_bytes, fn, args, sweep) -> list[dict]:
+def tile_sweep(name, op, tokens, rows, hit, flops, weight_bytes, fn, args, sweep,
+               ref=None) -> list[dict]:
+    """Each config timed; with `ref`, its output's relative error against it."""
     out = []
     for cfg in sweep:
         row = {"case": name, "tokens": tokens, "rows": rows, "hit_experts": hit,
                "op": op, "impl": label(cfg)}
         try:
-            row |= timing(jax.jit(functools.partial(fn, cfg=cfg)), *args).row()
+            run = jax.jit(functools.partial(fn, cfg=cfg))
+            if ref is not None:
+                row["rel_err_vs_peer"] = rel_err(run(*args), ref)
+            row |= timing(run, *args).row()
             row["tflops"] = flops / row["ms"] / 1e9
             row["weight_tbps"] = weight_bytes / row["ms"] / 1e9
         except Exception as error:  # noqa: BLE001 - e.g. a tile that overflows shared memory
@@ -248,17 +303,28 @@ def sweeps() -> tuple[dict, dict]:
     return prefill, decode
 
 
+def fp4_sweeps() -> tuple[dict, dict]:
+    """FP4 kernel configs timed beside its defaults (mosaic_gpu_fp4.Fp4Config: tokens per tile
+    x weight rows per program x K step / pipeline depth; "A via smem": the dequantized operand
+    staged in shared memory instead of registers)."""
+    c = Fp4Config
+    decode = [c(16, 64, 128, 6), c(16, 128, 256, 4), c(8, 64, 256, 4), c(16, 64, 512, 3),
+              c(16, 64, 256, 4, a_in_registers=False)]
+    prefill = [c(128, 64, 128, 4), c(64, 128, 128, 4)]
+    return ({"gate_up": prefill, "down": prefill}, {"gate_up": decode, "down": decode})
+
+
 def table(results: list[dict], ceilings: dict) -> str:
     lines = [
         f"Ceilings measured in this run: XLA bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s; "
         f"copy {ceilings['copy_tbps']:.2f} TB/s ({ceilings['copy_source']}).", "",
         "| case | op | impl | rows | hit experts | ms | min-max (repeats) | TFLOP/s | "
-        "weights TB/s | % matmul | % copy | rel err |",
-        "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+        "weights TB/s | % matmul | % copy | % 4.8 TB/s | rel err |",
+        "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['case']} | {r['op']} | {r['impl']} | {r.get('rows', '')} | | "
-                         f"failed: {r['error']} | | | | | | |")
+                         f"failed: {r['error']} | | | | | | | |")
             continue
         tbps = r.get("weight_tbps")
         lines.append(
@@ -268,6 +334,7 @@ def table(results: list[dict], ceilings: dict) -> str:
             f"{'' if tbps is None else f'{tbps:.2f}'} | "
             f"{100 * r['tflops'] / ceilings['matmul_tflops']:.0f}% | "
             f"{'' if tbps is None else f'{100 * tbps / ceilings["copy_tbps"]:.0f}%'} | "
+            f"{'' if tbps is None else f'{100 * tbps / DATASHEET_TBPS:.0f}%'} | "
             f"{r.get('rel_err_vs_peer', float('nan')):.1e} |")
     lines += beside_the_dot_table(results)
     return "\n".join(lines)
@@ -277,6 +344,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; kernel interpreted on CPU")
     ap.add_argument("--name", default=None)
+    ap.add_argument("--fp4", action="store_true",
+                    help="ours bf16 and ours fp4 only, with the FP4 kernel's config sweep")
     args = ap.parse_args()
     shapes = SMOKE if args.smoke else Shapes()
     impl = "interpret" if args.smoke else "mosaic_gpu"
@@ -284,8 +353,10 @@ def main() -> None:
     ceilings = measure_ceilings(small=args.smoke)
     print(ceilings, flush=True)
 
-    tokamax_dot, tokamax_version = (None, None) if args.smoke else tokamax_ragged_dot()
+    tokamax_dot, tokamax_version = (None, None) if args.smoke or args.fp4 else tokamax_ragged_dot()
     experts = make_experts(shapes)
+    if args.fp4:
+        return fp4_main(args, shapes, impl, experts, ceilings)
     prefill_sweep, decode_sweep = sweeps()
     results = moe_case("prefill", shapes.prefill_tokens, shapes, experts, impl, tokamax_dot,
                        prefill_sweep)
@@ -302,6 +373,27 @@ def main() -> None:
             "gate_up includes a separate jnp SwiGLU.")
     name = args.name or ("kernels-moe-cpu-smoke" if args.smoke else "kernels-moe-gpu")
     write_results(name, {"environment": env, "ceilings": ceilings, "results": results},
+                  text + note)
+
+
+def fp4_main(args, shapes, impl, experts, ceilings) -> None:
+    prefill_sweep, decode_sweep = fp4_sweeps()
+    results = []
+    for tokens in shapes.decode_tokens:
+        results += moe_case(f"decode {tokens}", tokens, shapes, experts, impl, None, {},
+                            decode_sweep, only_ours=True)
+        print(table(results, ceilings), flush=True)
+    results += moe_case("prefill", shapes.prefill_tokens, shapes, experts, impl, None, {},
+                        prefill_sweep, only_ours=True)
+    text = table(results, ceilings)
+    print(text)
+    note = (f"\n\nShapes: {dataclasses.asdict(shapes)}; bf16 activations; FP4 = E2M1 codes "
+            "packed two a byte with an E8M0 scale per 32 inputs (quantized.Fp4Blocks); bf16 = the "
+            "same weights dequantized. `weights TB/s` = bytes of the hit experts' weights as "
+            "stored (FP4: codes + scales) / time. rel err: against ours bf16 on the dequantized "
+            "weights.")
+    write_results(args.name or "kernels-moe-fp4-gpu",
+                  {"environment": environment(), "ceilings": ceilings, "results": results},
                   text + note)
 
 
