@@ -222,7 +222,7 @@ def _time_peers(name, tokens, rows, hit, flops, weight_bytes, fp4_bytes, x, h, s
                 outputs[peer, op] = fn(*args)
                 row |= timing(fn, *args).row()
             except Exception as error:  # noqa: BLE001 - a peer that cannot run this shape
-                row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+                row["error"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:120]}"
                 results.append(row)
                 continue
             read = (fp4_bytes[op] if peer == "ours fp4" else
@@ -283,7 +283,7 @@ def tile_sweep(name, op, tokens, rows, hit, flops, weight_bytes, fn, args, sweep
             row["tflops"] = flops / row["ms"] / 1e9
             row["weight_tbps"] = weight_bytes / row["ms"] / 1e9
         except Exception as error:  # noqa: BLE001 - e.g. a tile that overflows shared memory
-            row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+            row["error"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:120]}"
         out.append(row)
     return out
 
