@@ -346,6 +346,7 @@ def main() -> None:
     ap.add_argument("--name", default=None)
     ap.add_argument("--fp4", action="store_true",
                     help="ours bf16 and ours fp4 only, with the FP4 kernel's config sweep")
+    ap.add_argument("--no-sweep", action="store_true", help="with --fp4: the default configs only")
     args = ap.parse_args()
     shapes = SMOKE if args.smoke else Shapes()
     impl = "interpret" if args.smoke else "mosaic_gpu"
@@ -377,7 +378,7 @@ def main() -> None:
 
 
 def fp4_main(args, shapes, impl, experts, ceilings) -> None:
-    prefill_sweep, decode_sweep = fp4_sweeps()
+    prefill_sweep, decode_sweep = ({}, {}) if args.no_sweep else fp4_sweeps()
     results = []
     for tokens in shapes.decode_tokens:
         results += moe_case(f"decode {tokens}", tokens, shapes, experts, impl, None, {},

@@ -23,6 +23,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -132,14 +133,16 @@ def child(directory: Path) -> None:
 
     jax.device_put(jnp.zeros(8)).block_until_ready()      # the runtime up
     baseline = _status("VmRSS")
-
+    tracemalloc.start()                 # numpy's buffers: the loader's own host memory
     model = deepinfer_jax.load(directory, weights="quantized")
     jax.block_until_ready(model.params)
+    numpy_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
     leaves = jax.tree.leaves(model.params, is_leaf=is_quantized)
     experts = [layer.moe.experts.w13 for layer in model.params.layers]
     stats = jax.devices()[0].memory_stats() or {}
     print(json.dumps({
-        "baseline_rss": baseline, "peak_rss": _status("VmHWM"),
+        "baseline_rss": baseline, "peak_rss": _status("VmHWM"), "numpy_peak": numpy_peak,
         "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "param_bytes": sum(map(nbytes, leaves)),
         "experts_packed_fp4": all(isinstance(w, Fp4Blocks) and w.packed.dtype == jnp.uint8
@@ -181,6 +184,8 @@ def main() -> None:
         "| measure | GiB |", "|---|---:|",
         f"| loader process baseline RSS (jax up) | {got['baseline_rss'] / gib:.2f} |",
         f"| peak RSS during the load (VmHWM) | {got['peak_rss'] / gib:.2f} |",
+        f"| of which the loader's numpy buffers at their peak (tracemalloc) | "
+        f"{got['numpy_peak'] / gib:.2f} |",
         f"| limit: baseline + 1.5 x largest shard | {limit / gib:.2f} |",
         f"| parameters' stored bytes on the device | {got['param_bytes'] / gib:.2f} |",
         f"| device bytes in use after the load | "

@@ -119,9 +119,9 @@ class _Builder:
 
     def model(self) -> ModelParams:
         c, src = self.cfg, self.src
-        embed = src.tensor("embed.weight", (c.vocab_size, c.hidden_size), Role.EMBED)
+        embed = src.place(src.tensor("embed.weight", (c.vocab_size, c.hidden_size), Role.EMBED))
         head = embed.T if c.tie_word_embeddings else self.linear("head", c.vocab_size, c.hidden_size)
-        embed, head = src.place((embed, head))
+        head = src.place(head)
         layers = tuple(src.place(self.layer(f"layers.{i}.", c.layer_types[i], c.mlp_types[i]))
                        for i in range(c.num_layers))
         mtp = tuple(src.place(self.mtp(f"mtp.{j}.")) for j in range(c.num_mtp_layers)

@@ -58,6 +58,15 @@ def _numpy_dtype(dtype) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(dtype)
 
 
+# Host memory a routed-expert stack is read in before it goes to the device (experts.py's
+# chunks): well under a V4-Flash shard (3-4 GiB), so the loader's host footprint stays a
+# fraction of the largest shard whatever the stacks' size.
+STACK_CHUNK_BYTES = 256 << 20
+# Plain tensors at least this large go to the device as soon as read (the embedding and the
+# LM head, 1 GiB each at V4-Flash's vocabulary), not with the rest of their layer.
+PLACE_AT_ONCE_BYTES = 64 << 20
+
+
 class CheckpointSource:
     """Reads tensors by official name, checks their shapes and dtypes against the config, and
     remembers what was used so that `finish()` can report missing and unexpected tensors.
@@ -86,7 +95,8 @@ class CheckpointSource:
         return any(name.startswith(prefix) for name in self.by_name)
 
     def place(self, tree):
-        """Host arrays to the device, as each layer is finished (their host copies then go)."""
+        """Host arrays to the device, as each layer is finished (their host copies then go;
+        a CPU backend may keep them as the device arrays' own memory)."""
         return jax.device_put(tree)
 
     def tensor(self, name: str, shape: tuple[int, ...], role: Role) -> np.ndarray:
@@ -100,7 +110,10 @@ class CheckpointSource:
         if stored is None:
             return np.zeros(shape[::-1], self.dtype)
         if stored.scale_key is None or not self.keep_quantized:
-            return self._plain(name, stored, shape, Role.LINEAR).T
+            array = self._plain(name, stored, shape, Role.LINEAR)
+            if array.nbytes >= PLACE_AT_ONCE_BYTES:      # transposed on the device, not here
+                return self.place(array).T
+            return array.T
         if stored.kind != "F8_E4M3":
             self.invalid.append(f"{name}: a quantized dense projection must be F8_E4M3, found "
                                 f"{stored.kind}")
@@ -111,34 +124,43 @@ class CheckpointSource:
         return quantized.fp8_from_checkpoint(codes, scale)
 
     def experts(self, names: list[list[str]], shape: tuple[int, int]):
-        """Expert e's tensors names[j][e] read straight into one stacked buffer (no per-expert
-        copies kept), placed on the device before the next stack is read."""
+        """Expert e's tensors names[j][e] joined along out and stacked, read straight into
+        host buffers of a few experts at a time (STACK_CHUNK_BYTES), each chunk placed on the
+        device before the next is read and the chunks joined there: the host never holds a
+        whole stack (2 GiB of FP4 codes for one V4-Flash layer's gate and up)."""
         out_dim, in_dim = shape
         parts = len(names)
         kind = self._quantized_kind(names[0][0])
         if not self.keep_quantized or kind is None:
-            stack = np.zeros((self.n_experts, in_dim, parts * out_dim), self.dtype)
-            for j, column_names in enumerate(names):
-                for e, name in enumerate(column_names):
-                    stack[e, :, j * out_dim:(j + 1) * out_dim] = self.tensor(name, shape,
+            def make(count):
+                return np.zeros((count, in_dim, parts * out_dim), self.dtype)
+
+            def fill(e, i, stack):
+                for j, column in enumerate(names):
+                    stack[i, :, j * out_dim:(j + 1) * out_dim] = self.tensor(column[e], shape,
                                                                              Role.LINEAR).T
-            return self.place(stack)
+            return self._stacked(make, fill, in_dim * parts * out_dim * self.dtype.itemsize)
         if kind == "F8_E4M3":        # FP8 experts (the Flash-Base release)
-            codes = np.zeros((self.n_experts, in_dim, parts * out_dim), ml_dtypes.float8_e4m3fn)
             bo, bi = self.block
-            scale = np.zeros((self.n_experts, -(-in_dim // bi), parts * -(-out_dim // bo)),
-                             np.float32)
-            for j, column_names in enumerate(names):
-                for e, name in enumerate(column_names):
-                    stored = self._stored(name, Role.LINEAR)
-                    parts_e = None if stored is None else self._fp8_parts(name, stored, shape)
-                    if parts_e is None or parts_e[0] is None:
+            grid = (-(-in_dim // bi), parts * -(-out_dim // bo))
+
+            def make(count):
+                return quantized.Fp8Blocks(
+                    np.zeros((count, in_dim, parts * out_dim), ml_dtypes.float8_e4m3fn),
+                    np.zeros((count, *grid), np.float32))
+
+            def fill(e, i, stack):
+                for j, column in enumerate(names):
+                    stored = self._stored(column[e], Role.LINEAR)
+                    codes, scale = ((None, None) if stored is None
+                                    else self._fp8_parts(column[e], stored, shape))
+                    if codes is None:
                         continue
-                    blocks = quantized.fp8_from_checkpoint(*parts_e)
-                    codes[e, :, j * out_dim:(j + 1) * out_dim] = blocks.codes
+                    blocks = quantized.fp8_from_checkpoint(codes, scale)
+                    stack.codes[i, :, j * out_dim:(j + 1) * out_dim] = blocks.codes
                     width = blocks.scale.shape[1]
-                    scale[e, :, j * width:(j + 1) * width] = blocks.scale
-            return self.place(quantized.Fp8Blocks(codes, scale))
+                    stack.scale[i, :, j * width:(j + 1) * width] = blocks.scale
+            return self._stacked(make, fill, in_dim * parts * out_dim)
         if kind not in ("I8", "U8"):
             self.invalid.append(f"{names[0][0]}: quantized experts must be FP4 (I8/U8 with "
                                 f"F8_E8M0 scales) or F8_E4M3, found {kind}")
@@ -146,16 +168,36 @@ class CheckpointSource:
         if in_dim % quantized.FP4_GROUP:
             raise CheckpointError(f"FP4 experts need the input width to be a multiple of "
                                   f"{quantized.FP4_GROUP}, got {in_dim}")
-        packed = np.zeros((self.n_experts, parts * out_dim, in_dim // 2), np.uint8)
-        scale = np.zeros((self.n_experts, parts * out_dim, in_dim // quantized.FP4_GROUP),
-                         np.uint8)
-        for j, column_names in enumerate(names):
-            rows = slice(j * out_dim, (j + 1) * out_dim)
-            for e, name in enumerate(column_names):
-                stored = self._stored(name, Role.LINEAR)
+        groups = in_dim // quantized.FP4_GROUP
+
+        def make(count):
+            return quantized.Fp4Blocks(np.zeros((count, parts * out_dim, in_dim // 2), np.uint8),
+                                       np.zeros((count, parts * out_dim, groups), np.uint8))
+
+        def fill(e, i, stack):
+            for j, column in enumerate(names):
+                rows = slice(j * out_dim, (j + 1) * out_dim)
+                stored = self._stored(column[e], Role.LINEAR)
                 if stored is not None:
-                    self._read_fp4_into(name, stored, packed[e, rows], scale[e, rows])
-        return self.place(quantized.Fp4Blocks(packed, scale))
+                    self._read_fp4_into(column[e], stored, stack.packed[i, rows],
+                                        stack.scale[i, rows])
+        return self._stacked(make, fill, parts * out_dim * (in_dim // 2 + groups))
+
+    def _stacked(self, make, fill, expert_bytes: int):
+        """The n_experts stack, built STACK_CHUNK_BYTES of experts at a time: make(count) ->
+        host buffers (a pytree of [count, ...] arrays), fill(expert, index in chunk, buffers)."""
+        chunk = max(1, STACK_CHUNK_BYTES // max(1, expert_bytes))
+        pieces = []
+        for first in range(0, self.n_experts, chunk):
+            count = min(chunk, self.n_experts - first)
+            buffers = make(count)
+            for i in range(count):
+                fill(first + i, i, buffers)
+            pieces.append(self.place(buffers))
+            del buffers
+        if len(pieces) == 1:
+            return pieces[0]
+        return jax.tree.map(lambda *xs: jnp.concatenate(xs), *pieces)
 
     def finish(self) -> None:
         unexpected = sorted(set(self.by_name) - self.used)
@@ -233,7 +275,7 @@ class CheckpointSource:
             bad = array.size - np.count_nonzero(np.isfinite(array))
             what = "all NaN" if np.isnan(array).all() else f"{bad} of {array.size} values NaN or inf"
             self.invalid.append(f"{name}: {what} (expected finite weights)")
-        return array.astype(self._dtype(role))
+        return array.astype(self._dtype(role), copy=False)
 
     def _dequantized(self, name: str, stored: _Stored, shape) -> np.ndarray | None:
         if stored.kind == "F8_E4M3":

@@ -198,3 +198,41 @@ def test_load_copies_nothing_it_does_not_need(tmp_path):
     save_checkpoint(random_params(CFG, 7, jnp.float32), CFG, d)
     (d / "generation_config.json").write_text("{}")
     assert deepinfer_jax.load(d).config == CFG
+
+
+def test_expert_stacks_read_in_chunks_equal_whole_stacks(tmp_path, tensors, monkeypatch):
+    """The loader reads a routed-expert stack a few experts at a time (placing each chunk,
+    joining them on the device); chunks of 3 experts (a partial last chunk) give the same
+    parameters as one whole stack, FP4, FP8-dense and plain."""
+    from deepinfer_jax.weights import sources
+
+    quantised, _ = quantize_checkpoint(tensors)
+    write(tmp_path / "q", quantised)
+    whole = load_params(tmp_path / "q", CFG, jnp.float32)
+    plain_whole = load_params(tmp_path / "q", CFG, jnp.float32, keep_quantized=False)
+    per_expert = CFG.moe_intermediate_size * 2 * (CFG.hidden_size // 2 + CFG.hidden_size // 32)
+    monkeypatch.setattr(sources, "STACK_CHUNK_BYTES", 3 * per_expert)
+    chunked = load_params(tmp_path / "q", CFG, jnp.float32)
+    assert CFG.n_routed_experts % 3
+    assert_same_params(chunked, whole)
+    assert_same_params(load_params(tmp_path / "q", CFG, jnp.float32, keep_quantized=False),
+                       plain_whole)
+
+
+@pytest.mark.parametrize("name, bad, expected", [
+    ("layers.0.attn.wq_b.scale", lambda a: a[:, :0], r"layers\.0\.attn\.wq_b\.scale: found shape "
+     r"\(1, 0\), expected \(1, 1\)"),
+    ("layers.1.ffn.experts.3.w2.scale", lambda a: a[:32],
+     r"layers\.1\.ffn\.experts\.3\.w2\.scale: found shape \(32, 1\), expected \(64, 1\)"),
+    ("layers.1.ffn.experts.2.w1.weight", lambda a: np.concatenate([a, a], 1),
+     r"layers\.1\.ffn\.experts\.2\.w1\.weight: found shape \(32, 64\), expected \(32, 32\)"),
+    ("layers.0.attn.wkv.scale", lambda a: a.astype(np.int32),
+     r"layers\.0\.attn\.wkv\.scale: dtype I32, expected F8_E8M0"),
+])
+def test_quantized_tensor_that_disagrees_is_named_with_found_and_expected(
+        tmp_path, tensors, name, bad, expected):
+    quantised, _ = quantize_checkpoint(tensors)
+    quantised[name] = bad(np.asarray(quantised[name]).view(np.uint8) if name.endswith("scale")
+                          else quantised[name])
+    with pytest.raises(CheckpointError, match=expected):
+        load_params(write(tmp_path / "q", quantised), CFG, jnp.float32)
