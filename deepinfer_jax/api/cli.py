@@ -25,6 +25,11 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device-memory-gib", type=float,
                     help="a device's memory (default: what the device reports)")
     ap.add_argument("--enable-prefix-caching", action="store_true")
+    ap.add_argument("--parallel", type=_mesh_sizes, metavar="AXIS=N,...",
+                    help="the device mesh, e.g. ep=8 or ep=4,tp=2 (axes dp, ep, tp, cp)")
+    ap.add_argument("--weights", choices=["quantized", "bf16"], default="quantized",
+                    help="keep a checkpoint's FP8/FP4 weights quantized (default) or "
+                         "dequantize them at load")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="a request's numbers never depend on its batch")
     ap.add_argument("--speculative-tokens", type=int, metavar="K",
@@ -51,6 +56,17 @@ def _sampling_args(ap: argparse.ArgumentParser) -> None:
     constraint.add_argument("--grammar", help="a Lark / GBNF grammar, inline or @file")
 
 
+def _mesh_sizes(text: str) -> dict[str, int]:
+    """"ep=4,tp=2" -> {"ep": 4, "tp": 2} (the axes are checked by EngineConfig)."""
+    sizes = {}
+    for part in text.split(","):
+        axis, _, size = part.partition("=")
+        if not size.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"expected AXIS=N[,AXIS=N...], got {text!r}")
+        sizes[axis.strip()] = int(size)
+    return sizes
+
+
 def _text_or_file(value: str | None) -> str | None:
     if value is not None and value.startswith("@"):
         with open(value[1:]) as f:
@@ -75,7 +91,7 @@ def _make_llm(args):
 
     speculative = (None if not args.speculative_tokens else
                    {"method": "mtp", "num_speculative_tokens": args.speculative_tokens})
-    return LLM(args.model, dtype=args.dtype,
+    return LLM(args.model, dtype=args.dtype, weights=args.weights, parallel=args.parallel,
                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages,
                gpu_memory_utilization=args.gpu_memory_utilization,

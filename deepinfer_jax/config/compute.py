@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from deepinfer_jax.config.parallel import ParallelConfig
+
 FORMULATIONS = ("cpu", "gpu")
 # The Pallas ops and the names their implementation tables take (pallas_kernels/*/api.py):
 # "mosaic_gpu" the compiled Hopper kernel, "interpret" the same kernel simulated on the CPU,
@@ -74,6 +76,9 @@ class ComputeConfig:
     kernels: KernelChoices = KernelChoices()
     batch_invariant: bool = False
     invariant_tile: int = 8
+    # the device mesh's sizes (config/parallel.py): the model shards its routed experts over
+    # "ep" explicitly; the rest follows the parameters' shardings (engine/mesh.py)
+    parallel: ParallelConfig = ParallelConfig()
 
     def __post_init__(self):
         if self.formulation not in FORMULATIONS:

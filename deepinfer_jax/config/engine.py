@@ -18,6 +18,7 @@ from deepinfer_jax.config.errors import EngineConfigError
 from deepinfer_jax.config.host import HostOptions
 from deepinfer_jax.config.memory import MemoryLimits
 from deepinfer_jax.config.model import ModelConfig
+from deepinfer_jax.config.parallel import ParallelConfig
 from deepinfer_jax.config.speculative import SpeculativeConfig
 from deepinfer_jax.config.step import StepConfig
 
@@ -71,6 +72,9 @@ class EngineConfig:
     invariant_tile: int | None = None
     compile_threads: int | None = None      # buckets compiled at once at start-up
     # Prefix caching: sequences reuse the pages and slot snapshots of cached token blocks
+    # The device mesh: {"dp": .., "ep": .., "tp": .., "cp": ..} (config/parallel.py); None: one
+    # device
+    parallel: dict | ParallelConfig | None = None
     enable_prefix_caching: bool = False
     num_prefix_snapshots: int | None = None   # snapshot pool (None: 4 per slot)
 
@@ -86,6 +90,7 @@ class EngineConfig:
                                bool(options.flag("DEEPINFER_BATCH_INVARIANT")))
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.from_options(self.speculative_config))
+        object.__setattr__(self, "parallel", ParallelConfig.from_options(self.parallel))
         if self.token_buckets is not None:
             buckets = tuple(sorted(set(self.token_buckets)))
             if buckets[-1] < self.max_num_batched_tokens or buckets[0] <= 0:
@@ -133,6 +138,8 @@ class EngineConfig:
                                           kernels=self.kernels,
                                           batch_invariant=self.batch_invariant,
                                           invariant_tile=self.invariant_tile, environ=environ)
+        self.parallel.check(model, device.device_count)
+        compute = dataclasses.replace(compute, parallel=self.parallel)
         return StepConfig(
             max_num_seqs=self.max_num_seqs, max_model_len=max_model_len,
             page_size=page_size, num_pages=num_pages, max_blocks_per_seq=blocks,

@@ -41,6 +41,7 @@ class DeviceFacts:
     platform: str = "cpu"
     compute_capability: str | None = None
     memory_bytes: int | None = None
+    device_count: int = 1
 
     @property
     def major(self) -> int:

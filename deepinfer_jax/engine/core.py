@@ -35,6 +35,7 @@ from deepinfer_jax.device.snapshots import compile_copies, init_pool, slot_rings
 from deepinfer_jax.engine.compile import compile_steps, enable_persistent_cache
 from deepinfer_jax.engine.launch import Launcher
 from deepinfer_jax.engine.memory_plan import check_compiled, engine_plan
+from deepinfer_jax.engine.mesh import make_mesh, mesh_context, place_params, replicate
 from deepinfer_jax.host.buckets import token_bucket
 from deepinfer_jax.host.decision import Restore, ScheduleDecision, SnapshotSave
 from deepinfer_jax.host.grammar import GrammarError, StructuredOutputs, grammar_spec
@@ -93,6 +94,18 @@ class EngineCore:
         # before the probe's and the state's first computations: their programs load from
         # jax's cache
         enable_persistent_cache(host.compilation_cache_dir)
+        # Over several devices: the parameters placed on the mesh (engine/mesh.py), the state
+        # replicated, and every program traced with the mesh as its context (the routed
+        # experts' shard_map names its axis).
+        self.mesh = make_mesh(step_cfg.compute.parallel)
+        with mesh_context(self.mesh):
+            if self.mesh is not None:
+                params = place_params(params, self.mesh)
+            self._start(cfg, params, step_cfg, host, tokenizer, memory)
+
+    def _start(self, cfg: ModelConfig, params: ModelParams, step_cfg: StepConfig,
+               host: HostOptions, tokenizer: TextTokenizer | None,
+               memory: MemoryLimits | None) -> None:
         self.memory_plan: MemoryPlan | None = None
         if memory is not None:
             step_cfg, self.memory_plan = engine_plan(params, cfg, step_cfg, host, memory)
@@ -101,6 +114,8 @@ class EngineCore:
         self.structured = None if tokenizer is None else StructuredOutputs(
             tokenizer.path, cfg.vocab_size, cfg.eos_token_ids, host.grammar_compile_timeout_s)
         self.state = init_state(self.cfg, step_cfg, params.embed.dtype)
+        if self.mesh is not None:
+            self.state = replicate(self.state, self.mesh)
         self.steps = compile_steps(params, self.state, self.cfg, step_cfg, host)
         # With speculation, small batches run the speculative step and large ones (no room in
         # the verify budget) the plain one; the MTP window then lags, which only costs drafts.

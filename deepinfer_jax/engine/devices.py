@@ -14,7 +14,7 @@ def local_device_facts() -> DeviceFacts:
     capability = getattr(device, "compute_capability", None)
     return DeviceFacts(platform=device.platform,
                        compute_capability=None if capability is None else str(capability),
-                       memory_bytes=_bytes_limit(device))
+                       memory_bytes=_bytes_limit(device), device_count=jax.device_count())
 
 
 def _bytes_limit(device) -> int | None:

@@ -79,6 +79,36 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, p: Expe
                    limit: float, compute: ComputeConfig) -> jax.Array:
     """x [N, D], experts i32[N, K] (NO_EXPERT: the pair is skipped), weights f32[N, K] ->
     [N, D]."""
+    if compute.parallel.ep > 1:
+        return expert_parallel(x, experts, weights, p, limit, compute)
+    return _routed_experts(x, experts, weights, p, limit, compute)
+
+
+def expert_parallel(x: jax.Array, experts: jax.Array, weights: jax.Array, p: ExpertParams,
+                    limit: float, compute: ComputeConfig) -> jax.Array:
+    """routed_experts over the mesh's "ep" axis: each rank holds E/ep experts (engine/mesh.py)
+    and computes the pairs routed to them, the others skipped; the ranks' outputs are summed.
+    Every rank has every token (no data-parallel attention yet), so no token moves: the one
+    collective is the sum of the [N, D] outputs. Within a rank a token's slots are summed as
+    on one device, the ranks' partial sums then added, so results match one device to
+    float rounding."""
+    ranks = compute.parallel.ep
+    local_count = jax.tree.leaves(p)[0].shape[0] // ranks
+
+    def local(x, experts, weights, p):
+        first = jax.lax.axis_index("ep") * local_count
+        mine = (experts >= first) & (experts < first + local_count)
+        local_ids = jnp.where(mine, experts - first, NO_EXPERT)
+        return jax.lax.psum(_routed_experts(x, local_ids, weights, p, limit, compute), "ep")
+
+    spec = jax.sharding.PartitionSpec
+    return jax.shard_map(local, in_specs=(spec(), spec(), spec(), jax.tree.map(lambda _: spec("ep"), p)),
+                         out_specs=spec(), axis_names={"ep"}, check_vma=False)(
+        x, experts, weights, p)
+
+
+def _routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, p: ExpertParams,
+                    limit: float, compute: ComputeConfig) -> jax.Array:
     n_tokens, top_k = experts.shape
     n_experts = p.w13.shape[0]
     flat_expert = jnp.where(experts == NO_EXPERT, n_experts, experts).reshape(-1)   # [N*K]

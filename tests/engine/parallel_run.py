@@ -1,0 +1,57 @@
+"""Run by test_parallel.py in its own process with 8 CPU devices (XLA's host platform device
+count must be set before jax starts): greedy outputs and per-token logprobs of the tiny
+configs on one device and on each mesh shape asked, as JSON on stdout.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/engine/parallel_run.py \
+        CONFIG "1,8,1" "1,4,2" ...
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+import deepinfer_jax  # noqa: E402
+from deepinfer_jax import SamplingParams  # noqa: E402
+from deepinfer_jax.config.hf import read_model_config  # noqa: E402
+
+
+def run(model, prompts, parallel, batch_invariant):
+    llm = deepinfer_jax.LLM(model, max_num_seqs=4, max_model_len=512, max_num_batched_tokens=64,
+                            show_progress=False, parallel=parallel,
+                            batch_invariant=batch_invariant, compilation_cache_dir=None)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    mesh_devices = 1 if llm.engine.mesh is None else llm.engine.mesh.size
+    expert_leaf = jax.tree.leaves(llm.engine.params.layers[0].moe.experts)[0]
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "logprobs": [[float(next(iter(step.values())).logprob) for step in o.outputs[0].logprobs]
+                         for o in outs],
+            "mesh_devices": mesh_devices,
+            "expert_shard_rows": int(expert_leaf.addressable_shards[0].data.shape[0])}
+
+
+def main() -> None:
+    config, shapes = sys.argv[1], sys.argv[2:]
+    batch_invariant = config.endswith(":invariant")
+    cfg = read_model_config(REPO / config.removesuffix(":invariant")).replace(num_mtp_layers=0)
+    model = deepinfer_jax.Model(cfg, deepinfer_jax.random_params(cfg, 5, jnp.float32))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(2, cfg.vocab_size, n).tolist() for n in (30, 130, 75)]
+    results = {"single": run(model, prompts, None, batch_invariant)}
+    for shape in shapes:
+        dp, ep, tp = map(int, shape.split(","))
+        results[shape] = run(model, prompts, {"dp": dp, "ep": ep, "tp": tp}, batch_invariant)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

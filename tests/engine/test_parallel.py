@@ -1,0 +1,57 @@
+"""The engine over a device mesh (8 CPU devices, in a process of its own: XLA's device count
+is fixed when jax starts): expert and tensor parallel meshes give the single device's greedy
+tokens and its logprobs within 1e-5; each expert-parallel rank holds its share of the
+experts; and meshes the model or the devices cannot take fail with errors naming the sizes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from deepinfer_jax.config.engine import EngineConfig, EngineConfigError
+from deepinfer_jax.config.hf import read_model_config
+from deepinfer_jax.config.options import DeviceFacts
+from tests.conftest import REPO
+
+CFG = read_model_config(REPO / "configs/tiny/tiny-mixed.json")
+MESHES = ("1,8,1", "1,4,2", "1,2,2")
+
+
+@pytest.fixture(scope="module")
+def mesh_runs():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, str(REPO / "tests/engine/parallel_run.py"),
+                           "configs/tiny/tiny-mixed.json", *MESHES], env=env,
+                          capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_mesh_matches_one_device(mesh_runs, mesh):
+    single, sharded = mesh_runs["single"], mesh_runs[mesh]
+    dp, ep, tp = map(int, mesh.split(","))
+    assert single["mesh_devices"] == 1 and sharded["mesh_devices"] == dp * ep * tp
+    assert sharded["tokens"] == single["tokens"]
+    for ours, ref in zip(sharded["logprobs"], single["logprobs"], strict=True):
+        np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5)
+    assert sharded["expert_shard_rows"] == CFG.n_routed_experts // ep
+
+
+@pytest.mark.parametrize("parallel, devices, message", [
+    ({"ep": 3}, 8, r"ep=3.*spans 3 devices, which does not divide the 8 devices"),
+    ({"ep": 16}, 16, r"ep=16 does not divide the model's 8 routed experts"),
+    ({"tp": 8}, 8, r"tp=8 does not divide the model's 4 attention heads"),
+    ({"dp": 2, "ep": 4}, 8, r"dp=2.*not built yet"),
+    ({"ep": 0}, 8, r"ep must be a positive integer, got 0"),
+    ({"pp": 2}, 8, r"unknown axis \['pp'\]"),
+])
+def test_bad_mesh_names_the_sizes(parallel, devices, message):
+    with pytest.raises(EngineConfigError, match=message):
+        EngineConfig(parallel=parallel).resolve(CFG, DeviceFacts(device_count=devices))
