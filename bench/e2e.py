@@ -211,7 +211,8 @@ def main() -> None:
     ap.add_argument("--quantized", action="store_true",
                     help="weights in the release's formats (FP8 dense, FP4 routed experts)")
     ap.add_argument("--versus-layers", type=int, default=4,
-                    help="with --quantized: the slice timed in bf16 and quantized first")
+                    help="with --quantized: the slice timed in bf16 and quantized first "
+                         "(0: none)")
     ap.add_argument("--versus-batch", type=int, default=16)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     args = ap.parse_args()
@@ -228,7 +229,8 @@ def main() -> None:
     print("peer:", peer, flush=True)
     ceilings = measure_ceilings(small=jax.default_backend() != "gpu")
     print(ceilings, flush=True)
-    versus = quantized_versus_bf16(args, ceilings) if args.quantized else None
+    versus = (quantized_versus_bf16(args, ceilings) if args.quantized and args.versus_layers
+              else None)
 
     params = random_params(cfg, 0, jnp.bfloat16, release_formats=args.quantized)
     counts = weight_counts(params, cfg)

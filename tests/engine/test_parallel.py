@@ -22,15 +22,19 @@ CFG = read_model_config(REPO / "configs/tiny/tiny-mixed.json")
 MESHES = ("1,8,1", "1,4,2", "1,2,2")
 
 
-@pytest.fixture(scope="module")
-def mesh_runs():
+def _run_meshes(config: str, meshes) -> dict:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, str(REPO / "tests/engine/parallel_run.py"),
-                           "configs/tiny/tiny-mixed.json", *MESHES], env=env,
+                           config, *meshes], env=env,
                           capture_output=True, text=True, timeout=900, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def mesh_runs():
+    return _run_meshes("configs/tiny/tiny-mixed.json", MESHES)
 
 
 @pytest.mark.parametrize("mesh", MESHES)
@@ -55,3 +59,12 @@ def test_mesh_matches_one_device(mesh_runs, mesh):
 def test_bad_mesh_names_the_sizes(parallel, devices, message):
     with pytest.raises(EngineConfigError, match=message):
         EngineConfig(parallel=parallel).resolve(CFG, DeviceFacts(device_count=devices))
+
+
+def test_batch_invariant_mode_on_a_mesh_is_bitwise_alone_or_batched():
+    """On the (1,4,2) mesh in batch-invariant mode each request's logprobs are bitwise those of
+    the request alone (the ranks' partial sums are added in one order whatever the batch)."""
+    runs = _run_meshes("configs/tiny/tiny-mixed.json:invariant", ["1,4,2"])
+    for name in ("single", "1,4,2"):
+        assert runs[name]["logprobs"] == runs[name]["alone_logprobs"], name
+    assert runs["1,4,2"]["tokens"] == runs["single"]["tokens"]
