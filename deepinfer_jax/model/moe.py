@@ -81,17 +81,17 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, p: Expe
     [N, D]."""
     if compute.parallel.ep > 1:
         return expert_parallel(x, experts, weights, p, limit, compute)
-    return _routed_experts(x, experts, weights, p, limit, compute)
+    return _sum_slots(_slot_outputs(x, experts, weights, p, limit, compute), compute)
 
 
 def expert_parallel(x: jax.Array, experts: jax.Array, weights: jax.Array, p: ExpertParams,
                     limit: float, compute: ComputeConfig) -> jax.Array:
     """routed_experts over the mesh's "ep" axis: each rank holds E/ep experts (engine/mesh.py)
-    and computes the pairs routed to them, the others skipped; the ranks' outputs are summed.
-    Every rank has every token (no data-parallel attention yet), so no token moves: the one
-    collective is the sum of the [N, D] outputs. Within a rank a token's slots are summed as
-    on one device, the ranks' partial sums then added, so results match one device to
-    float rounding."""
+    and computes the pairs routed to them, the others skipped (0). Every rank has every token
+    (no data-parallel attention yet), so no token moves: the one collective sums the ranks'
+    [N, K, D] slot outputs, in which each pair is non-zero on one rank only, so the sum is
+    exact; the K slots are then added as on one device. A token's result therefore does not
+    depend on which rank holds which expert, nor on the number of ranks."""
     ranks = compute.parallel.ep
     local_count = jax.tree.leaves(p)[0].shape[0] // ranks
 
@@ -99,16 +99,19 @@ def expert_parallel(x: jax.Array, experts: jax.Array, weights: jax.Array, p: Exp
         first = jax.lax.axis_index("ep") * local_count
         mine = (experts >= first) & (experts < first + local_count)
         local_ids = jnp.where(mine, experts - first, NO_EXPERT)
-        return jax.lax.psum(_routed_experts(x, local_ids, weights, p, limit, compute), "ep")
+        return jax.lax.psum(_slot_outputs(x, local_ids, weights, p, limit, compute), "ep")
 
     spec = jax.sharding.PartitionSpec
-    return jax.shard_map(local, in_specs=(spec(), spec(), spec(), jax.tree.map(lambda _: spec("ep"), p)),
-                         out_specs=spec(), axis_names={"ep"}, check_vma=False)(
+    per_slot = jax.shard_map(local, in_specs=(spec(), spec(), spec(),
+                                              jax.tree.map(lambda _: spec("ep"), p)),
+                             out_specs=spec(), axis_names={"ep"}, check_vma=False)(
         x, experts, weights, p)
+    return _sum_slots(per_slot, compute)
 
 
-def _routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, p: ExpertParams,
-                    limit: float, compute: ComputeConfig) -> jax.Array:
+def _slot_outputs(x: jax.Array, experts: jax.Array, weights: jax.Array, p: ExpertParams,
+                  limit: float, compute: ComputeConfig) -> jax.Array:
+    """Each (token, slot) pair's weighted expert output, [N, K, D] (0 for skipped pairs)."""
     n_tokens, top_k = experts.shape
     n_experts = p.w13.shape[0]
     flat_expert = jnp.where(experts == NO_EXPERT, n_experts, experts).reshape(-1)   # [N*K]
@@ -131,7 +134,11 @@ def _routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, p: Exp
     # whatever XLA fuses (it may otherwise keep the products in float32 inside the fused sum).
     finfo = jnp.finfo(out.dtype)
     out = jax.lax.reduce_precision(out, exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant)
-    per_slot = out.reshape(n_tokens, top_k, -1)
+    return out.reshape(n_tokens, top_k, -1)
+
+
+def _sum_slots(per_slot: jax.Array, compute: ComputeConfig) -> jax.Array:
+    """[N, K, D] weighted slot outputs -> [N, D]."""
     return ordered_sum(per_slot, 1) if compute.batch_invariant else jnp.sum(per_slot, axis=1)
 
 

@@ -1,6 +1,7 @@
 """The engine over a device mesh (8 CPU devices, in a process of its own: XLA's device count
 is fixed when jax starts): expert and tensor parallel meshes give the single device's greedy
-tokens and its logprobs within 1e-5; each expert-parallel rank holds its share of the
+tokens, its logprobs bitwise with expert parallelism alone and within 1e-5 with tensor
+parallelism; each expert-parallel rank holds its share of the
 experts; and meshes the model or the devices cannot take fail with errors naming the sizes."""
 
 from __future__ import annotations
@@ -44,7 +45,10 @@ def test_mesh_matches_one_device(mesh_runs, mesh):
     assert single["mesh_devices"] == 1 and sharded["mesh_devices"] == dp * ep * tp
     assert sharded["tokens"] == single["tokens"]
     for ours, ref in zip(sharded["logprobs"], single["logprobs"], strict=True):
-        np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5)
+        if tp == 1:     # expert parallel alone is exact (moe.expert_parallel)
+            np.testing.assert_array_equal(ours, ref)
+        else:           # split projections sum their partial products in another order
+            np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5)
     assert sharded["expert_shard_rows"] == CFG.n_routed_experts // ep
 
 
