@@ -77,3 +77,23 @@ def test_engine_greedy_quantized_equals_bf16_dequantized(fixture_dir, reference)
         outs[weights] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     assert len(outs["quantized"]) == 64
     assert list(outs["quantized"]) == list(outs["bf16"])
+
+
+def test_batch_invariant_mode_on_quantized_weights(fixture_dir):
+    """FP8 / FP4 weights kept quantized, batch-invariant mode: each request's logprobs are
+    bitwise those it gets alone."""
+    llm = deepinfer_jax.LLM(fixture_dir / "quantized", dtype=jnp.bfloat16, batch_invariant=True,
+                            max_num_seqs=4, max_model_len=256, max_num_batched_tokens=64,
+                            show_progress=False)
+    assert isinstance(llm.engine.params.layers[1].moe.experts.w13, Fp4Blocks)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(2, 500, n).tolist() for n in (20, 90, 45)]
+    params = deepinfer_jax.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                          logprobs=1)
+
+    def logprobs(out):
+        return [next(iter(step.values())).logprob for step in out.outputs[0].logprobs]
+
+    batched = [logprobs(o) for o in llm.generate(prompts, params, use_tqdm=False)]
+    alone = [logprobs(llm.generate([p], params, use_tqdm=False)[0]) for p in prompts]
+    assert batched == alone
