@@ -58,10 +58,13 @@ def named_leaves(params) -> list[tuple[str, object]]:
 
 
 def leaf_bytes(leaf) -> int:
-    """A weight's bytes as it is held (a quantized one: codes and scales)."""
+    """A weight's bytes as one device holds it (a quantized one: codes and scales; an array
+    placed on a mesh: its shard)."""
     if q.is_quantized(leaf):
-        return q.nbytes(leaf)
-    return math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
+        return sum(leaf_bytes(part) for part in leaf)
+    sharding = getattr(leaf, "sharding", None)
+    shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+    return math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
 
 
 def weight_bytes(params, devices: int = 1) -> int:

@@ -31,7 +31,8 @@ def _logprobs(out) -> list[float]:
 def run(model, prompts, parallel, batch_invariant):
     llm = deepinfer_jax.LLM(model, max_num_seqs=4, max_model_len=512, max_num_batched_tokens=64,
                             show_progress=False, parallel=parallel,
-                            batch_invariant=batch_invariant, compilation_cache_dir=None)
+                            batch_invariant=batch_invariant, compilation_cache_dir=None,
+                            device_memory_gib=4.0)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
     outs = llm.generate(prompts, params, use_tqdm=False)
     # batch-invariant mode: each prompt again on its own, for the bitwise comparison
@@ -42,6 +43,7 @@ def run(model, prompts, parallel, batch_invariant):
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
             "logprobs": [_logprobs(o) for o in outs], "alone_logprobs": alone,
             "mesh_devices": mesh_devices,
+            "planned_weight_bytes": llm.engine.memory_plan.weights,
             "expert_shard_rows": int(expert_leaf.addressable_shards[0].data.shape[0])}
 
 
