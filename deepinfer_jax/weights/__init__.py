@@ -11,8 +11,9 @@ import jax.numpy as jnp
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.weights.builder import build_params
+from deepinfer_jax.weights.random_source import RandomSource
 from deepinfer_jax.weights.safetensors_io import Checkpoint
-from deepinfer_jax.weights.sources import CheckpointError, CheckpointSource, RandomSource
+from deepinfer_jax.weights.sources import CheckpointError, CheckpointSource
 
 __all__ = ["CheckpointError", "load_params", "random_params"]
 
