@@ -53,6 +53,17 @@ def close(out, ref):
     np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2 * max(np.abs(ref).max(), 1e-3))
 
 
+def routed_pairs(rng, k: int = K):
+    """The routed experts' operands for the "empty experts" groups: sizes, tokens [T, k] (about
+    two pairs a token), source_rows (the token of each sorted pair) and out_order (a
+    permutation of the pairs)."""
+    sizes = jnp.asarray(SIZES["empty experts"], jnp.int32)
+    pairs = int(sizes.sum())
+    tokens = jnp.asarray(rng.standard_normal((pairs // 2 + 1, k)), jnp.bfloat16)
+    source_rows = jnp.asarray(rng.integers(0, tokens.shape[0], pairs), jnp.int32)
+    return sizes, tokens, source_rows, jnp.asarray(rng.permutation(pairs), jnp.int32)
+
+
 def expert_weights(rng, groups: int) -> tuple[jnp.ndarray, jnp.ndarray]:
     """An expert MLP's stacked weights for `groups` experts: w13 [G, K, N] (gate | up), w2
     [G, N/2, K]."""

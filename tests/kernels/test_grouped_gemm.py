@@ -26,7 +26,16 @@ from pallas_kernels.grouped_gemm import (
 from pallas_kernels.grouped_gemm.mosaic_gpu import TileConfig, tiled_group_matmul
 from pallas_kernels.grouped_gemm.mosaic_gpu_ws import WarpSpecializedConfig
 from pallas_kernels.grouped_gemm.mosaic_gpu_ws import tiled_group_matmul as tiled_group_matmul_ws
-from tests.kernels.gemm_cases import KERNEL, SIZES, K, N, close, expert_weights, problem
+from tests.kernels.gemm_cases import (
+    KERNEL,
+    SIZES,
+    K,
+    N,
+    close,
+    expert_weights,
+    problem,
+    routed_pairs,
+)
 
 
 @pytest.mark.parametrize("case", SIZES)
@@ -119,11 +128,7 @@ def test_expert_mlp_gathers_its_rows_and_orders_its_result(impl, sparse_tiles, m
     path's ways into the tiles (api.SPARSE_TILES chooses)."""
     monkeypatch.setattr(api, "SPARSE_TILES", sparse_tiles)
     rng = np.random.default_rng(8)
-    sizes = jnp.asarray(SIZES["empty experts"], jnp.int32)
-    rows = int(sizes.sum())
-    tokens = jnp.asarray(rng.standard_normal((rows // 2 + 1, K)), jnp.bfloat16)
-    source_rows = jnp.asarray(rng.integers(0, tokens.shape[0], rows), jnp.int32)
-    out_order = jnp.asarray(rng.permutation(rows), jnp.int32)
+    sizes, tokens, source_rows, out_order = routed_pairs(rng)
     w13, w2 = expert_weights(rng, len(sizes))
     sorted_first = api.expert_mlp(tokens[source_rows], w13, w2, sizes, 7.0, implementation=impl)
     np.testing.assert_array_equal(

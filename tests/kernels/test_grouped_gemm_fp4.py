@@ -16,7 +16,7 @@ from pallas_kernels import quantized
 from pallas_kernels.common import NotSupported, abstract_gpu
 from pallas_kernels.grouped_gemm import api, fp4_path, reference
 from pallas_kernels.grouped_gemm.mosaic_gpu_fp4 import Fp4Config, tiled_fp4_matmul_t
-from tests.kernels.gemm_cases import KERNEL, close
+from tests.kernels.gemm_cases import KERNEL, close, routed_pairs
 
 K = 512                       # the kernel stages scale rows in 16-byte pieces: K % 512 == 0
 N = 128
@@ -106,11 +106,7 @@ def test_expert_mlp_end_to_end(a_in_registers):
     if KERNEL == "interpret" and a_in_registers:
         pytest.skip("interpret mode has no register-A wgmma (the kernel stages A there)")
     rng = np.random.default_rng(4)
-    sizes = jnp.asarray(SIZES["empty experts"], jnp.int32)
-    pairs = int(sizes.sum())
-    tokens = jnp.asarray(rng.standard_normal((pairs // 2 + 1, K)), jnp.bfloat16)
-    source_rows = jnp.asarray(rng.integers(0, tokens.shape[0], pairs), jnp.int32)
-    out_order = jnp.asarray(rng.permutation(pairs), jnp.int32)
+    sizes, tokens, source_rows, out_order = routed_pairs(rng, K)
     w13, w2 = fp4_weights(rng, len(sizes), 2 * K, K), fp4_weights(rng, len(sizes), K, K)
     config = Fp4Config(a_in_registers=a_in_registers)
     ref = api.expert_mlp(tokens, w13, w2, sizes, 7.0, implementation="reference",
