@@ -14,6 +14,9 @@ import jax.numpy as jnp
 
 from bench.lib.timing import timed_ms
 
+# The H200's datasheet figures, the second yardstick beside each run's measured ceilings.
+DATASHEET_TBPS = 4.8            # HBM3e bandwidth
+DATASHEET_BF16_TFLOPS = 989     # dense bf16
 
 def xla_matmul_tflops(n: int) -> float:
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
