@@ -4,6 +4,7 @@ bench/kernels_dense.py).
 
     python bench/kernels_moe.py                      # H200: the issue's shapes
     python bench/kernels_moe.py --smoke              # CPU: tiny shapes, kernel interpreted
+    (FP4 weights against their bf16 twin alone: bench/kernels_moe_fp4.py)
 
 Cases: routed experts (256 experts, hidden 4096, expert width 2048, top-6) for a prefill batch
 (8192 tokens) and decode batches (16, 64 tokens); tokens pick 6 distinct experts uniformly.
@@ -32,7 +33,7 @@ import ml_dtypes
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.lib.ceilings import beside_the_dot, beside_the_dot_table  # noqa: E402
+from bench.lib.ceilings import DATASHEET_TBPS, beside_the_dot, beside_the_dot_table  # noqa: E402
 from bench.lib.ceilings import measure as measure_ceilings  # noqa: E402
 from bench.lib.results import environment, write_results  # noqa: E402
 from bench.lib.timing import rel_err, spread, timing  # noqa: E402
@@ -140,7 +141,6 @@ def row_problem(tokens: int, shapes: Shapes, seed: int):
 
 
 LIMIT = 10.0   # V4-Flash's swiglu_limit
-DATASHEET_TBPS = 4.8   # the H200's HBM3e
 
 
 def moe_case(name: str, tokens: int, shapes: Shapes, experts: Experts, impl: str,
@@ -303,17 +303,6 @@ def sweeps() -> tuple[dict, dict]:
     return prefill, decode
 
 
-def fp4_sweeps() -> tuple[dict, dict]:
-    """FP4 kernel configs timed beside its defaults (mosaic_gpu_fp4.Fp4Config: tokens per tile
-    x weight rows per program x K step / pipeline depth; "A via smem": the dequantized operand
-    staged in shared memory instead of registers)."""
-    c = Fp4Config
-    decode = [c(16, 64, 128, 6), c(16, 128, 256, 4), c(8, 64, 256, 4), c(16, 64, 512, 3),
-              c(16, 64, 256, 4, a_in_registers=False)]
-    prefill = [c(128, 64, 128, 4), c(64, 128, 128, 4)]
-    return ({"gate_up": prefill, "down": prefill}, {"gate_up": decode, "down": decode})
-
-
 def table(results: list[dict], ceilings: dict) -> str:
     lines = [
         f"Ceilings measured in this run: XLA bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s; "
@@ -344,9 +333,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; kernel interpreted on CPU")
     ap.add_argument("--name", default=None)
-    ap.add_argument("--fp4", action="store_true",
-                    help="ours bf16 and ours fp4 only, with the FP4 kernel's config sweep")
-    ap.add_argument("--no-sweep", action="store_true", help="with --fp4: the default configs only")
     args = ap.parse_args()
     shapes = SMOKE if args.smoke else Shapes()
     impl = "interpret" if args.smoke else "mosaic_gpu"
@@ -354,10 +340,8 @@ def main() -> None:
     ceilings = measure_ceilings(small=args.smoke)
     print(ceilings, flush=True)
 
-    tokamax_dot, tokamax_version = (None, None) if args.smoke or args.fp4 else tokamax_ragged_dot()
+    tokamax_dot, tokamax_version = (None, None) if args.smoke else tokamax_ragged_dot()
     experts = make_experts(shapes)
-    if args.fp4:
-        return fp4_main(args, shapes, impl, experts, ceilings)
     prefill_sweep, decode_sweep = sweeps()
     results = moe_case("prefill", shapes.prefill_tokens, shapes, experts, impl, tokamax_dot,
                        prefill_sweep)
@@ -374,27 +358,6 @@ def main() -> None:
             "gate_up includes a separate jnp SwiGLU.")
     name = args.name or ("kernels-moe-cpu-smoke" if args.smoke else "kernels-moe-gpu")
     write_results(name, {"environment": env, "ceilings": ceilings, "results": results},
-                  text + note)
-
-
-def fp4_main(args, shapes, impl, experts, ceilings) -> None:
-    prefill_sweep, decode_sweep = ({}, {}) if args.no_sweep else fp4_sweeps()
-    results = []
-    for tokens in shapes.decode_tokens:
-        results += moe_case(f"decode {tokens}", tokens, shapes, experts, impl, None, {},
-                            decode_sweep, only_ours=True)
-        print(table(results, ceilings), flush=True)
-    results += moe_case("prefill", shapes.prefill_tokens, shapes, experts, impl, None, {},
-                        prefill_sweep, only_ours=True)
-    text = table(results, ceilings)
-    print(text)
-    note = (f"\n\nShapes: {dataclasses.asdict(shapes)}; bf16 activations; FP4 = E2M1 codes "
-            "packed two a byte with an E8M0 scale per 32 inputs (quantized.Fp4Blocks); bf16 = the "
-            "same weights dequantized. `weights TB/s` = bytes of the hit experts' weights as "
-            "stored (FP4: codes + scales) / time. rel err: against ours bf16 on the dequantized "
-            "weights.")
-    write_results(args.name or "kernels-moe-fp4-gpu",
-                  {"environment": environment(), "ceilings": ceilings, "results": results},
                   text + note)
 
 

@@ -1,0 +1,66 @@
+"""The routed-expert grouped GEMM on FP4 weights (the release's format) against our bf16
+kernel on the same weights dequantized, with the FP4 kernel's config sweep, on
+DeepSeek-V4-Flash expert shapes (cases, timing and columns: bench/kernels_moe.py).
+
+    python bench/kernels_moe_fp4.py                  # H200
+    python bench/kernels_moe_fp4.py --no-sweep       # the default configs only
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.kernels_moe import Shapes, make_experts, moe_case, table  # noqa: E402
+from bench.lib.ceilings import measure as measure_ceilings  # noqa: E402
+from bench.lib.results import environment, write_results  # noqa: E402
+from pallas_kernels.grouped_gemm.mosaic_gpu_fp4 import Fp4Config  # noqa: E402
+
+
+def fp4_sweeps() -> tuple[dict, dict]:
+    """FP4 kernel configs timed beside its defaults (mosaic_gpu_fp4.Fp4Config: tokens per tile
+    x weight rows per program x K step / pipeline depth; "A via smem": the dequantized operand
+    staged in shared memory instead of registers)."""
+    c = Fp4Config
+    decode = [c(16, 64, 128, 6), c(16, 128, 256, 4), c(8, 64, 256, 4), c(16, 64, 512, 3),
+              c(16, 64, 256, 4, a_in_registers=False)]
+    prefill = [c(128, 64, 128, 4), c(64, 128, 128, 4)]
+    return ({"gate_up": prefill, "down": prefill}, {"gate_up": decode, "down": decode})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-sweep", action="store_true", help="the default configs only")
+    ap.add_argument("--name", default=None)
+    args = ap.parse_args()
+    shapes, impl = Shapes(), "mosaic_gpu"
+    ceilings = measure_ceilings()
+    print(ceilings, flush=True)
+    experts = make_experts(shapes)
+    prefill_sweep, decode_sweep = ({}, {}) if args.no_sweep else fp4_sweeps()
+    results = []
+    for tokens in shapes.decode_tokens:
+        results += moe_case(f"decode {tokens}", tokens, shapes, experts, impl, None, {},
+                            decode_sweep, only_ours=True)
+        print(table(results, ceilings), flush=True)
+    results += moe_case("prefill", shapes.prefill_tokens, shapes, experts, impl, None, {},
+                        prefill_sweep, only_ours=True)
+    text = table(results, ceilings)
+    print(text)
+    note = (f"\n\nShapes: {dataclasses.asdict(shapes)}; bf16 activations; FP4 = E2M1 codes "
+            "packed two a byte with an E8M0 scale per 32 inputs (quantized.Fp4Blocks); bf16 = the "
+            "same weights dequantized. `weights TB/s` = bytes of the hit experts' weights as "
+            "stored (FP4: codes + scales) / time. rel err: against ours bf16 on the dequantized "
+            "weights.")
+    write_results(args.name or "kernels-moe-fp4-gpu",
+                  {"environment": environment(), "ceilings": ceilings, "results": results},
+                  text + note)
+
+
+if __name__ == "__main__":
+    main()
