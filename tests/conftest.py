@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import sys
 from pathlib import Path
 
 import jax
@@ -89,3 +91,17 @@ def pytest_runtest_makereport(item, call):
     if report.failed and call.excinfo is not None and "from pytest-timeout" in str(call.excinfo.value):
         item.session.shouldstop = f"{item.nodeid} hung (the stacks are in its report)"
     return report
+
+
+# pytest-timeout's signal method needs the main thread back in Python; a test stuck inside
+# XLA (a futex wait) never returns there, and one CI run's worker sat so until CI's 90 min ran
+# out. Past this the watchdog thread of faulthandler prints every thread's stack and ends the
+# process: xdist reports the test as failed ("node down") and goes on without it.
+HARD_TIMEOUT_S = 1200
+
+
+@pytest.fixture(autouse=True)
+def _hard_timeout():
+    faulthandler.dump_traceback_later(HARD_TIMEOUT_S, exit=True, file=sys.stderr)
+    yield
+    faulthandler.cancel_dump_traceback_later()

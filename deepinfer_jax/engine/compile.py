@@ -194,7 +194,7 @@ def _compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
 def _build(params, state, cfg, step_cfg, host, speculative, keys, plan_wires, options,
            paths) -> dict:
     """Trace, lower and compile `keys`' steps; each is written to the step cache (at `paths`)
-    as it is compiled, before it ever runs."""
+    after they all compiled, before any runs."""
     launch_bound = step_cfg.compute.launch_bound
     # Tracing and lowering is Python (one at a time); XLA's compile releases the GIL and is
     # mostly single-threaded per module, so on the CPU the buckets compile side by side.
@@ -226,11 +226,15 @@ def _build(params, state, cfg, step_cfg, host, speculative, keys, plan_wires, op
         for future in as_completed(futures):
             key = futures[future]
             compiled[key] = CompiledStep(future.result(), *wires[key], launch_bound)
-            if key in paths:
-                step_cache.store(*paths[key], compiled[key].executable, *wires[key])
             progress.set_postfix(tokens=key[0])
             progress.update()
     progress.close()
+    # Written once every compile has ended: XLA's CPU client aborted the process serializing
+    # one executable while the pool compiled the next (a CI run, in step_cache.store; an
+    # earlier one segfaulted in jax's own cache write with compiles side by side).
+    for key in keys:
+        if key in paths:
+            step_cache.store(*paths[key], compiled[key].executable, *wires[key])
     return compiled
 
 
