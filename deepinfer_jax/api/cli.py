@@ -26,7 +26,7 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
                     help="a device's memory (default: what the device reports)")
     ap.add_argument("--enable-prefix-caching", action="store_true")
     ap.add_argument("--parallel", type=_mesh_sizes, metavar="AXIS=N,...",
-                    help="the device mesh, e.g. ep=8 or ep=4,tp=2 (axes dp, ep, tp, cp)")
+                    help="the device mesh, e.g. ep=8, dp=2,ep=4 or ep=4,tp=2 (axes dp, ep, tp, cp)")
     ap.add_argument("--weights", choices=["quantized", "bf16"], default="quantized",
                     help="keep a checkpoint's FP8/FP4 weights quantized (default) or "
                          "dequantize them at load")

@@ -1,13 +1,17 @@
 """ParallelConfig: how one engine spreads a model over devices (vLLM's `parallel` sizes).
 
-The device mesh has the axes ("dp", "ep", "tp"): data-parallel attention ranks, expert
-parallelism (the routed experts split evenly, each rank computing its own experts' share
-of every token and the shares summed across ranks), and tensor parallelism (the attention's
-and shared expert's projections split by output or input columns, XLA's SPMD partitioner
-placing the collectives). Context parallelism (`cp`) splits a long prompt's chunk over ranks.
-
-Built so far: ep and tp. dp and cp are validated but refused with a clear error until the
-scheduler places requests and pages per rank (issue 33).
+The device mesh has the axes ("dp", "ep", "tp"):
+* dp: data-parallel attention ranks. Each holds its own requests, state slots and page pool
+  (the step's sizes, max_num_seqs, num_pages and the token buckets, are a rank's) and runs
+  the attention of its own tokens; the host's scheduler places each request on a rank.
+* ep: expert parallelism. The routed experts are split over every device of the dp and ep
+  axes together (E / (dp x ep) each, as vLLM and SGLang spread them over all data-parallel
+  ranks): each computes its experts' share of every rank's tokens, the shares summed back
+  to the tokens' own ranks. ep > 1 adds devices that share one attention rank.
+* tp: tensor parallelism, the attention's and shared expert's projections split by output
+  or input columns (XLA's SPMD partitioner placing the collectives).
+Context parallelism (`cp`, a long prompt's chunk split over ranks) is validated but refused
+until it is built (issue 33).
 """
 
 from __future__ import annotations
@@ -53,6 +57,11 @@ class ParallelConfig:
         return self.dp * self.ep * self.tp * self.cp
 
     @property
+    def expert_ranks(self) -> int:
+        """Devices the routed experts are split over (the dp and ep axes)."""
+        return self.dp * self.ep
+
+    @property
     def mesh_shape(self) -> tuple[int, int, int]:
         return (self.dp, self.ep, self.tp)
 
@@ -67,9 +76,10 @@ class ParallelConfig:
         if devices % self.size:
             raise EngineConfigError(f"parallel {self.describe()} spans {self.size} devices, "
                                     f"which does not divide the {devices} devices present")
-        if model.n_routed_experts % self.ep:
-            raise EngineConfigError(f"parallel ep={self.ep} does not divide the model's "
-                                    f"{model.n_routed_experts} routed experts")
+        if model.n_routed_experts % self.expert_ranks:
+            raise EngineConfigError(f"parallel dp x ep = {self.dp} x {self.ep} does not divide "
+                                    f"the model's {model.n_routed_experts} routed experts (they "
+                                    f"are split over both axes)")
         for what, width in (("attention heads", model.num_heads),
                             ("output groups (o_groups)", model.o_groups),
                             ("shared-expert width", model.shared_intermediate_size
@@ -77,7 +87,6 @@ class ParallelConfig:
             if width % self.tp:
                 raise EngineConfigError(f"parallel tp={self.tp} does not divide the model's "
                                         f"{width} {what}")
-        if self.dp > 1 or self.cp > 1:
-            raise EngineConfigError(f"parallel {self.describe()}: data-parallel attention (dp) "
-                                    f"and context parallelism (cp) are not built yet; ep and tp "
-                                    f"are")
+        if self.cp > 1:
+            raise EngineConfigError(f"parallel {self.describe()}: context parallelism (cp) is "
+                                    f"not built yet; dp, ep and tp are")

@@ -15,12 +15,14 @@ import functools
 import json
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import jax
 import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
+from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from deepinfer_jax.config.host import HostOptions
@@ -30,6 +32,7 @@ from deepinfer_jax.contract import BatchPlan
 from deepinfer_jax.device.speculative import spec_step
 from deepinfer_jax.device.step import step
 from deepinfer_jax.engine import step_cache
+from deepinfer_jax.engine.mesh import over_ranks
 from deepinfer_jax.engine.transfer import Wire
 from deepinfer_jax.host.decision import ScheduleDecision
 from deepinfer_jax.host.plan_builder import build_plan
@@ -66,9 +69,14 @@ class CompiledStep:
     # the numpy buffer goes in as is: it costs the host a fraction of a jax.device_put
     # (docs/performance-log.md). Decided once, at compile time.
     explicit_transfer: bool = False
+    # data-parallel attention ranks (engine/mesh.py over_ranks): > 1, the step takes a plan
+    # per rank and returns an output per rank
+    ranks: int = 1
 
-    def __call__(self, params: ModelParams, state: StateCache, plan: BatchPlan):
-        buffer = self.plan_wire.pack_host(plan)
+    def __call__(self, params: ModelParams, state: StateCache,
+                 plan: BatchPlan | Sequence[BatchPlan]):
+        buffer = (self.plan_wire.pack_host(plan) if self.ranks == 1 else
+                  np.stack([self.plan_wire.pack_host(p) for p in plan]))
         if self.explicit_transfer:
             return self.executable(params, state, jax.device_put(buffer))
         # the step's one transfer, allowed by name so that a "disallow" transfer guard (as the
@@ -77,8 +85,11 @@ class CompiledStep:
             return self.executable(params, state, buffer)
 
     def read(self, output: jax.Array):
-        """The output buffer -> StepOutput / SpecStepOutput of numpy arrays (waits for it)."""
-        return self.output_wire.unpack_host(np.asarray(output))
+        """The output buffer -> StepOutput / SpecStepOutput of numpy arrays (a list of them, a
+        rank's each, with data-parallel ranks); waits for it."""
+        if self.ranks == 1:
+            return self.output_wire.unpack_host(np.asarray(output))
+        return [self.output_wire.unpack_host(row) for row in np.asarray(output)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +166,8 @@ def _compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
     keys = [(t, truncation) for t in step_cfg.token_buckets for truncation in truncations]
     plan_wires = {key: Wire.of(build_plan(ScheduleDecision(()), key[0], step_cfg))
                   for key in keys}                                    # shapes are fixed
+    ranks = step_cfg.compute.parallel.dp
+    plan_specs = {key: _plan_spec(wire, state, ranks) for key, wire in plan_wires.items()}
     kind = "speculative steps" if speculative else "steps"
     # The step cache holds CPU executables only: serializing a GPU step (its Mosaic GPU kernels
     # included) has not been validated on the H200 yet, and there jax's persistent cache,
@@ -167,10 +180,11 @@ def _compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
         for key in keys:
             entry = step_cache.entry_key(trace_key, *key, options)
             paths[key] = (step_cache.entry_path(cache_dir, entry), entry)
-            found = step_cache.load(*paths[key], (params, state, plan_wires[key].spec()),
+            found = step_cache.load(*paths[key], (params, state, plan_specs[key]),
                                     plan_wires[key])
             if found is not None:
-                compiled[key] = CompiledStep(found[0], plan_wires[key], found[1], launch_bound)
+                compiled[key] = CompiledStep(found[0], plan_wires[key], found[1], launch_bound,
+                                             ranks)
         if compiled:
             _say(host, f"deepinfer: {len(compiled)} {kind} loaded from the step cache in "
                        f"{time.perf_counter() - start:.1f} s ({Path(cache_dir) / 'steps'})")
@@ -185,17 +199,28 @@ def _compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
     start = time.perf_counter()
     with _jax_cache_off() if cache_dir else contextlib.nullcontext():
         compiled.update(_build(params, state, cfg, step_cfg, host, speculative, missing,
-                               plan_wires, options, paths))
+                               plan_wires, plan_specs, options, paths))
     if cache_dir:
         _record_time(cache_dir, cfg, (time.perf_counter() - start) / len(missing))
     return CompiledSteps(compiled)
 
 
-def _build(params, state, cfg, step_cfg, host, speculative, keys, plan_wires, options,
-           paths) -> dict:
+def _plan_spec(plan_wire: Wire, state: StateCache, ranks: int) -> jax.ShapeDtypeStruct:
+    """The step's plan argument: the wire's buffer, or a rank's each stacked and split over
+    the mesh's "dp" axis (the state's mesh)."""
+    if ranks == 1:
+        return plan_wire.spec()
+    mesh = jax.tree.leaves(state)[0].sharding.mesh
+    return jax.ShapeDtypeStruct((ranks, plan_wire.size), np.int32,
+                                sharding=NamedSharding(mesh, PartitionSpec("dp")))
+
+
+def _build(params, state, cfg, step_cfg, host, speculative, keys, plan_wires, plan_specs,
+           options, paths) -> dict:
     """Trace, lower and compile `keys`' steps; each is written to the step cache (at `paths`)
     after they all compiled, before any runs."""
     launch_bound = step_cfg.compute.launch_bound
+    ranks = step_cfg.compute.parallel.dp
     # Tracing and lowering is Python (one at a time); XLA's compile releases the GIL and is
     # mostly single-threaded per module, so on the CPU the buckets compile side by side.
     lowered, wires = {}, {}
@@ -213,8 +238,9 @@ def _build(params, state, cfg, step_cfg, host, speculative, keys, plan_wires, op
             output_wire.append(Wire.of(output))
             return state, output_wire[-1].pack_device(output)
 
-        lowered[t, truncation] = jax.jit(wired_step, donate_argnums=(1,)).lower(
-            params, state, plan_wire.spec())
+        program = over_ranks(wired_step, params) if ranks > 1 else wired_step
+        lowered[t, truncation] = jax.jit(program, donate_argnums=(1,)).lower(
+            params, state, plan_specs[t, truncation])
         wires[t, truncation] = (plan_wire, output_wire[-1])
     step_cache.stats.traced += len(keys)
     progress = tqdm(total=len(keys), unit="step", disable=not host.show_progress,
@@ -225,7 +251,7 @@ def _build(params, state, cfg, step_cfg, host, speculative, keys, plan_wires, op
                    for key in keys}
         for future in as_completed(futures):
             key = futures[future]
-            compiled[key] = CompiledStep(future.result(), *wires[key], launch_bound)
+            compiled[key] = CompiledStep(future.result(), *wires[key], launch_bound, ranks)
             progress.set_postfix(tokens=key[0])
             progress.update()
     progress.close()

@@ -30,17 +30,18 @@ from deepinfer_jax.config.host import HostOptions
 from deepinfer_jax.config.memory import MemoryLimits, MemoryPlan
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.step import StepConfig
-from deepinfer_jax.contract import SpecStepOutput, StepOutput
+from deepinfer_jax.contract import BatchPlan, SpecStepOutput, StepOutput
 from deepinfer_jax.device.snapshots import compile_copies, init_pool, slot_rings
 from deepinfer_jax.engine.compile import compile_steps, enable_persistent_cache
 from deepinfer_jax.engine.launch import Launcher
 from deepinfer_jax.engine.memory_plan import check_compiled, engine_plan
-from deepinfer_jax.engine.mesh import make_mesh, mesh_context, place_params, replicate
+from deepinfer_jax.engine.mesh import make_mesh, mesh_context, place_params, placed_state
 from deepinfer_jax.host.buckets import token_bucket
 from deepinfer_jax.host.decision import Restore, ScheduleDecision, SnapshotSave
 from deepinfer_jax.host.grammar import GrammarError, StructuredOutputs, grammar_spec
 from deepinfer_jax.host.pages import pages_needed
 from deepinfer_jax.host.plan_builder import build_plan, suppress_stops
+from deepinfer_jax.host.ranks import RankedDecision, RankedScheduler
 from deepinfer_jax.host.request import (
     FinishReason,
     InvalidRequestError,
@@ -54,7 +55,6 @@ from deepinfer_jax.host.scheduler import Scheduler
 from deepinfer_jax.host.stop_strings import StopStrings
 from deepinfer_jax.host.tokenizer import TextTokenizer
 from deepinfer_jax.model.params import ModelParams
-from deepinfer_jax.model.state import init_state
 
 
 @dataclasses.dataclass
@@ -108,14 +108,13 @@ class EngineCore:
                memory: MemoryLimits | None) -> None:
         self.memory_plan: MemoryPlan | None = None
         if memory is not None:
-            step_cfg, self.memory_plan = engine_plan(params, cfg, step_cfg, host, memory)
+            step_cfg, self.memory_plan = engine_plan(params, cfg, step_cfg, host, memory,
+                                                     self.mesh)
         self.params, self.step_cfg, self.host = params, step_cfg, host
         self.tokenizer = tokenizer
         self.structured = None if tokenizer is None else StructuredOutputs(
             tokenizer.path, cfg.vocab_size, cfg.eos_token_ids, host.grammar_compile_timeout_s)
-        self.state = init_state(self.cfg, step_cfg, params.embed.dtype)
-        if self.mesh is not None:
-            self.state = replicate(self.state, self.mesh)
+        self.state = placed_state(self.cfg, step_cfg, params.embed.dtype, self.mesh)
         self.steps = compile_steps(params, self.state, self.cfg, step_cfg, host)
         # With speculation, small batches run the speculative step and large ones (no room in
         # the verify budget) the plain one; the MTP window then lags, which only costs drafts.
@@ -124,7 +123,9 @@ class EngineCore:
                            if step_cfg.spec_tokens else None)
         if self.memory_plan is not None:
             check_compiled(self.memory_plan, self.steps, self.spec_steps)
-        self.scheduler = Scheduler(step_cfg, cfg.eos_token_ids)
+        ranks = step_cfg.compute.parallel.dp
+        self.scheduler = (RankedScheduler(step_cfg, cfg.eos_token_ids, ranks) if ranks > 1 else
+                          Scheduler(step_cfg, cfg.eos_token_ids))
         if step_cfg.enable_prefix_caching:     # slot snapshots of the prefix cache
             self.snapshot_pool = init_pool(self.state, step_cfg.num_snapshots)
             self._save, self._restore = compile_copies(self.state, self.snapshot_pool,
@@ -252,8 +253,8 @@ class EngineCore:
             metrics = seq.request.metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
         bucket = token_bucket(self.step_cfg.token_buckets, decision.num_tokens)
-        plan = build_plan(decision, bucket, self.step_cfg)
-        self._fill_masks(plan, decision)
+        plan = ([self._plan(d, bucket) for d in decision.ranks]
+                if isinstance(decision, RankedDecision) else self._plan(decision, bucket))
         steps = self.spec_steps if decision.speculative else self.steps
         compiled = steps.select(bucket, decision.truncating_sampler)
         restores, saves = decision.restores, decision.saves
@@ -292,6 +293,11 @@ class EngineCore:
             slots[i], snapshots[i] = save.slot, save.snapshot
         self.snapshot_pool = self._save(slot_rings(self.state), self.snapshot_pool, slots,
                                         snapshots)
+
+    def _plan(self, decision: ScheduleDecision, bucket: int) -> BatchPlan:
+        plan = build_plan(decision, bucket, self.step_cfg)
+        self._fill_masks(plan, decision)
+        return plan
 
     def _fill_masks(self, plan, decision: ScheduleDecision) -> None:
         """Token bitmasks of the rows that sample: grammar (the matcher has seen every token

@@ -21,6 +21,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.config.host import HostOptions
@@ -37,8 +38,8 @@ from deepinfer_jax.config.memory import (
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.engine.compile import compile_steps
+from deepinfer_jax.engine.mesh import abstract_state
 from deepinfer_jax.model.params import ModelParams
-from deepinfer_jax.model.state import init_state
 from deepinfer_jax.weights import random_params
 from pallas_kernels import quantized as q
 
@@ -91,12 +92,12 @@ def step_peak(executable: jax.stages.Compiled) -> int | None:
 
 
 def measured_activations(params: ModelParams, cfg: ModelConfig, step_cfg: StepConfig,
-                         host: HostOptions) -> int | None:
+                         host: HostOptions, mesh: Mesh | None = None) -> int | None:
     """The largest bucket's activation peak, from its step compiled over a one-page pool (the
     truncating sampler's variant where there are two; the speculative step's too)."""
     probe = dataclasses.replace(step_cfg, num_pages=1,
                                 token_buckets=(max(step_cfg.token_buckets),))
-    state = jax.eval_shape(lambda: init_state(cfg, probe, params.embed.dtype))
+    state = abstract_state(cfg, probe, params.embed.dtype, mesh)
     truncations = (True,) if step_cfg.compute.launch_bound else None
     peaks = []
     for speculative in (False, True) if step_cfg.spec_tokens else (False,):
@@ -107,13 +108,14 @@ def measured_activations(params: ModelParams, cfg: ModelConfig, step_cfg: StepCo
 
 
 def engine_plan(params: ModelParams, cfg: ModelConfig, step_cfg: StepConfig,
-                host: HostOptions, limits: MemoryLimits) -> tuple[StepConfig, MemoryPlan]:
+                host: HostOptions, limits: MemoryLimits, mesh: Mesh | None = None
+                ) -> tuple[StepConfig, MemoryPlan]:
     """The step's shapes with the planned pool, and the plan. Raises InsufficientMemoryError
     before the real steps compile: weights alone over the budget before any compile, the
     rest after the probe's."""
     weights = weight_bytes(params)
     check_weights(weights, limits.device_bytes, limits.utilization)
-    activations = measured_activations(params, cfg, step_cfg, host)
+    activations = measured_activations(params, cfg, step_cfg, host, mesh)
     measured = activations is not None
     if not measured:
         activations = activation_estimate(cfg, step_cfg)

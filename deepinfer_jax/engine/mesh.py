@@ -1,12 +1,17 @@
 """The device mesh of a ParallelConfig and where each parameter lives on it.
 
 Axes ("dp", "ep", "tp") over the first dp x ep x tp devices. Placement:
-* routed experts: every leaf of a layer's expert stack split along its expert axis over "ep"
-  (model/moe.py computes each rank's own experts inside `shard_map`);
+* routed experts: every leaf of a layer's expert stack split along its expert axis over the
+  "dp" and "ep" axes together (model/moe.py computes each device's own experts inside
+  `shard_map`);
 * tensor parallel: the attention's wq_b by output columns (heads), wo_a by output group and
   wo_b by input rows (the same heads' groups), the shared expert's w13 by output and w2 by
   input columns; XLA's SPMD partitioner places the collectives these imply;
-* everything else, and the step's state, replicated.
+* everything else replicated;
+* the step's state: with data-parallel attention (dp > 1) one state per rank, stacked on a
+  leading axis split over "dp" (`init_rank_states`), and the step runs per rank inside
+  `shard_map` over "dp" (`over_ranks`), on its own slice of the state and its own plan;
+  otherwise replicated.
 A dimension that the axis size does not divide stays whole (a quantized weight's scale grid
 of a tiny model, say): any placement is correct, the partitioner moves what it must.
 """
@@ -16,10 +21,14 @@ from __future__ import annotations
 import contextlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.parallel import MESH_AXES, ParallelConfig
+from deepinfer_jax.config.step import StepConfig
+from deepinfer_jax.model.state import init_state
 
 # (path fragment, the split of each of the leaf's leading axes) for tensor parallelism
 _TP_SPLITS = ((".attn.wq_b", (None, "tp")), (".attn.wo_a", ("tp",)), (".attn.wo_b", ("tp",)),
@@ -34,9 +43,15 @@ def make_mesh(parallel: ParallelConfig) -> Mesh | None:
     return Mesh(devices, MESH_AXES)
 
 
+EXPERT_AXES = ("dp", "ep")
+
+
 def _fitted(spec: tuple, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
-    """spec with every axis the dimension's size does not divide dropped."""
-    axes = [axis if axis is not None and dim % mesh.shape[axis] == 0 else None
+    """spec with every axis (a name or a tuple of names) whose size the dimension's does not
+    divide dropped."""
+    def size(axis) -> int:
+        return int(np.prod([mesh.shape[a] for a in (axis if isinstance(axis, tuple) else (axis,))]))
+    axes = [axis if axis is not None and dim % size(axis) == 0 else None
             for axis, dim in zip(spec, shape, strict=False)]
     return PartitionSpec(*axes)
 
@@ -46,7 +61,7 @@ def param_specs(params, mesh: Mesh):
     def spec(path, leaf):
         name = jax.tree_util.keystr(path)
         if ".moe.experts" in name:
-            return _fitted(("ep",), leaf.shape, mesh)
+            return _fitted((EXPERT_AXES,), leaf.shape, mesh)
         for fragment, split in _TP_SPLITS:
             if fragment in name:
                 return _fitted(split, leaf.shape, mesh)
@@ -66,3 +81,56 @@ def replicate(tree, mesh: Mesh):
 def mesh_context(mesh: Mesh | None):
     """The mesh as tracing's context (jax.set_mesh), or nothing for one device."""
     return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+
+
+# ---- data-parallel attention ----------------------------------------------------------------
+def _rank_param_specs(params):
+    """The parameters as `over_ranks` splits them over "dp": each rank's share of the routed
+    experts; the rest whole (any "ep" / "tp" split stays with the partitioner)."""
+    def spec(path, leaf):
+        return PartitionSpec("dp") if ".moe.experts" in jax.tree_util.keystr(path) else PartitionSpec()
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def over_ranks(step_fn, params):
+    """step_fn(params, state, buffer) -> (state, buffer), run once per data-parallel rank:
+    over states and plan buffers stacked on a leading rank axis ([dp, ...], split over "dp").
+    Inside, everything is one rank's, as on one device; the model's own collectives over "dp"
+    (model/moe.py's routed experts) exchange tokens between ranks."""
+    rank = PartitionSpec("dp")
+
+    def per_rank(params, states, buffers):
+        state, output = step_fn(params, jax.tree.map(lambda x: x[0], states), buffers[0])
+        return jax.tree.map(lambda x: x[None], state), output[None]
+
+    return jax.shard_map(per_rank, in_specs=(_rank_param_specs(params), rank, rank),
+                         out_specs=(rank, rank), axis_names={"dp"}, check_vma=False)
+
+
+def init_rank_states(make_state, mesh: Mesh, ranks: int):
+    """`ranks` copies of make_state()'s state, stacked and split over "dp", each made on its
+    own devices."""
+    def stacked():
+        return jax.tree.map(lambda x: jnp.broadcast_to(x, (ranks, *x.shape)), make_state())
+    return jax.jit(stacked, out_shardings=NamedSharding(mesh, PartitionSpec("dp")))()
+
+
+def placed_state(cfg: ModelConfig, step_cfg: StepConfig, dtype, mesh: Mesh | None):
+    """The step's initial state where the step expects it: on one device; replicated over the
+    mesh; or with data-parallel ranks, a rank's each (`init_rank_states`)."""
+    def make():
+        return init_state(cfg, step_cfg, dtype)
+    if mesh is None:
+        return make()
+    ranks = step_cfg.compute.parallel.dp
+    return init_rank_states(make, mesh, ranks) if ranks > 1 else replicate(make(), mesh)
+
+
+def abstract_state(cfg: ModelConfig, step_cfg: StepConfig, dtype, mesh: Mesh | None):
+    """placed_state's shapes, dtypes and shardings, without a byte of it."""
+    shapes = jax.eval_shape(lambda: placed_state(cfg, step_cfg, dtype, mesh))
+    if mesh is None:
+        return shapes
+    spec = PartitionSpec("dp") if step_cfg.compute.parallel.dp > 1 else PartitionSpec()
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                       sharding=NamedSharding(mesh, spec)), shapes)

@@ -79,33 +79,48 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, p: Expe
                    limit: float, compute: ComputeConfig) -> jax.Array:
     """x [N, D], experts i32[N, K] (NO_EXPERT: the pair is skipped), weights f32[N, K] ->
     [N, D]."""
-    if compute.parallel.ep > 1:
+    if compute.parallel.expert_ranks > 1:
         return expert_parallel(x, experts, weights, p, limit, compute)
     return _sum_slots(_slot_outputs(x, experts, weights, p, limit, compute), compute)
 
 
 def expert_parallel(x: jax.Array, experts: jax.Array, weights: jax.Array, p: ExpertParams,
                     limit: float, compute: ComputeConfig) -> jax.Array:
-    """routed_experts over the mesh's "ep" axis: each rank holds E/ep experts (engine/mesh.py)
-    and computes the pairs routed to them, the others skipped (0). Every rank has every token
-    (no data-parallel attention yet), so no token moves: the one collective sums the ranks'
-    [N, K, D] slot outputs, in which each pair is non-zero on one rank only, so the sum is
-    exact; the K slots are then added as on one device. A token's result therefore does not
-    depend on which rank holds which expert, nor on the number of ranks."""
-    ranks = compute.parallel.ep
-    local_count = jax.tree.leaves(p)[0].shape[0] // ranks
+    """routed_experts with the experts split over the mesh's "dp" and "ep" axes (engine/
+    mesh.py): each device holds E / (dp x ep) experts and computes the pairs routed to them,
+    the others skipped (0).
+
+    With data-parallel attention (dp > 1) this runs inside the step's per-rank map, each rank
+    on its own N tokens: the ranks' tokens are all-gathered over "dp" ([dp x N]) and each
+    rank's slot outputs reduce-scattered back to it. Across "ep" every device already has
+    its rank's tokens, and a sum brings the slot outputs together. In every [.., K, D] slot
+    output a pair is non-zero on one device only, so these sums are exact, and the K slots
+    are added afterwards as on one device: a token's result does not depend on which device
+    holds which expert, nor on the mesh, nor on the other ranks' tokens."""
+    parallel = compute.parallel
+    if parallel.dp > 1:
+        x, experts, weights = (jax.lax.all_gather(a, "dp", tiled=True)
+                               for a in (x, experts, weights))
 
     def local(x, experts, weights, p):
-        first = jax.lax.axis_index("ep") * local_count
-        mine = (experts >= first) & (experts < first + local_count)
+        count = jax.tree.leaves(p)[0].shape[0]            # this device's experts
+        device = jax.lax.axis_index("ep") if parallel.ep > 1 else 0
+        if parallel.dp > 1:
+            device = device + jax.lax.axis_index("dp") * parallel.ep
+        first = device * count
+        mine = (experts >= first) & (experts < first + count)
         local_ids = jnp.where(mine, experts - first, NO_EXPERT)
-        return jax.lax.psum(_slot_outputs(x, local_ids, weights, p, limit, compute), "ep")
+        per_slot = _slot_outputs(x, local_ids, weights, p, limit, compute)
+        return jax.lax.psum(per_slot, "ep") if parallel.ep > 1 else per_slot
 
-    spec = jax.sharding.PartitionSpec
-    per_slot = jax.shard_map(local, in_specs=(spec(), spec(), spec(),
-                                              jax.tree.map(lambda _: spec("ep"), p)),
-                             out_specs=spec(), axis_names={"ep"}, check_vma=False)(
-        x, experts, weights, p)
+    if parallel.ep > 1:
+        spec = jax.sharding.PartitionSpec
+        local = jax.shard_map(local, in_specs=(spec(), spec(), spec(),
+                                               jax.tree.map(lambda _: spec("ep"), p)),
+                              out_specs=spec(), axis_names={"ep"}, check_vma=False)
+    per_slot = local(x, experts, weights, p)
+    if parallel.dp > 1:
+        per_slot = jax.lax.psum_scatter(per_slot, "dp", tiled=True)
     return _sum_slots(per_slot, compute)
 
 

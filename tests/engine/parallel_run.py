@@ -34,7 +34,17 @@ def run(model, prompts, parallel, batch_invariant):
                             batch_invariant=batch_invariant, compilation_cache_dir=None,
                             device_memory_gib=4.0)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    ranks = getattr(llm.engine.scheduler, "ranks", None)
+    placed = []
+    if ranks is not None:      # each rank's share of the prompts, recorded as they are added
+        for index, rank in enumerate(ranks):
+            rank.add = lambda req, add=rank.add, index=index: (placed.append(index), add(req))
     outs = llm.generate(prompts, params, use_tqdm=False)
+    requests_per_rank = ([placed.count(i) for i in range(len(ranks))] if ranks is not None
+                         else [len(prompts)])
+    state_leaf = jax.tree.leaves(llm.engine.state)[0]
+    state_rank_rows = (int(state_leaf.addressable_shards[0].data.shape[0]) if ranks is not None
+                       else None)
     # batch-invariant mode: each prompt again on its own, for the bitwise comparison
     alone = ([_logprobs(llm.generate([p], params, use_tqdm=False)[0]) for p in prompts]
              if batch_invariant else None)
@@ -44,7 +54,10 @@ def run(model, prompts, parallel, batch_invariant):
             "logprobs": [_logprobs(o) for o in outs], "alone_logprobs": alone,
             "mesh_devices": mesh_devices,
             "planned_weight_bytes": llm.engine.memory_plan.weights,
-            "expert_shard_rows": int(expert_leaf.addressable_shards[0].data.shape[0])}
+            "expert_shard_rows": int(expert_leaf.addressable_shards[0].data.shape[0]),
+            "requests_per_rank": requests_per_rank,
+            # with data-parallel ranks, the leading rank axis of the state one device holds
+            "state_rank_rows": state_rank_rows}
 
 
 def main() -> None:

@@ -1,8 +1,10 @@
 """The engine over a device mesh (8 CPU devices, in a process of its own: XLA's device count
-is fixed when jax starts): expert and tensor parallel meshes give the single device's greedy
-tokens, its logprobs bitwise with expert parallelism alone and within 1e-5 with tensor
-parallelism; each expert-parallel rank holds its share of the
-experts; and meshes the model or the devices cannot take fail with errors naming the sizes."""
+is fixed when jax starts): data-parallel attention, expert and tensor parallel meshes give the
+single device's greedy tokens, its logprobs bitwise with expert parallelism alone and within
+1e-5 otherwise (split projections add partial products in another order; a data-parallel
+rank's batch differs from the single device's); each device holds its share of the experts;
+batch-invariant mode stays bitwise alone vs batched on every mesh; and meshes the model or the
+devices cannot take fail with errors naming the sizes."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from deepinfer_jax.config.options import DeviceFacts
 from tests.conftest import REPO
 
 CFG = read_model_config(REPO / "configs/tiny/tiny-mixed.json")
-MESHES = ("1,8,1", "1,4,2", "1,2,2")
+# (dp, ep, tp): the issue's four shapes, and tensor parallel with and without other axes
+MESHES = ("1,8,1", "2,4,1", "2,2,2", "8,1,1", "1,4,2", "1,2,2")
 
 
 def _run_meshes(config: str, meshes) -> dict:
@@ -45,20 +48,25 @@ def test_mesh_matches_one_device(mesh_runs, mesh):
     assert single["mesh_devices"] == 1 and sharded["mesh_devices"] == dp * ep * tp
     assert sharded["tokens"] == single["tokens"]
     for ours, ref in zip(sharded["logprobs"], single["logprobs"], strict=True):
-        if tp == 1:     # expert parallel alone is exact (moe.expert_parallel)
+        if tp == 1 and dp == 1:     # expert parallel alone is exact (moe.expert_parallel)
             np.testing.assert_array_equal(ours, ref)
-        else:           # split projections sum their partial products in another order
+        else:
             np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5)
-    assert sharded["expert_shard_rows"] == CFG.n_routed_experts // ep
+    assert sharded["expert_shard_rows"] == CFG.n_routed_experts // (dp * ep)
+    # the three prompts spread over the data-parallel ranks (round robin while loads are
+    # equal), each rank's state its own
+    assert sharded["requests_per_rank"] == [3 // dp + (rank < 3 % dp) for rank in range(dp)]
+    assert sharded["state_rank_rows"] == (None if dp == 1 else 1)
     # the memory plan counts what one device holds: with the experts split, less
     assert sharded["planned_weight_bytes"] < single["planned_weight_bytes"]
 
 
 @pytest.mark.parametrize("parallel, devices, message", [
     ({"ep": 3}, 8, r"ep=3.*spans 3 devices, which does not divide the 8 devices"),
-    ({"ep": 16}, 16, r"ep=16 does not divide the model's 8 routed experts"),
+    ({"ep": 16}, 16, r"dp x ep = 1 x 16 does not divide the model's 8 routed experts"),
+    ({"dp": 4, "ep": 4}, 16, r"dp x ep = 4 x 4 does not divide the model's 8 routed experts"),
     ({"tp": 8}, 8, r"tp=8 does not divide the model's 4 attention heads"),
-    ({"dp": 2, "ep": 4}, 8, r"dp=2.*not built yet"),
+    ({"cp": 2}, 8, r"cp=2: context parallelism \(cp\) is not built yet"),
     ({"ep": 0}, 8, r"ep must be a positive integer, got 0"),
     ({"pp": 2}, 8, r"unknown axis \['pp'\]"),
 ])
@@ -67,10 +75,20 @@ def test_bad_mesh_names_the_sizes(parallel, devices, message):
         EngineConfig(parallel=parallel).resolve(CFG, DeviceFacts(device_count=devices))
 
 
+def test_data_parallel_refuses_what_it_does_not_build_yet():
+    for option in ({"enable_prefix_caching": True}, {"speculative_config": {"num_speculative_tokens": 2}}):
+        with pytest.raises(EngineConfigError, match=r"dp=2: prefix caching and speculative"):
+            EngineConfig(parallel={"dp": 2}, **option).resolve(CFG, DeviceFacts(device_count=2))
+
+
+INVARIANT_MESHES = ("1,8,1", "2,4,1", "2,2,2", "8,1,1")
+
+
 def test_batch_invariant_mode_on_a_mesh_is_bitwise_alone_or_batched():
-    """On the (1,4,2) mesh in batch-invariant mode each request's logprobs are bitwise those of
-    the request alone (the ranks' partial sums are added in one order whatever the batch)."""
-    runs = _run_meshes("configs/tiny/tiny-mixed.json:invariant", ["1,4,2"])
-    for name in ("single", "1,4,2"):
+    """On every mesh in batch-invariant mode each request's logprobs are bitwise those of the
+    request alone (the ranks' partial sums are added in one order whatever the batch, and a
+    data-parallel rank's tokens reach the experts beside any other rank's)."""
+    runs = _run_meshes("configs/tiny/tiny-mixed.json:invariant", INVARIANT_MESHES)
+    for name in ("single", *INVARIANT_MESHES):
         assert runs[name]["logprobs"] == runs[name]["alone_logprobs"], name
-    assert runs["1,4,2"]["tokens"] == runs["single"]["tokens"]
+        assert runs[name]["tokens"] == runs["single"]["tokens"], name

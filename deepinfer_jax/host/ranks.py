@@ -1,0 +1,94 @@
+"""Data-parallel attention on the host (no jax): a scheduler per rank, one step for all.
+
+Each rank has its own requests, state slots and page pool (its `Scheduler`, unchanged), and
+the device runs every rank's plan in one program (engine/mesh.py `over_ranks`), so a step
+takes one decision from each rank, and the step's token bucket is the one the largest
+rank's tokens fit.
+
+Placement: a request joins the rank with the fewest requests (running and waiting), then the
+most free pages, then the lowest index, and stays there: its pages and slot live on that
+rank's devices. A rank's scheduler admits, preempts and finishes its own requests as on one
+device, so balance comes from placement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from deepinfer_jax.config.step import StepConfig
+from deepinfer_jax.contract import StepOutput
+from deepinfer_jax.host.decision import ScheduleDecision, ScheduledSeq
+from deepinfer_jax.host.request import Request
+from deepinfer_jax.host.scheduler import Scheduler
+
+
+@dataclasses.dataclass(frozen=True)
+class RankedDecision:
+    """One step's decisions, a rank's each (rank order). Plain steps only: speculation and
+    the prefix cache's snapshot copies are refused with data-parallel ranks for now
+    (config/engine.py), so there are no restores or saves."""
+
+    ranks: tuple[ScheduleDecision, ...]
+    speculative = False
+    restores = ()
+    saves = ()
+
+    @property
+    def seqs(self) -> tuple[ScheduledSeq, ...]:
+        return tuple(seq for decision in self.ranks for seq in decision.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        """The most tokens a rank feeds: every rank's plan has the bucket this fits."""
+        return max(decision.num_tokens for decision in self.ranks)
+
+    @property
+    def truncating_sampler(self) -> bool:
+        return any(decision.truncating_sampler for decision in self.ranks)
+
+
+class RankedScheduler:
+    """The scheduler's two verbs (`schedule`, `postprocess`) over data-parallel ranks."""
+
+    def __init__(self, step_cfg: StepConfig, eos_token_ids: tuple[int, ...], ranks: int):
+        self.ranks = [Scheduler(step_cfg, eos_token_ids) for _ in range(ranks)]
+
+    # ---- queue management -----------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        def load(rank: int) -> tuple:
+            scheduler = self.ranks[rank]
+            return (len(scheduler.running) + len(scheduler.waiting),
+                    -scheduler.kv_cache.num_free_pages, rank)
+        self.ranks[min(range(len(self.ranks)), key=load)].add(request)
+
+    def has_work(self) -> bool:
+        return any(scheduler.has_work() for scheduler in self.ranks)
+
+    def abort(self, request_id: str) -> Request | None:
+        for scheduler in self.ranks:
+            found = scheduler.abort(request_id)
+            if found is not None:
+                return found
+        return None
+
+    @property
+    def running(self) -> list[Request]:
+        return [req for scheduler in self.ranks for req in scheduler.running]
+
+    @property
+    def waiting(self) -> list[Request]:
+        return [req for scheduler in self.ranks for req in scheduler.waiting]
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(scheduler.num_preemptions for scheduler in self.ranks)
+
+    # ---- the two verbs --------------------------------------------------------------------
+    def schedule(self) -> RankedDecision:
+        return RankedDecision(tuple(scheduler.schedule() for scheduler in self.ranks))
+
+    def postprocess(self, decision: RankedDecision, outputs: list[StepOutput]) -> list[Request]:
+        """`outputs`: the step's output per rank, in rank order."""
+        return [req for scheduler, rank_decision, output in
+                zip(self.ranks, decision.ranks, outputs, strict=True)
+                for req in scheduler.postprocess(rank_decision, output)]
