@@ -77,7 +77,7 @@ class ComputeConfig:
     batch_invariant: bool = False
     invariant_tile: int = 8
     # the device mesh's sizes (config/parallel.py): the model shards its routed experts over
-    # "ep" explicitly; the rest follows the parameters' shardings (engine/mesh.py)
+    # "ep" explicitly; the rest follows the parameters' shardings (parallel/mesh.py)
     parallel: ParallelConfig = ParallelConfig()
 
     def __post_init__(self):

@@ -32,12 +32,12 @@ from deepinfer_jax.contract import BatchPlan
 from deepinfer_jax.device.speculative import spec_step
 from deepinfer_jax.device.step import step
 from deepinfer_jax.engine import step_cache
-from deepinfer_jax.engine.mesh import over_ranks
 from deepinfer_jax.engine.transfer import Wire
 from deepinfer_jax.host.decision import ScheduleDecision
 from deepinfer_jax.host.plan_builder import build_plan
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.model.state import StateCache
+from deepinfer_jax.parallel.mesh import over_ranks
 
 _cache_dir: str | None = None
 
@@ -69,7 +69,7 @@ class CompiledStep:
     # the numpy buffer goes in as is: it costs the host a fraction of a jax.device_put
     # (docs/performance-log.md). Decided once, at compile time.
     explicit_transfer: bool = False
-    # data-parallel attention ranks (engine/mesh.py over_ranks): > 1, the step takes a plan
+    # data-parallel attention ranks (parallel/mesh.py over_ranks): > 1, the step takes a plan
     # per rank and returns an output per rank
     ranks: int = 1
 

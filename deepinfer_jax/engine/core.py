@@ -35,7 +35,6 @@ from deepinfer_jax.device.snapshots import compile_copies, init_pool, slot_rings
 from deepinfer_jax.engine.compile import compile_steps, enable_persistent_cache
 from deepinfer_jax.engine.launch import Launcher
 from deepinfer_jax.engine.memory_plan import check_compiled, engine_plan
-from deepinfer_jax.engine.mesh import make_mesh, mesh_context, place_params, placed_state
 from deepinfer_jax.host.buckets import token_bucket
 from deepinfer_jax.host.decision import Restore, ScheduleDecision, SnapshotSave
 from deepinfer_jax.host.grammar import GrammarError, StructuredOutputs, grammar_spec
@@ -55,6 +54,7 @@ from deepinfer_jax.host.scheduler import Scheduler
 from deepinfer_jax.host.stop_strings import StopStrings
 from deepinfer_jax.host.tokenizer import TextTokenizer
 from deepinfer_jax.model.params import ModelParams
+from deepinfer_jax.parallel.mesh import make_mesh, mesh_context, place_params, placed_state
 
 
 @dataclasses.dataclass
@@ -94,7 +94,7 @@ class EngineCore:
         # before the probe's and the state's first computations: their programs load from
         # jax's cache
         enable_persistent_cache(host.compilation_cache_dir)
-        # Over several devices: the parameters placed on the mesh (engine/mesh.py), the state
+        # Over several devices: the parameters placed on the mesh (parallel/mesh.py), the state
         # replicated, and every program traced with the mesh as its context (the routed
         # experts' shard_map names its axis).
         self.mesh = make_mesh(step_cfg.compute.parallel)

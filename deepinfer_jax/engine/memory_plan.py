@@ -38,8 +38,8 @@ from deepinfer_jax.config.memory import (
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.engine.compile import compile_steps
-from deepinfer_jax.engine.mesh import abstract_state
 from deepinfer_jax.model.params import ModelParams
+from deepinfer_jax.parallel.mesh import abstract_state
 from deepinfer_jax.weights import random_params
 from pallas_kernels import quantized as q
 

@@ -1,7 +1,7 @@
 """Data-parallel attention on the host (no jax): a scheduler per rank, one step for all.
 
 Each rank has its own requests, state slots and page pool (its `Scheduler`, unchanged), and
-the device runs every rank's plan in one program (engine/mesh.py `over_ranks`), so a step
+the device runs every rank's plan in one program (parallel/mesh.py `over_ranks`), so a step
 takes one decision from each rank, and the step's token bucket is the one the largest
 rank's tokens fit.
 

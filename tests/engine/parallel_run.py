@@ -48,7 +48,7 @@ def run(model, prompts, parallel, batch_invariant):
     # batch-invariant mode: each prompt again on its own, for the bitwise comparison
     alone = ([_logprobs(llm.generate([p], params, use_tqdm=False)[0]) for p in prompts]
              if batch_invariant else None)
-    mesh_devices = 1 if llm.engine.mesh is None else llm.engine.mesh.size
+    mesh_devices = 1 if llm.parallel.mesh is None else llm.parallel.mesh.size
     expert_leaf = jax.tree.leaves(llm.engine.params.layers[0].moe.experts)[0]
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
             "logprobs": [_logprobs(o) for o in outs], "alone_logprobs": alone,
