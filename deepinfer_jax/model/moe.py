@@ -86,9 +86,9 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, p: Expe
 
 def expert_parallel(x: jax.Array, experts: jax.Array, weights: jax.Array, p: ExpertParams,
                     limit: float, compute: ComputeConfig) -> jax.Array:
-    """routed_experts with the experts split over the mesh's "dp" and "ep" axes (engine/
-    mesh.py): each device holds E / (dp x ep) experts and computes the pairs routed to them,
-    the others skipped (0).
+    """routed_experts with the experts split over the mesh's "dp" and "ep" axes
+    (parallel/mesh.py): each device holds E / (dp x ep) experts and computes the pairs routed
+    to them, the others skipped (0).
 
     With data-parallel attention (dp > 1) this runs inside the step's per-rank map, each rank
     on its own N tokens: the ranks' tokens are all-gathered over "dp" ([dp x N]) and each
