@@ -281,6 +281,12 @@ class LLM:
         the device's memory is not known (the CPU, unless device_memory_gib is given)."""
         return self.engine.memory_plan
 
+    def rebalance_experts(self) -> None:
+        """Rebalance the routed experts over the devices now, from the routing load since the
+        last rebalance (needs parallel={..., "eplb": {...}}); the weights move, nothing
+        recompiles, and no output changes."""
+        self.engine.rebalance_experts().result()
+
     @property
     def prefix_cache_stats(self):
         """Prefix-cache counters (hits, reused and replayed tokens, cached blocks), or None

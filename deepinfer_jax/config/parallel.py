@@ -25,19 +25,50 @@ from deepinfer_jax.config.model import ModelConfig
 MESH_AXES = ("dp", "ep", "tp")
 
 
+def _count(owner: str, name: str, value, least: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise EngineConfigError(f"{owner}: {name} must be an integer >= {least}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EplbConfig:
+    """The expert-parallel load balancer (vLLM's `eplb_config` names): the routed experts live
+    in `n_routed_experts + num_redundant_experts` physical slots, the busiest experts with
+    replicas; every `step_interval` steps (0: only when asked, `LLM.rebalance_experts()`) the
+    slots are reassigned from the routing counts the step collects on the device, and the
+    weights moved to match. The expert-location map is data in the parameters, so nothing
+    recompiles (parallel/eplb.py)."""
+
+    num_redundant_experts: int = 0
+    step_interval: int = 0
+
+    def __post_init__(self):
+        _count("parallel eplb", "num_redundant_experts", self.num_redundant_experts, 0)
+        _count("parallel eplb", "step_interval", self.step_interval, 0)
+
+    @classmethod
+    def from_options(cls, value: Mapping | EplbConfig | None) -> EplbConfig | None:
+        if value is None or isinstance(value, EplbConfig):
+            return value
+        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise EngineConfigError(f"parallel eplb: unknown option {sorted(unknown)}; expected "
+                                    f"num_redundant_experts, step_interval")
+        return cls(**value)
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     dp: int = 1      # data-parallel attention ranks
     ep: int = 1      # expert-parallel ranks
     tp: int = 1      # tensor-parallel ranks
     cp: int = 1      # context-parallel ranks (long prefills)
+    eplb: EplbConfig | None = None   # the expert-parallel load balancer; None: off
 
     def __post_init__(self):
         for axis in ("dp", "ep", "tp", "cp"):
-            size = getattr(self, axis)
-            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-                raise EngineConfigError(f"parallel: {axis} must be a positive integer, got "
-                                        f"{size!r}")
+            _count("parallel", axis, getattr(self, axis), 1)
+        object.__setattr__(self, "eplb", EplbConfig.from_options(self.eplb))
 
     @classmethod
     def from_options(cls, value: Mapping | ParallelConfig | None) -> ParallelConfig:
@@ -45,10 +76,10 @@ class ParallelConfig:
             return cls()
         if isinstance(value, ParallelConfig):
             return value
-        unknown = set(value) - {"dp", "ep", "tp", "cp"}
+        unknown = set(value) - {"dp", "ep", "tp", "cp", "eplb"}
         if unknown:
             raise EngineConfigError(f"parallel: unknown axis {sorted(unknown)}; expected dp, "
-                                    f"ep, tp, cp")
+                                    f"ep, tp, cp (and eplb)")
         return cls(**value)
 
     @property
@@ -71,12 +102,19 @@ class ParallelConfig:
     def check(self, model: ModelConfig, devices: int) -> None:
         """Raises EngineConfigError naming the sizes for a mesh this model or these devices
         cannot take."""
+        if self.eplb is not None:
+            slots = model.n_routed_experts + self.eplb.num_redundant_experts
+            if slots % self.expert_ranks:
+                raise EngineConfigError(
+                    f"parallel eplb: {model.n_routed_experts} routed experts + "
+                    f"{self.eplb.num_redundant_experts} redundant = {slots} slots, which dp x ep "
+                    f"= {self.dp} x {self.ep} does not divide")
         if self.size == 1:
             return
         if devices % self.size:
             raise EngineConfigError(f"parallel {self.describe()} spans {self.size} devices, "
                                     f"which does not divide the {devices} devices present")
-        if model.n_routed_experts % self.expert_ranks:
+        if self.eplb is None and model.n_routed_experts % self.expert_ranks:
             raise EngineConfigError(f"parallel dp x ep = {self.dp} x {self.ep} does not divide "
                                     f"the model's {model.n_routed_experts} routed experts (they "
                                     f"are split over both axes)")

@@ -101,8 +101,8 @@ def draft(params: ModelParams, state: StateCache, plan, streams: Array, next_tok
     ctx = token_context(plan, step_cfg.compute.launch_bound)
     ctx = dataclasses.replace(ctx, valid=committed)
     z = mtp_input(mp, params.embed, streams, jnp.maximum(next_tokens, 0), cfg, step_cfg.compute)
-    z, mtp_state = layer_step(mp.layer, z, next_tokens, ctx, AttentionKind.SLIDING, MlpKind.MOE,
-                              state.mtp, cfg, step_cfg)
+    z, mtp_state, _ = layer_step(mp.layer, z, next_tokens, ctx, AttentionKind.SLIDING,
+                                 MlpKind.MOE, state.mtp, cfg, step_cfg)
     z_row, token = z[last], None
     position = plan.positions[last]                        # the MTP block's position for draft 1
     drafts, probs = [], []
@@ -116,7 +116,7 @@ def draft(params: ModelParams, state: StateCache, plan, streams: Array, next_tok
             def again(z_row, token, mtp_state, ctx1=ctx1):
                 z1 = mtp_input(mp, params.embed, z_row, token, cfg, step_cfg.compute)
                 return layer_step(mp.layer, z1, token, ctx1, AttentionKind.SLIDING, MlpKind.MOE,
-                                  mtp_state, cfg, step_cfg)
+                                  mtp_state, cfg, step_cfg)[:2]
 
             # skipped once no row wants this many drafts (large batches draft little), where
             # skipping does not stall the host; rows past their cap write nothing and their

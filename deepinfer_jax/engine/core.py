@@ -54,6 +54,7 @@ from deepinfer_jax.host.scheduler import Scheduler
 from deepinfer_jax.host.stop_strings import StopStrings
 from deepinfer_jax.host.tokenizer import TextTokenizer
 from deepinfer_jax.model.params import ModelParams
+from deepinfer_jax.parallel.eplb import ExpertBalancer, compile_transfer, with_placement
 from deepinfer_jax.parallel.mesh import make_mesh, mesh_context, place_params, placed_state
 
 
@@ -98,9 +99,18 @@ class EngineCore:
         # replicated, and every program traced with the mesh as its context (the routed
         # experts' shard_map names its axis).
         self.mesh = make_mesh(step_cfg.compute.parallel)
+        parallel = step_cfg.compute.parallel
+        if parallel.eplb is not None:      # the expert stacks in their physical slots
+            params, assignments = with_placement(
+                params, cfg.n_routed_experts,
+                cfg.n_routed_experts + parallel.eplb.num_redundant_experts, parallel.expert_ranks)
         with mesh_context(self.mesh):
             if self.mesh is not None:
                 params = place_params(params, self.mesh)
+            self.balancer = None if parallel.eplb is None else ExpertBalancer(
+                cfg.n_routed_experts, parallel.expert_ranks, assignments,
+                compile_transfer(params.layers[0].moe.experts),
+                np.zeros((cfg.num_layers, cfg.n_routed_experts), np.int64))
             self._start(cfg, params, step_cfg, host, tokenizer, memory)
 
     def _start(self, cfg: ModelConfig, params: ModelParams, step_cfg: StepConfig,
@@ -139,6 +149,8 @@ class EngineCore:
         # reads their outputs. Threaded where the loop overlaps steps.
         self._launcher = Launcher(threaded=host.async_scheduling and host.launch_thread)
         self.stats = LoopStats()
+        eplb = step_cfg.compute.parallel.eplb
+        self._rebalance_interval = eplb.step_interval if eplb is not None else 0
 
     @property
     def num_steps(self) -> int:
@@ -231,6 +243,25 @@ class EngineCore:
             flight.output.result()
         self._launcher = Launcher(threaded=enabled and self.host.async_scheduling)
 
+    def rebalance_experts(self) -> Future[None]:
+        """Reassign the routed experts' physical slots from the load counted since the last
+        rebalance (parallel/eplb.py), between steps in launch order: every step launched
+        before ran on the old placement, every later one runs on the new. Done when the
+        future is."""
+        if self.balancer is None:
+            raise EngineConfigError("rebalance_experts needs the expert load balancer: "
+                                    "parallel={..., 'eplb': {...}}")
+
+        def device_calls() -> None:     # on the launcher's thread
+            self.params = self.balancer.rebalance(self.params, self.expert_load())
+        return self._launcher.submit(device_calls)
+
+    def expert_load(self) -> np.ndarray:
+        """Routed pairs per layer and expert since start-up, i64[L, E] (the data-parallel
+        ranks' counts summed), as of the last step launched (waits for it)."""
+        load = np.asarray(self.state.expert_load, np.int64)
+        return load.sum(axis=0) if load.ndim == 3 else load
+
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Advance the engine by one step. Returns the requests whose tokens reached the host
@@ -240,6 +271,8 @@ class EngineCore:
         decision = self.scheduler.schedule()
         if decision.seqs:
             self._in_flight.append(self._launch(decision))
+            if self._rebalance_interval and self.stats.steps % self._rebalance_interval == 0:
+                self.rebalance_experts()
         touched = []
         keep = 1 if self.host.async_scheduling and decision.seqs else 0
         if len(self._in_flight) > keep:

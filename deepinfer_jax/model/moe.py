@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from deepinfer_jax.config.compute import ComputeConfig
 from deepinfer_jax.config.model import MlpKind, ModelConfig, ScoringFunc
 from deepinfer_jax.model.invariant import f32_linear, linear, ordered_sum
-from deepinfer_jax.model.params import ExpertParams, MoEParams, SharedExpertParams
+from deepinfer_jax.model.params import ExpertParams, ExpertPlacement, MoEParams, SharedExpertParams
 from deepinfer_jax.model.ragged import settled
 from pallas_kernels.grouped_gemm import api as gemm
 from pallas_kernels.grouped_gemm.reference import swiglu  # the clamped SwiGLU, one definition
@@ -171,10 +171,24 @@ def shared_expert(x: jax.Array, p: SharedExpertParams, limit: float,
     return linear(hidden, p.w2, compute)
 
 
+def physical_slots(experts: jax.Array, placement: ExpertPlacement) -> jax.Array:
+    """Logical experts i32[N, K] -> the physical slots that compute them (NO_EXPERT stays).
+    A pair takes replica (pair index mod the expert's replicas): replicas hold the same
+    weights and a pair's result is computed on its own, so any choice gives the same numbers;
+    spreading by pair index splits a busy expert's pairs evenly over its replicas."""
+    n, k = experts.shape
+    logical = jnp.maximum(experts, 0)
+    pair = jnp.arange(n * k, dtype=jnp.int32).reshape(n, k)
+    replica = pair % placement.count[logical]
+    slots = jnp.take_along_axis(placement.slots[logical], replica[..., None], axis=-1)[..., 0]
+    return jnp.where(experts == NO_EXPERT, NO_EXPERT, slots)
+
+
 def moe(x: jax.Array, token_ids: jax.Array, p: MoEParams, kind: MlpKind, cfg: ModelConfig,
-        compute: ComputeConfig, valid: jax.Array | None = None) -> jax.Array:
+        compute: ComputeConfig, valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """x [..., D], token_ids i32[...], valid bool[...] (False: a padding row of the step's
-    bucket) -> [..., D] (the shared expert's output alone in padding rows).
+    bucket) -> (out [..., D] (the shared expert's output alone in padding rows), the routed
+    experts i32[..., K] (NO_EXPERT in padding rows): the load balancer's counts).
 
     Padding rows are routed to no expert: they would read experts of their own otherwise (a
     decode step of one request in a 16-token bucket would read about twice the experts'
@@ -184,7 +198,8 @@ def moe(x: jax.Array, token_ids: jax.Array, p: MoEParams, kind: MlpKind, cfg: Mo
     if valid is not None:
         keep = valid.reshape(-1, 1)
         experts, weights = jnp.where(keep, experts, NO_EXPERT), jnp.where(keep, weights, 0.0)
-    out = routed_experts(flat, experts, weights, p.experts, cfg.swiglu_limit, compute)
+    slots = experts if p.placement is None else physical_slots(experts, p.placement)
+    out = routed_experts(flat, slots, weights, p.experts, cfg.swiglu_limit, compute)
     if p.shared is not None:
         out = out + shared_expert(flat, p.shared, cfg.swiglu_limit, compute)
-    return out.reshape(x.shape)
+    return out.reshape(x.shape), experts.reshape(*x.shape[:-1], -1)

@@ -105,15 +105,16 @@ def attention_outputs(p: LayerParams, kind: AttentionKind, cfg: ModelConfig,
 
 
 def ffn_outputs(p: LayerParams, mlp_kind: MlpKind, cfg: ModelConfig, compute: ComputeConfig,
-                streams: Array, token_ids: Array, valid: Array | None = None) -> Array:
-    """Rows of tokens: the MoE sublayer -> new streams [t, hc, D] (valid bool[t]: False for
-    the bucket's padding rows, which then read no routed expert)."""
+                streams: Array, token_ids: Array, valid: Array | None = None
+                ) -> tuple[Array, Array]:
+    """Rows of tokens: the MoE sublayer -> (new streams [t, hc, D], routed experts i32[t, K])
+    (valid bool[t]: False for the bucket's padding rows, which then read no routed expert)."""
     collapsed, post, comb = hc_pre(streams, p.ffn_hc, hc_eps=cfg.hc_eps,
                                    norm_eps=cfg.rms_norm_eps,
                                    sinkhorn_iters=cfg.hc_sinkhorn_iters, compute=compute)
-    f = moe(rms_norm(collapsed, p.ffn_norm, cfg.rms_norm_eps), token_ids, p.moe, mlp_kind, cfg,
-            compute, valid)
-    return hc_post(f, streams, post, comb, compute)
+    f, experts = moe(rms_norm(collapsed, p.ffn_norm, cfg.rms_norm_eps), token_ids, p.moe,
+                     mlp_kind, cfg, compute, valid)
+    return hc_post(f, streams, post, comb, compute), experts
 
 
 def select_rows(t_q: Array, t_w: Array, ls: LayerState, ctx: TokenContext, cfg: ModelConfig,
@@ -142,8 +143,9 @@ def select_rows(t_q: Array, t_w: Array, ls: LayerState, ctx: TokenContext, cfg: 
 
 def layer_step(p: LayerParams, streams: Array, token_ids: Array, ctx: TokenContext,
                kind: AttentionKind, mlp_kind: MlpKind, ls: LayerState, cfg: ModelConfig,
-               step_cfg: StepConfig) -> tuple[Array, LayerState]:
-    """One block on the flat batch's residual streams [T, hc, D]."""
+               step_cfg: StepConfig) -> tuple[Array, LayerState, Array]:
+    """One block on the flat batch's residual streams [T, hc, D] -> (streams, the layer's
+    state, the routed experts i32[T, K])."""
     compute = step_cfg.compute
     segment = segments(compute)
     t = segment(lambda s, pos: token_inputs(p, kind, cfg, compute, s, pos), streams,
@@ -174,8 +176,9 @@ def layer_step(p: LayerParams, streams: Array, token_ids: Array, ctx: TokenConte
         keys, visible = (keys,), (visible,)
     streams = segment(lambda *a: attention_outputs(p, kind, cfg, compute, *a), t, keys, visible,
                       streams, ctx.positions)
-    return segment(lambda s, ids, ok: ffn_outputs(p, mlp_kind, cfg, compute, s, ids, ok),
-                   streams, token_ids, ctx.valid), ls
+    streams, experts = segment(lambda s, ids, ok: ffn_outputs(p, mlp_kind, cfg, compute, s, ids,
+                                                              ok), streams, token_ids, ctx.valid)
+    return streams, ls, experts
 
 
 def forward_step(params: ModelParams, state: StateCache, plan, token_ids: Array,
@@ -184,9 +187,20 @@ def forward_step(params: ModelParams, state: StateCache, plan, token_ids: Array,
     ctx = token_context(plan, step_cfg.compute.launch_bound)
     x = params.embed[token_ids]
     streams = jnp.broadcast_to(x[:, None, :], (x.shape[0], cfg.hc_mult, x.shape[-1]))
-    layer_states = []
+    layer_states, loads = [], []
     for i, (lp, ls) in enumerate(zip(params.layers, state.layers, strict=True)):
-        streams, ls = layer_step(lp, streams, token_ids, ctx, cfg.layer_types[i],
-                                 cfg.mlp_types[i], ls, cfg, step_cfg)
+        streams, ls, experts = layer_step(lp, streams, token_ids, ctx, cfg.layer_types[i],
+                                          cfg.mlp_types[i], ls, cfg, step_cfg)
         layer_states.append(ls)
-    return dataclasses.replace(state, layers=tuple(layer_states)), streams
+        if state.expert_load is not None:
+            loads.append(routed_counts(experts, cfg.n_routed_experts))
+    state = dataclasses.replace(state, layers=tuple(layer_states))
+    if state.expert_load is not None:
+        state = dataclasses.replace(state, expert_load=state.expert_load + jnp.stack(loads))
+    return state, streams
+
+
+def routed_counts(experts: Array, n_experts: int) -> Array:
+    """Routed experts i32[T, K] (NO_EXPERT: none) -> pairs per expert i32[E]."""
+    flat = experts.reshape(-1)
+    return jnp.bincount(jnp.where(flat < 0, n_experts, flat), length=n_experts + 1)[:n_experts]

@@ -83,12 +83,23 @@ class SharedExpertParams:
 
 
 @struct.dataclass
+class ExpertPlacement:
+    """Where each routed (logical) expert lives among the physical expert slots, with the
+    load balancer (parallel/eplb.py): data, so a new placement needs no recompile."""
+
+    slots: Array       # i32[E, R]  the physical slots holding each expert (first `count` used)
+    count: Array       # i32[E]     its replicas, >= 1
+
+
+@struct.dataclass
 class MoEParams:
     gate: Array                 # [D, E]        router logits
     bias: Array | None          # f32[E]        selection-only bias (routed layers)
     tid2eid: Array | None       # i32[V, K]     token id -> experts (hash layers)
+    # [E, ...] stacks; with a placement, [P, ...] physical slots (P = E + redundant replicas)
     experts: ExpertParams
     shared: SharedExpertParams | None
+    placement: ExpertPlacement | None = None   # the load balancer's map; None: slot e = expert e
 
 
 @struct.dataclass

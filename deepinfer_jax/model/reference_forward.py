@@ -76,8 +76,8 @@ def layer(p: LayerParams, streams: jax.Array, positions: jax.Array, token_ids: j
                         kind, cfg, compute)
     streams = hc_post(a, streams, post, comb, compute)
     collapsed, post, comb = hc_pre(streams, p.ffn_hc, **hc_args)
-    f = moe(rms_norm(collapsed, p.ffn_norm, cfg.rms_norm_eps), token_ids, p.moe, mlp_kind, cfg,
-            compute)
+    f, _ = moe(rms_norm(collapsed, p.ffn_norm, cfg.rms_norm_eps), token_ids, p.moe, mlp_kind,
+               cfg, compute)
     return hc_post(f, streams, post, comb, compute)
 
 

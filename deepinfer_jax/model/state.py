@@ -46,6 +46,9 @@ class StateCache:
     last_tokens: Array      # i32[slots]     each slot's most recently sampled token
     prompt_mask: Array      # bool[slots, V] tokens of the prompt (repetition penalty)
     output_counts: Array    # i32[slots, V]  generated-token counts (presence/frequency penalty)
+    # i32[L, E] routed (token, expert) pairs per layer and expert since start-up: the expert
+    # load balancer's measure (parallel/eplb.py); None without it
+    expert_load: Array | None = None
 
 
 def _tail(slots: int, rate: int, overlap: bool, dim: int, spare: int) -> CompressorTail:
@@ -77,9 +80,12 @@ def init_state(cfg: ModelConfig, step_cfg: StepConfig, dtype) -> StateCache:
     if spare:   # the MTP block's own window (it is a window-only layer)
         mtp = LayerState(jnp.zeros((slots, cfg.sliding_window + spare, cfg.head_dim), dtype),
                          None, None, None, None)
+    load = (jnp.zeros((cfg.num_layers, cfg.n_routed_experts), jnp.int32)
+            if step_cfg.compute.parallel.eplb is not None else None)
     return StateCache(tuple(layers), mtp=mtp, last_tokens=jnp.zeros((slots,), jnp.int32),
                       prompt_mask=jnp.zeros((slots, cfg.vocab_size), bool),
-                      output_counts=jnp.zeros((slots, cfg.vocab_size), jnp.int32))
+                      output_counts=jnp.zeros((slots, cfg.vocab_size), jnp.int32),
+                      expert_load=load)
 
 
 def state_bytes(state: StateCache) -> int:

@@ -67,7 +67,7 @@ def test_mesh_matches_one_device(mesh_runs, mesh):
     ({"dp": 4, "ep": 4}, 16, r"dp x ep = 4 x 4 does not divide the model's 8 routed experts"),
     ({"tp": 8}, 8, r"tp=8 does not divide the model's 4 attention heads"),
     ({"cp": 2}, 8, r"cp=2: context parallelism \(cp\) is not built yet"),
-    ({"ep": 0}, 8, r"ep must be a positive integer, got 0"),
+    ({"ep": 0}, 8, r"ep must be an integer >= 1, got 0"),
     ({"pp": 2}, 8, r"unknown axis \['pp'\]"),
 ])
 def test_bad_mesh_names_the_sizes(parallel, devices, message):

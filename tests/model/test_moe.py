@@ -76,7 +76,7 @@ def test_moe_matches_numpy_loop(layers, scoring, kind, norm_topk):
     x = rng.standard_normal((37, cfg.hidden_size)).astype(np.float32)
     ids = rng.integers(0, cfg.vocab_size, 37)
     got = np.asarray(moe(jnp.asarray(x), jnp.asarray(ids), layers[kind], kind, cfg,
-                         ComputeConfig()))
+                         ComputeConfig())[0])
     want = numpy_moe(x.astype(np.float64), ids, layers[kind], kind, cfg)
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
 
@@ -106,7 +106,7 @@ def test_moe_through_the_grouped_gemm_kernel():
     jaxpr = str(jax.make_jaxpr(lambda x: moe(x, jnp.asarray(ids), p, MlpKind.MOE, cfg,
                                              ON_KERNEL))(x))
     assert any(mark in jaxpr for mark in ("Ref<smem>", "pallas_call", "mosaic"))
-    got = np.asarray(moe(x, jnp.asarray(ids), p, MlpKind.MOE, cfg, ON_KERNEL), np.float32)
+    got = np.asarray(moe(x, jnp.asarray(ids), p, MlpKind.MOE, cfg, ON_KERNEL)[0], np.float32)
     want = numpy_moe(np.asarray(x, np.float64), ids, p, MlpKind.MOE, cfg)
     np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2 * np.abs(want).max())
 
@@ -134,7 +134,7 @@ def test_padding_rows_reach_no_routed_expert(monkeypatch, impl):
         return real_expert_mlp(x, w13, w2, group_sizes, *args, **kwargs)
 
     monkeypatch.setattr(gemm, "expert_mlp", counting)
-    run = jax.jit(lambda x, ids, valid: moe(x, ids, p, MlpKind.MOE, cfg, compute, valid))
+    run = jax.jit(lambda x, ids, valid: moe(x, ids, p, MlpKind.MOE, cfg, compute, valid)[0])
     got = np.asarray(run(x, ids, valid), np.float32)
     alone = np.asarray(run(x[:3], ids[:3], None), np.float32)
     assert seen == [3 * cfg.num_experts_per_tok, 3 * cfg.num_experts_per_tok]
@@ -165,7 +165,7 @@ def test_invariant_ffn_on_the_kernel_runs_untiled_and_row_by_row():
                               jnp.bfloat16)
         ids = jnp.asarray(rng.integers(0, cfg.vocab_size, 37))
         ffn = jax.jit(lambda s, i, cfg=cfg, compute=compute, layer=layer:
-                      paged_forward.ffn_outputs(layer, MlpKind.MOE, cfg, compute, s, i))
+                      paged_forward.ffn_outputs(layer, MlpKind.MOE, cfg, compute, s, i)[0])
         alone = np.asarray(ffn(streams[few], ids[few]), np.float32)
         among_all = np.asarray(ffn(streams, ids), np.float32)[few]
         if invariant or jax.default_backend() == "cpu":
