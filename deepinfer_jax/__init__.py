@@ -13,6 +13,7 @@ _EXPORTS = {
     "CompletionDelta": "deepinfer_jax.api.llm",
     "Model": "deepinfer_jax.api.model",
     "load": "deepinfer_jax.api.model",
+    "convert": "deepinfer_jax.api.model",
     "ConfigError": "deepinfer_jax.config.model",
     "ModelConfig": "deepinfer_jax.config.model",
     "read_model_config": "deepinfer_jax.config.hf",

@@ -1,5 +1,6 @@
-"""The `deepinfer` command: `generate` a few prompts, `bench` the engine's throughput, or
-`plan` a model's device memory from its configuration."""
+"""The `deepinfer` command: `generate` a few prompts, `bench` the engine's throughput, `plan` a
+model's device memory from its configuration, or `convert` a checkpoint once into a store
+that restores straight into a device mesh."""
 
 from __future__ import annotations
 
@@ -180,6 +181,17 @@ def plan(args) -> int:
     return 0
 
 
+def convert(args) -> int:
+    """Read a safetensors checkpoint once and write it as a store (weights/orbax_store.py)."""
+    from deepinfer_jax.api.model import convert as convert_checkpoint
+
+    start = time.perf_counter()
+    out = convert_checkpoint(args.checkpoint, args.out, dtype=args.dtype, weights=args.weights)
+    print(f"wrote {out} in {time.perf_counter() - start:.1f} s: load it as `deepinfer "
+          f"generate --model {out}` or LLM({str(out)!r}, parallel=...)")
+    return 0
+
+
 def _model_config_path(name: str):
     """A model directory or config.json, else one of the project's configs (configs/NAME.json,
     as `deepseek-v4-flash` or `tiny/tiny-mixed`) or models (models/NAME)."""
@@ -227,6 +239,14 @@ def main(argv=None) -> int:
     p.add_argument("--weights", choices=["quantized", "bf16"],
                    help="default: quantized for an FP8 checkpoint's config, else bf16")
     p.set_defaults(func=plan)
+    c = sub.add_parser("convert", help="write a checkpoint once as an orbax store that "
+                                       "restores straight into a device mesh")
+    c.add_argument("checkpoint", help="checkpoint directory (config.json + safetensors)")
+    c.add_argument("out", help="the store's directory (new or empty)")
+    c.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the checkpoint's")
+    c.add_argument("--weights", choices=["quantized", "bf16"], default="quantized",
+                   help="keep FP8/FP4 weights quantized (default) or store them dequantized")
+    c.set_defaults(func=convert)
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv        # anywhere, before or after the command
     args = ap.parse_args([a for a in argv if a != "--debug"])

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from deepinfer_jax.api.model import Model, load
 from deepinfer_jax.config.engine import QUICKSTART_SHAPES, EngineConfig
+from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.engine.core import EngineCore, failed_output
 from deepinfer_jax.engine.devices import local_device_facts
 from deepinfer_jax.engine.memory_plan import check_checkpoint_fits
@@ -42,6 +43,7 @@ from deepinfer_jax.host.request import (
     surface_problems,
 )
 from deepinfer_jax.host.tokenizer import TextTokenizer
+from deepinfer_jax.parallel.mesh import make_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,10 +102,15 @@ class LLM:
         memory = options.memory(device)
         if isinstance(model, Model):
             self.model, self.tokenizer, self.chat_template = model, None, None
+            step_config = options.resolve(model.config, device)
         elif isinstance(model, (str, Path)):
+            # resolved from config.json before the weights: a converted store is restored
+            # straight into the mesh (load's `mesh`)
+            step_config = options.resolve(read_model_config(model), device)
             if memory is not None:        # weights that cannot fit fail before they load
                 check_checkpoint_fits(model, memory, quantized=weights == "quantized")
-            self.model = load(model, dtype=dtype, weights=weights)
+            self.model = load(model, dtype=dtype, weights=weights,
+                              mesh=make_mesh(step_config.compute.parallel))
             self.tokenizer = TextTokenizer.from_model_dir(model)
             self.chat_template = ChatTemplate.from_model_dir(model)
         else:
@@ -113,7 +120,6 @@ class LLM:
             path = path.parent if path.is_file() else path
             self.tokenizer = TextTokenizer.from_model_dir(path)
             self.chat_template = ChatTemplate.from_model_dir(path) or self.chat_template
-        step_config = options.resolve(self.model.config, device)
         self.host_options = options.host_options(step_config)
         self.engine = EngineCore(self.model.config, self.model.params, step_config,
                                  self.host_options, self.tokenizer, memory)

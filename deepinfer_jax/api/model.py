@@ -4,6 +4,9 @@
 the engine is tested against. Sequences are right-padded to a multiple of `pad_to` tokens so
 that growing a sequence one token at a time does not recompile at every length (causality
 makes the padding invisible to the real positions).
+
+`convert(checkpoint, out)` writes a checkpoint once as a store (weights/orbax_store.py) that
+`load(out, mesh=...)` restores straight into a device mesh.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from deepinfer_jax.config.compute import ComputeConfig
 from deepinfer_jax.config.hf import read_model_config
@@ -24,7 +28,8 @@ from deepinfer_jax.config.options import resolve_compute
 from deepinfer_jax.engine.devices import local_device_facts
 from deepinfer_jax.model import mtp, reference_forward
 from deepinfer_jax.model.params import ModelParams
-from deepinfer_jax.weights import load_params
+from deepinfer_jax.parallel.mesh import param_shardings, split_axes
+from deepinfer_jax.weights import load_params, orbax_store
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "compute"))
@@ -98,17 +103,35 @@ def checkpoint_dtype(path: str | Path):
 WEIGHT_FORMATS = ("quantized", "bf16")
 
 
-def load(path: str | Path, dtype=None, weights: str = "quantized") -> Model:
-    """Load a DeepSeek-V4 checkpoint directory (config.json + safetensors).
+def load(path: str | Path, dtype=None, weights: str = "quantized", mesh: Mesh | None = None) -> Model:
+    """Load a DeepSeek-V4 checkpoint directory: config.json with safetensors, or a store
+    written by `convert` (`deepinfer convert`).
 
     dtype: the compute dtype of the projections (norms, mHC and other small parameters stay
-    float32); None takes the checkpoint's own (`dtype` in config.json), else bfloat16.
+    float32); None takes the checkpoint's own (`dtype` in config.json, or the dtype a store
+    was converted at), else bfloat16.
     weights: "quantized" keeps FP8/FP4 tensors as stored (the GEMMs dequantize as they read);
     "bf16" dequantizes them to `dtype` at load time.
+    mesh: a store is restored straight into the mesh's shardings (parallel/mesh.py), each
+    device reading only its shards; a safetensors checkpoint loads onto one device whatever
+    the mesh (the engine then places it).
     """
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
     cfg = read_model_config(path)
+    keep_quantized = weights == "quantized"
+    if orbax_store.is_store(path):
+        shardings = None if mesh is None else functools.partial(param_shardings, mesh=mesh)
+        return Model(config=cfg, params=orbax_store.restore(path, cfg, dtype, keep_quantized,
+                                                            shardings))
     dtype = checkpoint_dtype(path) if dtype is None else dtype
-    return Model(config=cfg, params=load_params(path, cfg, dtype,
-                                                 keep_quantized=weights == "quantized"))
+    return Model(config=cfg, params=load_params(path, cfg, dtype, keep_quantized=keep_quantized))
+
+
+def convert(checkpoint: str | Path, out: str | Path, dtype=None,
+            weights: str = "quantized") -> Path:
+    """Read a checkpoint once (checked, in the model's layout, as `load` gives it) and write
+    it to `out` as a store that `load` restores straight into a device mesh, chunked so that
+    each device reads only its shards (weights/orbax_store.py)."""
+    params = load(checkpoint, dtype, weights).params
+    return orbax_store.save(params, checkpoint, out, split_axes(params))

@@ -56,22 +56,39 @@ def _fitted(spec: tuple, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
     return PartitionSpec(*axes)
 
 
+def _split(path) -> tuple:
+    """The mesh axes each of a leaf's leading axes may be split over (the module docstring's
+    placement), by its path alone."""
+    name = jax.tree_util.keystr(path)
+    if ".moe.experts" in name:
+        return (EXPERT_AXES,)
+    for fragment, split in _TP_SPLITS:
+        if fragment in name:
+            return split
+    return ()
+
+
 def param_specs(params, mesh: Mesh):
     """A PartitionSpec per parameter leaf (the module docstring's placement)."""
-    def spec(path, leaf):
-        name = jax.tree_util.keystr(path)
-        if ".moe.experts" in name:
-            return _fitted((EXPERT_AXES,), leaf.shape, mesh)
-        for fragment, split in _TP_SPLITS:
-            if fragment in name:
-                return _fitted(split, leaf.shape, mesh)
-        return PartitionSpec()
-    return jax.tree_util.tree_map_with_path(spec, params)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: _fitted(_split(path), leaf.shape, mesh), params)
+
+
+def param_shardings(params, mesh: Mesh):
+    """A NamedSharding per parameter leaf (params may be abstract: shapes suffice)."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params, mesh))
 
 
 def place_params(params, mesh: Mesh):
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params, mesh))
-    return jax.device_put(params, shardings)
+    return jax.device_put(params, param_shardings(params, mesh))
+
+
+def split_axes(params):
+    """Per parameter leaf, the indices of the axes that some mesh may split: a checkpoint
+    chunked along them lets each device read only its shard (weights/orbax_store.py)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: tuple(i for i, axis in enumerate(_split(path)) if axis is not None),
+        params)
 
 
 def replicate(tree, mesh: Mesh):
