@@ -85,7 +85,7 @@ USED_WITHOUT_IMPORT = {
     "import-linter": "the lint-imports command above",
     "ipykernel": "the kernel nbclient starts for the notebooks",
 }
-MODULE_OF = {"pytest-xdist": "xdist", "pytest-timeout": "pytest_timeout"}
+MODULE_OF = {"pytest-xdist": "xdist", "pytest-timeout": "pytest_timeout", "orbax-checkpoint": "orbax"}
 
 
 def test_every_declared_package_is_used():

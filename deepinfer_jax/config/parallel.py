@@ -1,17 +1,19 @@
 """ParallelConfig: how one engine spreads a model over devices (vLLM's `parallel` sizes).
 
-The device mesh has the axes ("dp", "ep", "tp"):
+The device mesh has the axes ("dp", "cp", "ep", "tp"):
 * dp: data-parallel attention ranks. Each holds its own requests, state slots and page pool
   (the step's sizes, max_num_seqs, num_pages and the token buckets, are a rank's) and runs
   the attention of its own tokens; the host's scheduler places each request on a rank.
-* ep: expert parallelism. The routed experts are split over every device of the dp and ep
-  axes together (E / (dp x ep) each, as vLLM and SGLang spread them over all data-parallel
-  ranks): each computes its experts' share of every rank's tokens, the shares summed back
-  to the tokens' own ranks. ep > 1 adds devices that share one attention rank.
+* cp: context parallelism. A rank's step tokens (a long prompt's chunk) are split over the
+  cp devices: every per-token computation runs on its own share, the attention of each
+  share reads the keys and rows the whole chunk writes, which the state (replicated over cp)
+  holds on every cp device.
+* ep: expert parallelism. The routed experts are split over every device of the dp, cp and
+  ep axes together (as vLLM and SGLang spread them over all data-parallel ranks): each
+  computes its experts' share of every token of its dp rank, the shares summed back to the
+  tokens' own devices. ep > 1 adds devices that share one attention rank and its tokens.
 * tp: tensor parallelism, the attention's and shared expert's projections split by output
   or input columns (XLA's SPMD partitioner placing the collectives).
-Context parallelism (`cp`, a long prompt's chunk split over ranks) is validated but refused
-until it is built (issue 33).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Mapping
 from deepinfer_jax.config.errors import EngineConfigError
 from deepinfer_jax.config.model import ModelConfig
 
-MESH_AXES = ("dp", "ep", "tp")
+MESH_AXES = ("dp", "cp", "ep", "tp")
 
 
 def _count(owner: str, name: str, value, least: int) -> None:
@@ -89,12 +91,12 @@ class ParallelConfig:
 
     @property
     def expert_ranks(self) -> int:
-        """Devices the routed experts are split over (the dp and ep axes)."""
-        return self.dp * self.ep
+        """Devices the routed experts are split over (the dp, cp and ep axes)."""
+        return self.dp * self.cp * self.ep
 
     @property
-    def mesh_shape(self) -> tuple[int, int, int]:
-        return (self.dp, self.ep, self.tp)
+    def mesh_shape(self) -> tuple[int, int, int, int]:
+        return (self.dp, self.cp, self.ep, self.tp)
 
     def describe(self) -> str:
         return f"dp={self.dp}, ep={self.ep}, tp={self.tp}, cp={self.cp}"
@@ -107,17 +109,22 @@ class ParallelConfig:
             if slots % self.expert_ranks:
                 raise EngineConfigError(
                     f"parallel eplb: {model.n_routed_experts} routed experts + "
-                    f"{self.eplb.num_redundant_experts} redundant = {slots} slots, which dp x ep "
-                    f"= {self.dp} x {self.ep} does not divide")
+                    f"{self.eplb.num_redundant_experts} redundant = {slots} slots, which dp x cp x "
+                    f"ep = {self.dp} x {self.cp} x {self.ep} does not divide")
         if self.size == 1:
             return
         if devices % self.size:
             raise EngineConfigError(f"parallel {self.describe()} spans {self.size} devices, "
                                     f"which does not divide the {devices} devices present")
         if self.eplb is None and model.n_routed_experts % self.expert_ranks:
-            raise EngineConfigError(f"parallel dp x ep = {self.dp} x {self.ep} does not divide "
-                                    f"the model's {model.n_routed_experts} routed experts (they "
-                                    f"are split over both axes)")
+            raise EngineConfigError(f"parallel dp x cp x ep = {self.dp} x {self.cp} x {self.ep} "
+                                    f"does not divide the model's {model.n_routed_experts} routed "
+                                    f"experts (they are split over all three axes)")
+        if self.dp > 1 and self.cp > 1:
+            raise EngineConfigError(f"parallel {self.describe()}: context parallelism inside "
+                                    f"data-parallel ranks is not built yet (XLA's SPMD "
+                                    f"partitioner aborts on the step's row gathers, jax 0.11.2); "
+                                    f"use dp or cp")
         for what, width in (("attention heads", model.num_heads),
                             ("output groups (o_groups)", model.o_groups),
                             ("shared-expert width", model.shared_intermediate_size
@@ -125,6 +132,3 @@ class ParallelConfig:
             if width % self.tp:
                 raise EngineConfigError(f"parallel tp={self.tp} does not divide the model's "
                                         f"{width} {what}")
-        if self.cp > 1:
-            raise EngineConfigError(f"parallel {self.describe()}: context parallelism (cp) is "
-                                    f"not built yet; dp, ep and tp are")

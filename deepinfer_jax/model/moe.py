@@ -86,42 +86,49 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, p: Expe
 
 def expert_parallel(x: jax.Array, experts: jax.Array, weights: jax.Array, p: ExpertParams,
                     limit: float, compute: ComputeConfig) -> jax.Array:
-    """routed_experts with the experts split over the mesh's "dp" and "ep" axes
-    (parallel/mesh.py): each device holds E / (dp x ep) experts and computes the pairs routed
-    to them, the others skipped (0).
+    """routed_experts with the experts split over the mesh's "dp", "cp" and "ep" axes
+    (parallel/mesh.py): each device holds E / (dp x cp x ep) experts and computes the pairs
+    routed to them, the others skipped (0).
 
-    With data-parallel attention (dp > 1) this runs inside the step's per-rank map, each rank
-    on its own N tokens: the ranks' tokens are all-gathered over "dp" ([dp x N]) and each
-    rank's slot outputs reduce-scattered back to it. Across "ep" every device already has
-    its rank's tokens, and a sum brings the slot outputs together. In every [.., K, D] slot
-    output a pair is non-zero on one device only, so these sums are exact, and the K slots
-    are added afterwards as on one device: a token's result does not depend on which device
-    holds which expert, nor on the mesh, nor on the other ranks' tokens."""
+    Tokens are split over "dp" (inside the step's per-rank map, each rank on its own) and
+    over "cp" (inside the layer's per-token map, context parallelism); over both they are
+    all-gathered, and each device's slot outputs reduce-scattered back to the tokens' own
+    devices. Across "ep" every device
+    already has its tokens, and a sum brings the slot outputs together. In every [.., K, D]
+    slot output a pair is non-zero on one device only, so these sums are exact, and the K
+    slots are added afterwards as on one device: a token's result does not depend on which
+    device holds which expert, nor on the mesh, nor on the other devices' tokens."""
     parallel = compute.parallel
-    if parallel.dp > 1:
-        x, experts, weights = (jax.lax.all_gather(a, "dp", tiled=True)
-                               for a in (x, experts, weights))
+    # the token-split axes, manual already here (the step's per-rank map; the layer's
+    # per-token map, model/paged_forward.py token_shards)
+    gathered = tuple(axis for axis, size in (("dp", parallel.dp), ("cp", parallel.cp))
+                     if size > 1)
 
     def local(x, experts, weights, p):
+        for axis in gathered:
+            x, experts, weights = (jax.lax.all_gather(a, axis, tiled=True)
+                                   for a in (x, experts, weights))
         count = jax.tree.leaves(p)[0].shape[0]            # this device's experts
-        device = jax.lax.axis_index("ep") if parallel.ep > 1 else 0
-        if parallel.dp > 1:
-            device = device + jax.lax.axis_index("dp") * parallel.ep
+        device = 0
+        for axis, size in (("dp", parallel.dp), ("cp", parallel.cp), ("ep", parallel.ep)):
+            if size > 1:
+                device = device * size + jax.lax.axis_index(axis)
         first = device * count
         mine = (experts >= first) & (experts < first + count)
         local_ids = jnp.where(mine, experts - first, NO_EXPERT)
         per_slot = _slot_outputs(x, local_ids, weights, p, limit, compute)
-        return jax.lax.psum(per_slot, "ep") if parallel.ep > 1 else per_slot
+        if parallel.ep > 1:
+            per_slot = jax.lax.psum(per_slot, "ep")
+        for axis in reversed(gathered):
+            per_slot = jax.lax.psum_scatter(per_slot, axis, tiled=True)
+        return per_slot
 
     if parallel.ep > 1:
         spec = jax.sharding.PartitionSpec
         local = jax.shard_map(local, in_specs=(spec(), spec(), spec(),
                                                jax.tree.map(lambda _: spec("ep"), p)),
                               out_specs=spec(), axis_names={"ep"}, check_vma=False)
-    per_slot = local(x, experts, weights, p)
-    if parallel.dp > 1:
-        per_slot = jax.lax.psum_scatter(per_slot, "dp", tiled=True)
-    return _sum_slots(per_slot, compute)
+    return _sum_slots(local(x, experts, weights, p), compute)
 
 
 def _slot_outputs(x: jax.Array, experts: jax.Array, weights: jax.Array, p: ExpertParams,

@@ -148,8 +148,10 @@ def layer_step(p: LayerParams, streams: Array, token_ids: Array, ctx: TokenConte
     state, the routed experts i32[T, K])."""
     compute = step_cfg.compute
     segment = segments(compute)
-    t = segment(lambda s, pos: token_inputs(p, kind, cfg, compute, s, pos), streams,
-                ctx.positions)
+    shards = token_shards(compute)
+    t = shards(lambda p, s, pos: segment(lambda s, pos: token_inputs(p, kind, cfg, compute, s,
+                                                                     pos), s, pos),
+               p, streams, ctx.positions)
     keys, visible = window_keys(t.kv, ls.window, ctx, cfg.sliding_window)   # [T, W, hd]
     ls = dataclasses.replace(ls, window=write_ring(ls.window, t.kv, ctx, compute.batch_invariant))
     if kind is not AttentionKind.SLIDING:
@@ -174,11 +176,38 @@ def layer_step(p: LayerParams, streams: Array, token_ids: Array, ctx: TokenConte
         keys, visible = (keys, rows_seen), (visible, rows_visible)
     else:
         keys, visible = (keys,), (visible,)
-    streams = segment(lambda *a: attention_outputs(p, kind, cfg, compute, *a), t, keys, visible,
-                      streams, ctx.positions)
-    streams, experts = segment(lambda s, ids, ok: ffn_outputs(p, mlp_kind, cfg, compute, s, ids,
-                                                              ok), streams, token_ids, ctx.valid)
+    streams = shards(lambda p, *a: segment(lambda *a: attention_outputs(p, kind, cfg, compute,
+                                                                        *a), *a),
+                     p, t, keys, visible, streams, ctx.positions)
+    streams, experts = shards(lambda p, *a: segment(lambda s, ids, ok: ffn_outputs(
+        p, mlp_kind, cfg, compute, s, ids, ok), *a), p, streams, token_ids, ctx.valid)
     return streams, ls, experts
+
+
+def token_shards(compute: ComputeConfig):
+    """Context parallelism: fn(layer_params, *args)'s per-token work split over the mesh's
+    "cp" axis. Each cp device runs fn on its share of the tokens (every argument's leading
+    axis split) inside `shard_map`, with the layer's parameters whole but for the routed
+    experts' cp share (model/moe.py exchanges the tokens over "cp" for them); the results
+    come back whole on every cp device, where the state's writes (window rings, compressed
+    rows and tails, which every cp device keeps whole) and the gathers of each query's keys
+    need the chunk's every token. The plain call without it.
+
+    The splits are explicit: left to XLA's SPMD partitioner (sharding constraints on the
+    token axis), the row gathers by token indices crashed it (a CHECK in its gather
+    partitioning, jax 0.11.2)."""
+    if compute.parallel.cp == 1:
+        return lambda fn, layer_params, *args: fn(layer_params, *args)
+    spec = jax.sharding.PartitionSpec
+
+    def run(fn, layer_params, *args):
+        param_specs = jax.tree_util.tree_map_with_path(
+            lambda path, _: spec("cp") if ".moe.experts" in jax.tree_util.keystr(path) else spec(),
+            layer_params)
+        return jax.shard_map(fn, in_specs=(param_specs, *[spec("cp")] * len(args)),
+                             out_specs=spec("cp"), axis_names={"cp"}, check_vma=False)(
+            layer_params, *args)
+    return run
 
 
 def forward_step(params: ModelParams, state: StateCache, plan, token_ids: Array,
@@ -189,8 +218,9 @@ def forward_step(params: ModelParams, state: StateCache, plan, token_ids: Array,
     streams = jnp.broadcast_to(x[:, None, :], (x.shape[0], cfg.hc_mult, x.shape[-1]))
     layer_states, loads = [], []
     for i, (lp, ls) in enumerate(zip(params.layers, state.layers, strict=True)):
-        streams, ls, experts = layer_step(lp, streams, token_ids, ctx, cfg.layer_types[i],
-                                          cfg.mlp_types[i], ls, cfg, step_cfg)
+        streams, ls, experts = layer_step(lp, streams, token_ids, ctx,
+                                          cfg.layer_types[i], cfg.mlp_types[i], ls, cfg,
+                                          step_cfg)
         layer_states.append(ls)
         if state.expert_load is not None:
             loads.append(routed_counts(experts, cfg.n_routed_experts))

@@ -1,8 +1,8 @@
 """The device mesh of a ParallelConfig and where each parameter lives on it.
 
-Axes ("dp", "ep", "tp") over the first dp x ep x tp devices. Placement:
+Axes ("dp", "cp", "ep", "tp") over the first dp x cp x ep x tp devices. Placement:
 * routed experts: every leaf of a layer's expert stack split along its expert axis over the
-  "dp" and "ep" axes together (model/moe.py computes each device's own experts inside
+  "dp", "cp" and "ep" axes together (model/moe.py computes each device's own experts inside
   `shard_map`);
 * tensor parallel: the attention's wq_b by output columns (heads), wo_a by output group and
   wo_b by input rows (the same heads' groups), the shared expert's w13 by output and w2 by
@@ -11,7 +11,8 @@ Axes ("dp", "ep", "tp") over the first dp x ep x tp devices. Placement:
 * the step's state: with data-parallel attention (dp > 1) one state per rank, stacked on a
   leading axis split over "dp" (`init_rank_states`), and the step runs per rank inside
   `shard_map` over "dp" (`over_ranks`), on its own slice of the state and its own plan;
-  otherwise replicated.
+  otherwise replicated (over "cp" always: every cp device holds its rank's whole state);
+* the step's tokens: split over "cp" (model/paged_forward.py constrains the residual streams).
 A dimension that the axis size does not divide stays whole (a quantized weight's scale grid
 of a tiny model, say): any placement is correct, the partitioner moves what it must.
 """
@@ -43,7 +44,7 @@ def make_mesh(parallel: ParallelConfig) -> Mesh | None:
     return Mesh(devices, MESH_AXES)
 
 
-EXPERT_AXES = ("dp", "ep")
+EXPERT_AXES = ("dp", "cp", "ep")
 
 
 def _fitted(spec: tuple, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:

@@ -48,7 +48,7 @@ def run(model, prompts, parallel, batch_invariant):
     # batch-invariant mode: each prompt again on its own, for the bitwise comparison
     alone = ([_logprobs(llm.generate([p], params, use_tqdm=False)[0]) for p in prompts]
              if batch_invariant else None)
-    mesh_devices = 1 if llm.parallel.mesh is None else llm.parallel.mesh.size
+    mesh_devices = 1 if llm.engine.mesh is None else llm.engine.mesh.size
     expert_leaf = jax.tree.leaves(llm.engine.params.layers[0].moe.experts)[0]
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
             "logprobs": [_logprobs(o) for o in outs], "alone_logprobs": alone,
@@ -61,16 +61,20 @@ def run(model, prompts, parallel, batch_invariant):
 
 
 def main() -> None:
+    """argv: CONFIG[:invariant][:long] and mesh shapes "dp,ep,tp" or "dp,ep,tp,cp"; ":long"
+    adds a 440-token prompt (seven 64-token prefill chunks)."""
     config, shapes = sys.argv[1], sys.argv[2:]
-    batch_invariant = config.endswith(":invariant")
-    cfg = read_model_config(REPO / config.removesuffix(":invariant")).replace(num_mtp_layers=0)
+    flags = config.split(":")[1:]
+    batch_invariant, long = "invariant" in flags, "long" in flags
+    cfg = read_model_config(REPO / config.split(":")[0]).replace(num_mtp_layers=0)
     model = deepinfer_jax.Model(cfg, deepinfer_jax.random_params(cfg, 5, jnp.float32))
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(2, cfg.vocab_size, n).tolist() for n in (30, 130, 75)]
+    lengths = (440, 30, 130) if long else (30, 130, 75)
+    prompts = [rng.integers(2, cfg.vocab_size, n).tolist() for n in lengths]
     results = {"single": run(model, prompts, None, batch_invariant)}
     for shape in shapes:
-        dp, ep, tp = map(int, shape.split(","))
-        results[shape] = run(model, prompts, {"dp": dp, "ep": ep, "tp": tp}, batch_invariant)
+        sizes = dict(zip(("dp", "ep", "tp", "cp"), map(int, shape.split(","))))
+        results[shape] = run(model, prompts, sizes, batch_invariant)
     print(json.dumps(results))
 
 

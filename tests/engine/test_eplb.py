@@ -76,7 +76,7 @@ def test_pairs_go_to_their_experts_replicas_in_turn():
 
 def test_bad_balancer_options_name_the_sizes():
     with pytest.raises(EngineConfigError, match=r"8 routed experts \+ 3 redundant = 11 slots, "
-                                                r"which dp x ep = 1 x 4 does not divide"):
+                                                r"which dp x cp x ep = 1 x 1 x 4 does not divide"):
         EngineConfig(parallel={"ep": 4, "eplb": {"num_redundant_experts": 3}}).resolve(
             CFG, DeviceFacts(device_count=4))
     with pytest.raises(EngineConfigError, match=r"unknown option \['window'\]"):

@@ -1,7 +1,7 @@
 """The engine over a device mesh (8 CPU devices, in a process of its own: XLA's device count
-is fixed when jax starts): data-parallel attention, expert and tensor parallel meshes give the
-single device's greedy tokens, its logprobs bitwise with expert parallelism alone and within
-1e-5 otherwise (split projections add partial products in another order; a data-parallel
+is fixed when jax starts): data-parallel attention, context, expert and tensor parallel meshes
+give the single device's greedy tokens, its logprobs bitwise with expert parallelism alone and
+within 1e-5 otherwise (split projections add partial products in another order; a data-parallel
 rank's batch differs from the single device's); each device holds its share of the experts;
 batch-invariant mode stays bitwise alone vs batched on every mesh; and meshes the model or the
 devices cannot take fail with errors naming the sizes."""
@@ -63,10 +63,10 @@ def test_mesh_matches_one_device(mesh_runs, mesh):
 
 @pytest.mark.parametrize("parallel, devices, message", [
     ({"ep": 3}, 8, r"ep=3.*spans 3 devices, which does not divide the 8 devices"),
-    ({"ep": 16}, 16, r"dp x ep = 1 x 16 does not divide the model's 8 routed experts"),
-    ({"dp": 4, "ep": 4}, 16, r"dp x ep = 4 x 4 does not divide the model's 8 routed experts"),
+    ({"ep": 16}, 16, r"dp x cp x ep = 1 x 1 x 16 does not divide the model's 8 routed experts"),
+    ({"dp": 4, "ep": 4}, 16, r"dp x cp x ep = 4 x 1 x 4 does not divide the model's 8 routed"),
     ({"tp": 8}, 8, r"tp=8 does not divide the model's 4 attention heads"),
-    ({"cp": 2}, 8, r"cp=2: context parallelism \(cp\) is not built yet"),
+    ({"dp": 2, "cp": 2}, 8, r"context parallelism inside data-parallel ranks is not built"),
     ({"ep": 0}, 8, r"ep must be an integer >= 1, got 0"),
     ({"pp": 2}, 8, r"unknown axis \['pp'\]"),
 ])
@@ -75,13 +75,32 @@ def test_bad_mesh_names_the_sizes(parallel, devices, message):
         EngineConfig(parallel=parallel).resolve(CFG, DeviceFacts(device_count=devices))
 
 
+CP_MESHES = ("1,1,1,2", "1,1,1,4", "1,2,1,2")     # (dp, ep, tp, cp)
+
+
+def test_context_parallel_long_prompt_matches_one_device():
+    """A 440-token prompt (seven 64-token chunks) beside two short ones, each step's tokens
+    split over 2 and 4 cp devices (and cp 2 with ep 2): the single device's greedy tokens,
+    logprobs within 1e-5, the experts split over cp and ep too."""
+    runs = _run_meshes("configs/tiny/tiny-mixed.json:long", CP_MESHES)
+    single = runs["single"]
+    for mesh in CP_MESHES:
+        dp, ep, tp, cp = map(int, mesh.split(","))
+        sharded = runs[mesh]
+        assert sharded["mesh_devices"] == dp * ep * tp * cp
+        assert sharded["tokens"] == single["tokens"], mesh
+        for ours, ref in zip(sharded["logprobs"], single["logprobs"], strict=True):
+            np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5)
+        assert sharded["expert_shard_rows"] == CFG.n_routed_experts // (cp * ep)
+
+
 def test_data_parallel_refuses_what_it_does_not_build_yet():
     for option in ({"enable_prefix_caching": True}, {"speculative_config": {"num_speculative_tokens": 2}}):
         with pytest.raises(EngineConfigError, match=r"dp=2: prefix caching and speculative"):
             EngineConfig(parallel={"dp": 2}, **option).resolve(CFG, DeviceFacts(device_count=2))
 
 
-INVARIANT_MESHES = ("1,8,1", "2,4,1", "2,2,2", "8,1,1")
+INVARIANT_MESHES = ("1,8,1", "2,4,1", "2,2,2", "8,1,1", "1,2,1,2")   # the last: ep 2, cp 2
 
 
 def test_batch_invariant_mode_on_a_mesh_is_bitwise_alone_or_batched():
