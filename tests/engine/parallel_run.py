@@ -28,11 +28,12 @@ def _logprobs(out) -> list[float]:
     return [float(next(iter(step.values())).logprob) for step in out.outputs[0].logprobs]
 
 
-def run(model, prompts, parallel, batch_invariant):
+def run(model, prompts, parallel, batch_invariant, **options):
+    """options: more engine options (multihost_run.py's `distributed`)."""
     llm = deepinfer_jax.LLM(model, max_num_seqs=4, max_model_len=512, max_num_batched_tokens=64,
                             show_progress=False, parallel=parallel,
                             batch_invariant=batch_invariant, compilation_cache_dir=None,
-                            device_memory_gib=4.0)
+                            device_memory_gib=4.0, **options)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
     ranks = getattr(llm.engine.scheduler, "ranks", None)
     placed = []
@@ -48,7 +49,7 @@ def run(model, prompts, parallel, batch_invariant):
     # batch-invariant mode: each prompt again on its own, for the bitwise comparison
     alone = ([_logprobs(llm.generate([p], params, use_tqdm=False)[0]) for p in prompts]
              if batch_invariant else None)
-    mesh_devices = 1 if llm.parallel.mesh is None else llm.parallel.mesh.size
+    mesh_devices = 1 if llm.engine.mesh is None else llm.engine.mesh.size
     expert_leaf = jax.tree.leaves(llm.engine.params.layers[0].moe.experts)[0]
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
             "logprobs": [_logprobs(o) for o in outs], "alone_logprobs": alone,
