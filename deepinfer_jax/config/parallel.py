@@ -68,9 +68,14 @@ class ParallelConfig:
     def describe(self) -> str:
         return f"dp={self.dp}, ep={self.ep}, tp={self.tp}, cp={self.cp}"
 
-    def check(self, model: ModelConfig, devices: int) -> None:
+    def check(self, model: ModelConfig, devices: int, processes: int = 1) -> None:
         """Raises EngineConfigError naming the sizes for a mesh this model or these devices
-        cannot take."""
+        cannot take. Over several processes the mesh spans every device: a process without
+        one in the mesh could not take part in its steps."""
+        if processes > 1 and self.size != devices:
+            raise EngineConfigError(f"parallel {self.describe()} spans {self.size} devices; "
+                                    f"one engine over {processes} processes must span all "
+                                    f"{devices} of their devices")
         if self.size == 1:
             return
         if devices % self.size:
