@@ -26,6 +26,7 @@ _EXPORTS = {
     "CheckpointError": "deepinfer_jax.weights",
     "load_params": "deepinfer_jax.weights",
     "random_params": "deepinfer_jax.weights",
+    "join_processes": "deepinfer_jax.parallel.distributed",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -28,6 +28,12 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--enable-prefix-caching", action="store_true")
     ap.add_argument("--parallel", type=_mesh_sizes, metavar="AXIS=N,...",
                     help="the device mesh, e.g. ep=8, dp=2,ep=4 or ep=4,tp=2 (axes dp, ep, tp, cp)")
+    ap.add_argument("--coordinator-address", metavar="HOST:PORT",
+                    help="one engine over several processes (multi-controller JAX): process "
+                         "0's address; every process runs the same command with its own "
+                         "--process-id")
+    ap.add_argument("--num-processes", type=int, default=1)
+    ap.add_argument("--process-id", type=int, default=0)
     ap.add_argument("--weights", choices=["quantized", "bf16"], default="quantized",
                     help="keep a checkpoint's FP8/FP4 weights quantized (default) or "
                          "dequantize them at load")
@@ -92,7 +98,11 @@ def _make_llm(args):
 
     speculative = (None if not args.speculative_tokens else
                    {"method": "mtp", "num_speculative_tokens": args.speculative_tokens})
+    distributed = (None if args.coordinator_address is None else
+                   {"coordinator_address": args.coordinator_address,
+                    "num_processes": args.num_processes, "process_id": args.process_id})
     return LLM(args.model, dtype=args.dtype, weights=args.weights, parallel=args.parallel,
+               distributed=distributed,
                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages,
                gpu_memory_utilization=args.gpu_memory_utilization,

@@ -43,6 +43,7 @@ from deepinfer_jax.host.request import (
     surface_problems,
 )
 from deepinfer_jax.host.tokenizer import TextTokenizer
+from deepinfer_jax.parallel.distributed import join_processes
 from deepinfer_jax.parallel.mesh import make_mesh
 
 
@@ -98,6 +99,7 @@ class LLM:
             model = DEFAULT_MODEL
             engine_options = {**QUICKSTART_SHAPES, **engine_options}
         options = EngineConfig(**engine_options)
+        join_processes(options.distributed)      # before anything starts jax's backend
         device = local_device_facts()
         memory = options.memory(device)
         if isinstance(model, Model):

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 from deepinfer_jax.config import options
 from deepinfer_jax.config.compute import KernelChoices
+from deepinfer_jax.config.distributed import DistributedConfig
 from deepinfer_jax.config.errors import EngineConfigError
 from deepinfer_jax.config.host import HostOptions
 from deepinfer_jax.config.memory import MemoryLimits
@@ -75,6 +76,9 @@ class EngineConfig:
     # The device mesh: {"dp": .., "ep": .., "tp": .., "cp": ..} (config/parallel.py); None: one
     # device
     parallel: dict | ParallelConfig | None = None
+    # One engine over several processes: {"coordinator_address": "host:port",
+    # "num_processes": n, "process_id": i} (config/distributed.py); None: this process alone
+    distributed: dict | DistributedConfig | None = None
     enable_prefix_caching: bool = False
     num_prefix_snapshots: int | None = None   # snapshot pool (None: 4 per slot)
 
@@ -91,6 +95,8 @@ class EngineConfig:
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.from_options(self.speculative_config))
         object.__setattr__(self, "parallel", ParallelConfig.from_options(self.parallel))
+        object.__setattr__(self, "distributed",
+                           DistributedConfig.from_options(self.distributed))
         if self.token_buckets is not None:
             buckets = tuple(sorted(set(self.token_buckets)))
             if buckets[-1] < self.max_num_batched_tokens or buckets[0] <= 0:
@@ -138,7 +144,7 @@ class EngineConfig:
                                           kernels=self.kernels,
                                           batch_invariant=self.batch_invariant,
                                           invariant_tile=self.invariant_tile, environ=environ)
-        self.parallel.check(model, device.device_count)
+        self.parallel.check(model, device.device_count, device.process_count)
         if self.parallel.dp > 1 and (self.enable_prefix_caching or self.speculative_config):
             raise EngineConfigError(f"parallel dp={self.parallel.dp}: prefix caching and "
                                     f"speculative decoding are not built for data-parallel "

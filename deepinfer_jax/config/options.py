@@ -41,7 +41,8 @@ class DeviceFacts:
     platform: str = "cpu"
     compute_capability: str | None = None
     memory_bytes: int | None = None
-    device_count: int = 1
+    device_count: int = 1          # every process's (config/distributed.py)
+    process_count: int = 1
 
     @property
     def major(self) -> int:

@@ -101,9 +101,14 @@ class ParallelConfig:
     def describe(self) -> str:
         return f"dp={self.dp}, ep={self.ep}, tp={self.tp}, cp={self.cp}"
 
-    def check(self, model: ModelConfig, devices: int) -> None:
+    def check(self, model: ModelConfig, devices: int, processes: int = 1) -> None:
         """Raises EngineConfigError naming the sizes for a mesh this model or these devices
-        cannot take."""
+        cannot take. Over several processes the mesh spans every device: a process without
+        one in the mesh could not take part in its steps."""
+        if processes > 1 and self.size != devices:
+            raise EngineConfigError(f"parallel {self.describe()} spans {self.size} devices; "
+                                    f"one engine over {processes} processes must span all "
+                                    f"{devices} of their devices")
         if self.eplb is not None:
             slots = model.n_routed_experts + self.eplb.num_redundant_experts
             if slots % self.expert_ranks:

@@ -37,7 +37,7 @@ from deepinfer_jax.host.decision import ScheduleDecision
 from deepinfer_jax.host.plan_builder import build_plan
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.model.state import StateCache
-from deepinfer_jax.parallel.mesh import over_ranks
+from deepinfer_jax.parallel.mesh import over_ranks, step_out_shardings
 
 _cache_dir: str | None = None
 
@@ -72,15 +72,20 @@ class CompiledStep:
     # data-parallel attention ranks (parallel/mesh.py over_ranks): > 1, the step takes a plan
     # per rank and returns an output per rank
     ranks: int = 1
+    # Over several processes (parallel/distributed.py) the explicit transfer's target: the
+    # plan as the executable takes it, each process placing its own shards of the buffer
+    # (every process has built the same plan). None: the default device, as in one process.
+    plan_sharding: jax.sharding.Sharding | None = None
 
     def __call__(self, params: ModelParams, state: StateCache,
                  plan: BatchPlan | Sequence[BatchPlan]):
         buffer = (self.plan_wire.pack_host(plan) if self.ranks == 1 else
                   np.stack([self.plan_wire.pack_host(p) for p in plan]))
         if self.explicit_transfer:
-            return self.executable(params, state, jax.device_put(buffer))
+            return self.executable(params, state, jax.device_put(buffer, self.plan_sharding))
         # the step's one transfer, allowed by name so that a "disallow" transfer guard (as the
-        # loop's test sets) still catches any other
+        # loop's test sets) still catches any other. Over several processes jax places each
+        # process's own shards of the (same) numpy buffer.
         with jax.transfer_guard_host_to_device("allow"):
             return self.executable(params, state, buffer)
 
@@ -169,10 +174,12 @@ def _compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
     ranks = step_cfg.compute.parallel.dp
     plan_specs = {key: _plan_spec(wire, state, ranks) for key, wire in plan_wires.items()}
     kind = "speculative steps" if speculative else "steps"
-    # The step cache holds CPU executables only: serializing a GPU step (its Mosaic GPU kernels
-    # included) has not been validated on the H200 yet, and there jax's persistent cache,
+    # The step cache holds CPU executables of one process only: serializing a GPU step (its
+    # Mosaic GPU kernels included) has not been validated on the H200 yet, nor a step whose
+    # collectives cross processes (parallel/distributed.py); there jax's persistent cache,
     # which the step cache turns off while it compiles, keeps a later start's compile short.
-    cache_dir = host.compilation_cache_dir if jax.default_backend() == "cpu" else None
+    cache_dir = (host.compilation_cache_dir
+                 if jax.default_backend() == "cpu" and jax.process_count() == 1 else None)
     paths: dict = {}
     compiled: dict = {}
     if cache_dir:
@@ -225,6 +232,8 @@ def _build(params, state, cfg, step_cfg, host, speculative, keys, plan_wires, pl
     # mostly single-threaded per module, so on the CPU the buckets compile side by side.
     lowered, wires = {}, {}
     kind = "speculative steps" if speculative else "steps"
+    out_shardings = step_out_shardings(state)     # None: jit's own choice (None would replicate)
+    placement = {} if out_shardings is None else {"out_shardings": out_shardings}
     for t, truncation in tqdm(keys, unit="step", disable=not host.show_progress,
                               desc=f"tracing {kind}"):
         step_fn = functools.partial(spec_step if speculative else step, cfg=cfg, step_cfg=step_cfg,
@@ -239,7 +248,7 @@ def _build(params, state, cfg, step_cfg, host, speculative, keys, plan_wires, pl
             return state, output_wire[-1].pack_device(output)
 
         program = over_ranks(wired_step, params) if ranks > 1 else wired_step
-        lowered[t, truncation] = jax.jit(program, donate_argnums=(1,)).lower(
+        lowered[t, truncation] = jax.jit(program, donate_argnums=(1,), **placement).lower(
             params, state, plan_specs[t, truncation])
         wires[t, truncation] = (plan_wire, output_wire[-1])
     step_cache.stats.traced += len(keys)
@@ -251,7 +260,9 @@ def _build(params, state, cfg, step_cfg, host, speculative, keys, plan_wires, pl
                    for key in keys}
         for future in as_completed(futures):
             key = futures[future]
-            compiled[key] = CompiledStep(future.result(), *wires[key], launch_bound, ranks)
+            executable = future.result()
+            compiled[key] = CompiledStep(executable, *wires[key], launch_bound, ranks,
+                                         _plan_sharding(executable))
             progress.set_postfix(tokens=key[0])
             progress.update()
     progress.close()
@@ -262,6 +273,12 @@ def _build(params, state, cfg, step_cfg, host, speculative, keys, plan_wires, pl
         if key in paths:
             step_cache.store(*paths[key], compiled[key].executable, *wires[key])
     return compiled
+
+
+def _plan_sharding(executable: jax.stages.Compiled) -> jax.sharding.Sharding | None:
+    """Where the executable takes its plan (its third argument), over several processes;
+    None in one."""
+    return executable.input_shardings[0][2] if jax.process_count() > 1 else None
 
 
 @contextlib.contextmanager

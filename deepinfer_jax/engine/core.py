@@ -214,6 +214,11 @@ class EngineCore:
     def _problems(self, prompt: list[int], params: SamplingParams) -> list[str]:
         problems = list(params.problems(self.cfg.vocab_size, self.step_cfg.max_logprobs,
                                         self.tokenizer is not None))
+        if params.constrained and self.mesh is not None and self.mesh.is_multi_process:
+            # grammars compile on a worker thread and join the batch when done: at another
+            # step in each process, whose plans must all be the same
+            problems.append("structured outputs are not supported by an engine spanning "
+                            "processes yet")
         if not prompt:
             problems.append("empty prompt")
         elif len(prompt) >= self.step_cfg.max_model_len:

@@ -8,13 +8,15 @@ from deepinfer_jax.config.options import DeviceFacts
 
 
 def local_device_facts() -> DeviceFacts:
-    """The default backend's first device: its platform, on GPUs its compute capability, and
-    the memory its allocator may use where it reports one (`bytes_limit`; the CPU does not)."""
-    device = jax.devices()[0]
+    """This process's first device: its platform, on GPUs its compute capability, and
+    the memory its allocator may use where it reports one (`bytes_limit`; the CPU does not);
+    the devices and processes of every process joined (parallel/distributed.py)."""
+    device = jax.local_devices()[0]
     capability = getattr(device, "compute_capability", None)
     return DeviceFacts(platform=device.platform,
                        compute_capability=None if capability is None else str(capability),
-                       memory_bytes=_bytes_limit(device), device_count=jax.device_count())
+                       memory_bytes=_bytes_limit(device), device_count=jax.device_count(),
+                       process_count=jax.process_count())
 
 
 def _bytes_limit(device) -> int | None:

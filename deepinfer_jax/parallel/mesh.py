@@ -15,6 +15,9 @@ Axes ("dp", "cp", "ep", "tp") over the first dp x cp x ep x tp devices. Placemen
 * the step's tokens: split over "cp" (model/paged_forward.py constrains the residual streams).
 A dimension that the axis size does not divide stays whole (a quantized weight's scale grid
 of a tiny model, say): any placement is correct, the partitioner moves what it must.
+Over several processes (parallel/distributed.py) the same code places global arrays (each
+process puts its own shards of the same values) and the step's output comes back replicated
+(`step_out_shardings`), so that every process reads it.
 """
 
 from __future__ import annotations
@@ -142,6 +145,18 @@ def placed_state(cfg: ModelConfig, step_cfg: StepConfig, dtype, mesh: Mesh | Non
         return make()
     ranks = step_cfg.compute.parallel.dp
     return init_rank_states(make, mesh, ranks) if ranks > 1 else replicate(make(), mesh)
+
+
+def step_out_shardings(state):
+    """The step's output shardings (state, output buffer) for jit: over several processes the
+    state where it came in and the output replicated, so that each process reads its own copy
+    (an array split over processes is not readable by one, and gathering it on the host would
+    be a collective the loop's thread issues beside the launcher's); None otherwise: where
+    the partitioner puts them, as in one process."""
+    mesh = getattr(jax.tree.leaves(state)[0].sharding, "mesh", None)
+    if not isinstance(mesh, Mesh) or not mesh.is_multi_process:
+        return None
+    return jax.tree.map(lambda x: x.sharding, state), NamedSharding(mesh, PartitionSpec())
 
 
 def abstract_state(cfg: ModelConfig, step_cfg: StepConfig, dtype, mesh: Mesh | None):

@@ -28,11 +28,14 @@ def _logprobs(out) -> list[float]:
     return [float(next(iter(step.values())).logprob) for step in out.outputs[0].logprobs]
 
 
-def run(model, prompts, parallel, batch_invariant):
-    llm = deepinfer_jax.LLM(model, max_num_seqs=4, max_model_len=512, max_num_batched_tokens=64,
-                            show_progress=False, parallel=parallel,
-                            batch_invariant=batch_invariant, compilation_cache_dir=None,
-                            device_memory_gib=4.0)
+ENGINE_OPTIONS = dict(max_num_seqs=4, max_model_len=512, max_num_batched_tokens=64,
+                      show_progress=False, compilation_cache_dir=None, device_memory_gib=4.0)
+
+
+def run(model, prompts, parallel, batch_invariant, **options):
+    """options: more engine options (multihost_run.py's `distributed`)."""
+    llm = deepinfer_jax.LLM(model, parallel=parallel, batch_invariant=batch_invariant,
+                            **ENGINE_OPTIONS, **options)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
     ranks = getattr(llm.engine.scheduler, "ranks", None)
     placed = []
