@@ -27,7 +27,8 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
                     help="a device's memory (default: what the device reports)")
     ap.add_argument("--enable-prefix-caching", action="store_true")
     ap.add_argument("--parallel", type=_mesh_sizes, metavar="AXIS=N,...",
-                    help="the device mesh, e.g. ep=8, dp=2,ep=4 or ep=4,tp=2 (axes dp, ep, tp, cp)")
+                    help="the device mesh, e.g. ep=8, dp=2,ep=4 or ep=4,tp=2 (axes dp, cp, ep, "
+                         "tp)")
     ap.add_argument("--coordinator-address", metavar="HOST:PORT",
                     help="one engine over several processes (multi-controller JAX): process "
                          "0's address; every process runs the same command with its own "
@@ -175,7 +176,15 @@ def plan(args) -> int:
     step_cfg = engine.resolve(cfg)
     quantized = (args.weights or ("quantized" if cfg.quantization else "bf16")) == "quantized"
     device_bytes = options.device_memory(args.device_memory_gib, options.CPU)
-    result = config_plan(cfg, step_cfg, devices=args.devices, quantized=quantized,
+    devices = args.devices
+    if args.parallel:
+        from deepinfer_jax.config.parallel import ParallelConfig
+
+        parallel = ParallelConfig.from_options(args.parallel)
+        parallel.check(cfg, parallel.size)
+        devices = parallel.expert_ranks
+        print(f"parallel         {parallel.describe()} (routed experts split {devices} ways)")
+    result = config_plan(cfg, step_cfg, devices=devices, quantized=quantized,
                          device_bytes=device_bytes,
                          utilization=options.memory_utilization(args.gpu_memory_utilization))
     print(f"model            {path}")
@@ -240,6 +249,9 @@ def main(argv=None) -> int:
                                  "(e.g. deepseek-v4-flash)")
     p.add_argument("--devices", type=int, default=1,
                    help="devices: routed experts split N ways, the rest replicated")
+    p.add_argument("--parallel", type=_mesh_sizes, metavar="AXIS=N,...",
+                   help="the mesh the engine would run (e.g. dp=8): its routed experts are "
+                        "split over dp x cp x ep devices (overrides --devices)")
     p.add_argument("--device-memory-gib", type=float, help="one device's memory (default: "
                    "DEEPINFER_DEVICE_MEMORY_GIB, else the plan says what is needed)")
     p.add_argument("--gpu-memory-utilization", type=float, help="default 0.9")

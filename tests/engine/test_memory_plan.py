@@ -164,6 +164,18 @@ def test_plan_of_v4_flash(capsys, devices, fits):
         assert int(shown["cache"].split("(")[1].split()[0]) == 16 * 32    # every slot's reach
 
 
+def test_plan_of_a_mesh_splits_the_experts_over_its_expert_ranks(capsys):
+    """`--parallel dp=8`: the engine's layout, the experts over the 8 data-parallel ranks (the
+    same figures as 8 devices); a mesh the model cannot take is refused by its sizes."""
+    rc, shown = _plan(capsys, "deepseek-v4-flash", "--parallel", "dp=8", "--device-memory-gib",
+                      "131")
+    weights = float(shown["weights"].split()[0]) * GiB
+    assert rc == 0 and "routed experts split 8 ways" in shown["parallel"]
+    assert _released_bytes(8) <= weights <= _released_bytes(8) + 0.9e9
+    assert main(["plan", "deepseek-v4-flash", "--parallel", "dp=3"]) != 0
+    assert "dp x cp x ep = 3 x 1 x 1 does not divide" in capsys.readouterr().err
+
+
 def test_plan_counts_the_model_cards_parameters():
     params = memory_plan.abstract_params(read_model_config(FLASH))
     count = sum(math.prod(leaf.shape) for name, leaf in memory_plan.named_leaves(params)
