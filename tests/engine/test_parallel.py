@@ -1,10 +1,10 @@
 """The engine over a device mesh (8 CPU devices, in a process of its own: XLA's device count
-is fixed when jax starts): data-parallel attention, context, expert and tensor parallel meshes
-give the single device's greedy tokens, its logprobs bitwise with expert parallelism alone and
-within 1e-5 otherwise (split projections add partial products in another order; a data-parallel
+is fixed when jax starts): data-parallel attention, expert and tensor parallel meshes give the
+single device's greedy tokens, its logprobs bitwise with expert parallelism alone and within
+1e-5 otherwise (split projections add partial products in another order; a data-parallel
 rank's batch differs from the single device's); each device holds its share of the experts;
-batch-invariant mode stays bitwise alone vs batched on every mesh; and meshes the model or the
-devices cannot take fail with errors naming the sizes."""
+and meshes the model or the devices cannot take fail with errors naming the sizes. Context
+parallelism and batch-invariant mode: test_parallel_invariant.py."""
 
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ from tests.conftest import REPO
 
 CFG = read_model_config(REPO / "configs/tiny/tiny-mixed.json")
 # (dp, ep, tp): the issue's four shapes, and tensor parallel with and without other axes
-MESHES = ("1,8,1", "2,4,1", "2,2,2", "8,1,1", "1,4,2", "1,2,2")
+MESHES = ("1,8,1", "2,4,1", "2,2,2", "8,1,1", "1,4,2")
 
 
-def _run_meshes(config: str, meshes) -> dict:
+def run_meshes(config: str, meshes) -> dict:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, str(REPO / "tests/engine/parallel_run.py"),
@@ -38,7 +38,7 @@ def _run_meshes(config: str, meshes) -> dict:
 
 @pytest.fixture(scope="module")
 def mesh_runs():
-    return _run_meshes("configs/tiny/tiny-mixed.json", MESHES)
+    return run_meshes("configs/tiny/tiny-mixed.json", MESHES)
 
 
 @pytest.mark.parametrize("mesh", MESHES)
@@ -75,39 +75,7 @@ def test_bad_mesh_names_the_sizes(parallel, devices, message):
         EngineConfig(parallel=parallel).resolve(CFG, DeviceFacts(device_count=devices))
 
 
-CP_MESHES = ("1,1,1,2", "1,1,1,4", "1,2,1,2")     # (dp, ep, tp, cp)
-
-
-def test_context_parallel_long_prompt_matches_one_device():
-    """A 440-token prompt (seven 64-token chunks) beside two short ones, each step's tokens
-    split over 2 and 4 cp devices (and cp 2 with ep 2): the single device's greedy tokens,
-    logprobs within 1e-5, the experts split over cp and ep too."""
-    runs = _run_meshes("configs/tiny/tiny-mixed.json:long", CP_MESHES)
-    single = runs["single"]
-    for mesh in CP_MESHES:
-        dp, ep, tp, cp = map(int, mesh.split(","))
-        sharded = runs[mesh]
-        assert sharded["mesh_devices"] == dp * ep * tp * cp
-        assert sharded["tokens"] == single["tokens"], mesh
-        for ours, ref in zip(sharded["logprobs"], single["logprobs"], strict=True):
-            np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5)
-        assert sharded["expert_shard_rows"] == CFG.n_routed_experts // (cp * ep)
-
-
 def test_data_parallel_refuses_what_it_does_not_build_yet():
     for option in ({"enable_prefix_caching": True}, {"speculative_config": {"num_speculative_tokens": 2}}):
         with pytest.raises(EngineConfigError, match=r"dp=2: prefix caching and speculative"):
             EngineConfig(parallel={"dp": 2}, **option).resolve(CFG, DeviceFacts(device_count=2))
-
-
-INVARIANT_MESHES = ("1,8,1", "2,4,1", "2,2,2", "8,1,1", "1,2,1,2")   # the last: ep 2, cp 2
-
-
-def test_batch_invariant_mode_on_a_mesh_is_bitwise_alone_or_batched():
-    """On every mesh in batch-invariant mode each request's logprobs are bitwise those of the
-    request alone (the ranks' partial sums are added in one order whatever the batch, and a
-    data-parallel rank's tokens reach the experts beside any other rank's)."""
-    runs = _run_meshes("configs/tiny/tiny-mixed.json:invariant", INVARIANT_MESHES)
-    for name in ("single", *INVARIANT_MESHES):
-        assert runs[name]["logprobs"] == runs[name]["alone_logprobs"], name
-        assert runs[name]["tokens"] == runs["single"]["tokens"], name
