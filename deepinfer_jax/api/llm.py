@@ -299,7 +299,7 @@ class LLM:
     def prefix_cache_stats(self):
         """Prefix-cache counters (hits, reused and replayed tokens, cached blocks), or None
         when prefix caching is off."""
-        return self.engine.scheduler.kv_cache.prefix_stats()
+        return self.engine.scheduler.prefix_stats()
 
     @property
     def spec_metrics(self):

@@ -3,7 +3,7 @@
 Each rank has its own requests, state slots and page pool (its `Scheduler`, unchanged), and
 the device runs every rank's plan in one program (parallel/mesh.py `over_ranks`), so a step
 takes one decision from each rank, and the step's token bucket is the one the largest
-rank's tokens fit.
+rank's tokens fit. With prefix caching each rank has its own prefix cache and snapshots.
 
 Placement: a request joins the rank with the fewest requests (running and waiting), then the
 most free pages, then the lowest index, and stays there: its pages and slot live on that
@@ -17,21 +17,34 @@ import dataclasses
 
 from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.contract import StepOutput
-from deepinfer_jax.host.decision import ScheduleDecision, ScheduledSeq
+from deepinfer_jax.host.decision import Restore, ScheduleDecision, ScheduledSeq, SnapshotSave
+from deepinfer_jax.host.prefix_cache import PrefixCacheStats
 from deepinfer_jax.host.request import Request
 from deepinfer_jax.host.scheduler import Scheduler
 
 
 @dataclasses.dataclass(frozen=True)
 class RankedDecision:
-    """One step's decisions, a rank's each (rank order). Plain steps only: speculation and
-    the prefix cache's snapshot copies are refused with data-parallel ranks for now
-    (config/engine.py), so there are no restores or saves."""
+    """One step's decisions, a rank's each (rank order). Plain steps only: speculation is
+    refused with data-parallel ranks for now (config/engine.py)."""
 
     ranks: tuple[ScheduleDecision, ...]
     speculative = False
-    restores = ()
-    saves = ()
+
+    @property
+    def restores(self) -> tuple[tuple[Restore, ...], ...]:
+        """The prefix cache's snapshot restores before the step, a tuple per rank (empty when
+        no rank has one)."""
+        return self._per_rank("restores")
+
+    @property
+    def saves(self) -> tuple[tuple[SnapshotSave, ...], ...]:
+        """The snapshot saves after the step, a tuple per rank (empty when none has one)."""
+        return self._per_rank("saves")
+
+    def _per_rank(self, name: str) -> tuple:
+        copies = tuple(getattr(decision, name) for decision in self.ranks)
+        return copies if any(copies) else ()
 
     @property
     def seqs(self) -> tuple[ScheduledSeq, ...]:
@@ -82,6 +95,14 @@ class RankedScheduler:
     @property
     def num_preemptions(self) -> int:
         return sum(scheduler.num_preemptions for scheduler in self.ranks)
+
+    def prefix_stats(self) -> PrefixCacheStats | None:
+        """The ranks' prefix-cache counters summed, or None without prefix caching."""
+        stats = [scheduler.kv_cache.prefix_stats() for scheduler in self.ranks]
+        if stats[0] is None:
+            return None
+        return PrefixCacheStats(*(sum(values) for values in
+                                  zip(*(dataclasses.astuple(s) for s in stats), strict=True)))
 
     # ---- the two verbs --------------------------------------------------------------------
     def schedule(self) -> RankedDecision:

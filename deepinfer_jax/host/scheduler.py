@@ -69,6 +69,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def prefix_stats(self):
+        """The prefix cache's counters (PrefixCacheStats), or None without prefix caching."""
+        return self.kv_cache.prefix_stats()
+
     def abort(self, request_id: str) -> Request | None:
         for req in list(self.waiting) + self.running:
             if req.request_id == request_id:

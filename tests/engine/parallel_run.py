@@ -32,8 +32,9 @@ ENGINE_OPTIONS = dict(max_num_seqs=4, max_model_len=512, max_num_batched_tokens=
                       show_progress=False, compilation_cache_dir=None, device_memory_gib=4.0)
 
 
-def run(model, prompts, parallel, batch_invariant, **options):
-    """options: more engine options (multihost_run.py's `distributed`)."""
+def run(model, prompts, parallel, batch_invariant, passes=1, **options):
+    """options: more engine options (multihost_run.py's `distributed`); passes: the prompts
+    served that many times, the last pass's outputs kept (prefix caching's hits)."""
     llm = deepinfer_jax.LLM(model, parallel=parallel, batch_invariant=batch_invariant,
                             **ENGINE_OPTIONS, **options)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
@@ -42,7 +43,9 @@ def run(model, prompts, parallel, batch_invariant, **options):
     if ranks is not None:      # each rank's share of the prompts, recorded as they are added
         for index, rank in enumerate(ranks):
             rank.add = lambda req, add=rank.add, index=index: (placed.append(index), add(req))
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    for _ in range(passes):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    prefix = llm.prefix_cache_stats
     requests_per_rank = ([placed.count(i) for i in range(len(ranks))] if ranks is not None
                          else [len(prompts)])
     state_leaf = jax.tree.leaves(llm.engine.state)[0]
@@ -60,24 +63,32 @@ def run(model, prompts, parallel, batch_invariant, **options):
             "expert_shard_rows": int(expert_leaf.addressable_shards[0].data.shape[0]),
             "requests_per_rank": requests_per_rank,
             # with data-parallel ranks, the leading rank axis of the state one device holds
-            "state_rank_rows": state_rank_rows}
+            "state_rank_rows": state_rank_rows,
+            "prefix_hits": None if prefix is None else prefix.hits,
+            "prefix_hit_tokens": None if prefix is None else prefix.hit_tokens}
 
 
 def main() -> None:
-    """argv: CONFIG[:invariant][:long] and mesh shapes "dp,ep,tp" or "dp,ep,tp,cp"; ":long"
-    adds a 440-token prompt (seven 64-token prefill chunks)."""
+    """argv: CONFIG[:invariant][:long][:prefix] and mesh shapes "dp,ep,tp" or "dp,ep,tp,cp";
+    ":long" adds a 440-token prompt (seven 64-token prefill chunks); ":prefix" serves three
+    prompts sharing a 192-token prefix twice with prefix caching on."""
     config, shapes = sys.argv[1], sys.argv[2:]
     flags = config.split(":")[1:]
-    batch_invariant, long = "invariant" in flags, "long" in flags
+    batch_invariant, long, prefix = "invariant" in flags, "long" in flags, "prefix" in flags
     cfg = read_model_config(REPO / config.split(":")[0]).replace(num_mtp_layers=0)
     model = deepinfer_jax.Model(cfg, deepinfer_jax.random_params(cfg, 5, jnp.float32))
     rng = np.random.default_rng(0)
     lengths = (440, 30, 130) if long else (30, 130, 75)
     prompts = [rng.integers(2, cfg.vocab_size, n).tolist() for n in lengths]
-    results = {"single": run(model, prompts, None, batch_invariant)}
+    options = {}
+    if prefix:
+        shared = rng.integers(2, cfg.vocab_size, 192).tolist()
+        prompts = [shared + rng.integers(2, cfg.vocab_size, n).tolist() for n in (20, 70, 45)]
+        options = {"passes": 2, "enable_prefix_caching": True}
+    results = {"single": run(model, prompts, None, batch_invariant, **options)}
     for shape in shapes:
         sizes = dict(zip(("dp", "ep", "tp", "cp"), map(int, shape.split(","))))
-        results[shape] = run(model, prompts, sizes, batch_invariant)
+        results[shape] = run(model, prompts, sizes, batch_invariant, **options)
     print(json.dumps(results))
 
 

@@ -76,6 +76,21 @@ def test_bad_mesh_names_the_sizes(parallel, devices, message):
 
 
 def test_data_parallel_refuses_what_it_does_not_build_yet():
-    for option in ({"enable_prefix_caching": True}, {"speculative_config": {"num_speculative_tokens": 2}}):
-        with pytest.raises(EngineConfigError, match=r"dp=2: prefix caching and speculative"):
-            EngineConfig(parallel={"dp": 2}, **option).resolve(CFG, DeviceFacts(device_count=2))
+    with pytest.raises(EngineConfigError, match=r"dp=2: speculative decoding is not built"):
+        EngineConfig(parallel={"dp": 2}, speculative_config={"num_speculative_tokens": 2}
+                     ).resolve(CFG, DeviceFacts(device_count=2))
+
+
+def test_data_parallel_ranks_keep_their_own_prefix_caches():
+    """Prefix caching on (dp 2, ep 2): three prompts sharing a 192-token prefix, served twice.
+    The second pass reuses cached blocks on both ranks (each rank's own cache and snapshots)
+    and gives the single device's tokens and logprobs within 1e-5, as the first pass does."""
+    runs = run_meshes("configs/tiny/tiny-mixed.json:prefix", ["2,2,1"])
+    single, ranked = runs["single"], runs["2,2,1"]
+    assert ranked["requests_per_rank"] == [4, 2]        # both passes, round robin
+    assert ranked["tokens"] == single["tokens"]
+    for ours, ref in zip(ranked["logprobs"], single["logprobs"], strict=True):
+        np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5)
+    # the second pass: every prompt found its prefix on its own rank
+    assert ranked["prefix_hits"] >= 3 and single["prefix_hits"] >= 3
+    assert ranked["prefix_hit_tokens"] >= 3 * 192 - 3 * 64
