@@ -31,12 +31,12 @@ from deepinfer_jax.config.memory import MemoryLimits, MemoryPlan
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.contract import BatchPlan, SpecStepOutput, StepOutput
-from deepinfer_jax.device.snapshots import compile_copies, init_pool, slot_rings
 from deepinfer_jax.engine.compile import compile_steps, enable_persistent_cache
 from deepinfer_jax.engine.launch import Launcher
 from deepinfer_jax.engine.memory_plan import check_compiled, engine_plan
+from deepinfer_jax.engine.snapshot_copies import SnapshotCopies
 from deepinfer_jax.host.buckets import token_bucket
-from deepinfer_jax.host.decision import Restore, ScheduleDecision, SnapshotSave
+from deepinfer_jax.host.decision import ScheduleDecision
 from deepinfer_jax.host.grammar import GrammarError, StructuredOutputs, grammar_spec
 from deepinfer_jax.host.pages import pages_needed
 from deepinfer_jax.host.plan_builder import build_plan, suppress_stops
@@ -56,7 +56,6 @@ from deepinfer_jax.host.tokenizer import TextTokenizer
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.parallel.eplb import ExpertBalancer, compile_transfer, with_placement
 from deepinfer_jax.parallel.mesh import make_mesh, mesh_context, place_params, placed_state
-from deepinfer_jax.parallel.rank_snapshots import compile_rank_copies, init_rank_pool
 
 
 @dataclasses.dataclass
@@ -137,12 +136,9 @@ class EngineCore:
         ranks = step_cfg.compute.parallel.dp
         self.scheduler = (RankedScheduler(step_cfg, cfg.eos_token_ids, ranks) if ranks > 1 else
                           Scheduler(step_cfg, cfg.eos_token_ids))
-        if step_cfg.enable_prefix_caching:     # slot snapshots of the prefix cache
-            pool, copies = ((init_rank_pool, compile_rank_copies) if ranks > 1 else
-                            (init_pool, compile_copies))
-            self.snapshot_pool = pool(self.state, step_cfg.num_snapshots)
-            self._save, self._restore = copies(self.state, self.snapshot_pool,
-                                               step_cfg.max_num_seqs, step_cfg.max_model_len)
+        # slot snapshots of the prefix cache
+        self.snapshots = (SnapshotCopies(self.state, step_cfg) if step_cfg.enable_prefix_caching
+                          else None)
         self._seeds = np.random.default_rng(host.seed)
         self._arrivals = itertools.count()
         self._in_flight: collections.deque[InFlight] = collections.deque()
@@ -302,57 +298,17 @@ class EngineCore:
 
         def device_calls() -> jax.Array:     # on the launcher's thread
             if restores:
-                self._restore_snapshots(restores)
+                self.state = self.snapshots.restore(self.state, restores)
             self.state, output = compiled(self.params, self.state, plan)
             output.copy_to_host_async()
             if saves:
-                self._save_snapshots(saves)
+                self.snapshots.save(self.state, saves)
             return output
 
         output = self._launcher.submit(device_calls)
         self.stats.steps += 1
         self.stats.tokens += decision.num_tokens
         return InFlight(decision, output, compiled.read)
-
-    def _restore_snapshots(self, restores: tuple) -> None:
-        """restores: the decision's Restores, or with data-parallel ranks a tuple of them per
-        rank (a rank's row of each argument)."""
-        rows = [self._restore_arrays(r) for r in self._per_rank(restores)]
-        self.state = self._restore(self.state, self.snapshot_pool, *self._stacked(rows))
-
-    def _restore_arrays(self, restores: tuple[Restore, ...]) -> tuple[np.ndarray, ...]:
-        width, step_cfg = self.step_cfg.max_num_seqs, self.step_cfg
-        slots = np.full(width, step_cfg.max_num_seqs, np.int32)
-        snapshots = np.zeros(width, np.int32)
-        tokens = np.full((width, step_cfg.max_model_len), -1, np.int32)
-        prompt_len = np.zeros(width, np.int32)
-        for i, r in enumerate(restores):
-            slots[i], snapshots[i], prompt_len[i] = r.slot, r.snapshot, r.prompt_len
-            tokens[i, : len(r.tokens)] = r.tokens
-        return snapshots, slots, tokens, prompt_len
-
-    def _save_snapshots(self, saves: tuple) -> None:
-        """saves: the decision's SnapshotSaves, or a tuple of them per rank."""
-        rows = [self._save_arrays(s) for s in self._per_rank(saves)]
-        self.snapshot_pool = self._save(slot_rings(self.state), self.snapshot_pool,
-                                        *self._stacked(rows))
-
-    def _save_arrays(self, saves: tuple[SnapshotSave, ...]) -> tuple[np.ndarray, ...]:
-        width = self.step_cfg.max_num_seqs
-        slots = np.zeros(width, np.int32)
-        snapshots = np.full(width, self.step_cfg.num_snapshots, np.int32)   # padding: dropped
-        for i, save in enumerate(saves):
-            slots[i], snapshots[i] = save.slot, save.snapshot
-        return slots, snapshots
-
-    def _per_rank(self, copies: tuple) -> tuple:
-        return copies if isinstance(self.scheduler, RankedScheduler) else (copies,)
-
-    def _stacked(self, rows: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
-        """One rank's arrays as they are; several ranks' stacked on a leading rank axis."""
-        if not isinstance(self.scheduler, RankedScheduler):
-            return rows[0]
-        return tuple(np.stack(arrays) for arrays in zip(*rows, strict=True))
 
     def _plan(self, decision: ScheduleDecision, bucket: int) -> BatchPlan:
         plan = build_plan(decision, bucket, self.step_cfg)
