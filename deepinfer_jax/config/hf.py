@@ -28,6 +28,10 @@ from deepinfer_jax.config.model import (
     ScoringFunc,
     YarnConfig,
 )
+from deepinfer_jax.config.v41 import V41Config
+
+# Spelled here, not imported from hf_v41 (which imports this module).
+V41_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
 
 
 # ---- writing ------------------------------------------------------------------------------
@@ -307,8 +311,9 @@ def _parse_quant(q: dict | None) -> QuantConfig | None:
                        weight_block_size=(int(block[0]), int(block[1])))
 
 
-def read_model_config(path: str | Path) -> ModelConfig:
-    """A checkpoint directory's config.json (or that file itself) -> ModelConfig."""
+def read_model_config(path: str | Path) -> ModelConfig | V41Config:
+    """A checkpoint directory's config.json (or that file itself) -> ModelConfig, or a
+    V41Config for `deepseek_v41` / `deepseek_v41_text` (config/hf_v41.py)."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
@@ -325,6 +330,10 @@ def read_model_config(path: str | Path) -> ModelConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     try:
+        if raw.get("model_type") in V41_MODEL_TYPES:
+            # Imported here: hf_v41 reuses this module's rope and quantization parsers.
+            from deepinfer_jax.config.hf_v41 import parse_v41_config
+            return parse_v41_config(raw)
         return parse_hf_config(raw)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
