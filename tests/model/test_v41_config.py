@@ -12,11 +12,10 @@ from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.config.hf_v41 import parse_v41_config
 from deepinfer_jax.config.model import ConfigError, ModelConfig, YarnConfig
 from deepinfer_jax.config.v41 import V41Config
-from tests.conftest import REPO
+from tests.conftest import REPO, V41_ORACLE_DIR
 
-ORACLE = Path("/work/shared/oracle")
-A = ORACLE / "deepseek-v41-tiny-a"
-B = ORACLE / "deepseek-v41-tiny-b"
+A = V41_ORACLE_DIR / "deepseek-v41-tiny-a"
+B = V41_ORACLE_DIR / "deepseek-v41-tiny-b"
 pytestmark = pytest.mark.skipif(not A.exists(), reason="no V4.1 oracle fixtures")
 
 
