@@ -339,3 +339,14 @@ def read_model_config(path: str | Path) -> ModelConfig | V41Config:
         raise ConfigError(f"{path}: {e}") from None
     except (TypeError, ValueError, KeyError) as e:   # a field of the wrong type or form
         raise ConfigError(f"{path}: {type(e).__name__}: {e}") from None
+
+
+def read_served_model_config(path: str | Path) -> ModelConfig:
+    """read_model_config for the engine and the `Model` API, which serve the V4 family only:
+    a V4.1 config is refused by name rather than failing later on a missing field."""
+    cfg = read_model_config(path)
+    if isinstance(cfg, V41Config):
+        raise ConfigError(f"{path}: DeepSeek-V4.1 is read (config, weights) and has a cache-free "
+                          f"reference forward (deepinfer_jax/model/v41/forward.py), but the "
+                          f"engine and the Model API do not serve it yet (issue 36)")
+    return cfg

@@ -94,3 +94,10 @@ def test_errors_name_the_file(tmp_path):
 def test_v4_configs_unchanged():
     cfg = read_model_config(REPO / "configs" / "deepseek-v4-flash.json")
     assert isinstance(cfg, ModelConfig) and cfg.num_layers == 43
+
+
+def test_the_engine_refuses_v41_by_name():
+    from deepinfer_jax.api.model import load
+
+    with pytest.raises(ConfigError, match="do not serve it yet"):
+        load(A)
