@@ -115,8 +115,6 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
     mlp_types = _parse_mlp_types(raw, n)
     rope_head_dim = _parse_rope_head_dim(raw, head_dim)
     rope_theta, compress_theta, yarn = _parse_rope(raw)
-    eos = raw.get("eos_token_id", 1)
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     try:
         scoring = ScoringFunc(raw.get("scoring_func", "sqrtsoftplus"))
     except ValueError:
@@ -124,16 +122,10 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
                           f"got {raw.get('scoring_func')!r}") from None
 
     return ModelConfig(
-        vocab_size=int(_field(raw, "vocab_size")),
-        hidden_size=int(_field(raw, "hidden_size")),
+        **shared_fields(raw),
         num_layers=n,
-        num_heads=int(_field(raw, "num_attention_heads")),
         head_dim=head_dim,
         rope_head_dim=rope_head_dim,
-        q_lora_rank=int(_field(raw, "q_lora_rank")),
-        o_groups=int(_field(raw, "o_groups")),
-        o_lora_rank=int(_field(raw, "o_lora_rank")),
-        sliding_window=int(_field(raw, "sliding_window")),
         layer_types=layer_types,
         mlp_types=mlp_types,
         compress_rate_csa=rates[AttentionKind.CSA],
@@ -141,6 +133,22 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         rope_theta=rope_theta,
         compress_rope_theta=compress_theta,
         compress_yarn=yarn,
+        scoring_func=scoring,
+        num_mtp_layers=int(_field(raw, "num_nextn_predict_layers", 0)),
+    )
+
+
+def shared_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """The fields V4's ModelConfig and V4.1's V41Config share, spelled and defaulted alike."""
+    eos = raw.get("eos_token_id", 1)
+    return dict(
+        vocab_size=int(_field(raw, "vocab_size")),
+        hidden_size=int(_field(raw, "hidden_size")),
+        num_heads=int(_field(raw, "num_attention_heads")),
+        q_lora_rank=int(_field(raw, "q_lora_rank")),
+        o_groups=int(_field(raw, "o_groups")),
+        o_lora_rank=int(_field(raw, "o_lora_rank")),
+        sliding_window=int(_field(raw, "sliding_window")),
         index_n_heads=int(_field(raw, "index_n_heads")),
         index_head_dim=int(_field(raw, "index_head_dim")),
         index_topk=int(_field(raw, "index_topk")),
@@ -151,16 +159,15 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         n_shared_experts=int(_field(raw, "n_shared_experts", 1)),
         num_experts_per_tok=int(_field(raw, "num_experts_per_tok")),
         moe_intermediate_size=int(_field(raw, "moe_intermediate_size")),
-        scoring_func=scoring,
         norm_topk_prob=bool(_field(raw, "norm_topk_prob", True)),
         routed_scaling_factor=float(_field(raw, "routed_scaling_factor", 1.0)),
         swiglu_limit=float(_field(raw, "swiglu_limit", 0.0)),
         rms_norm_eps=float(_field(raw, "rms_norm_eps", 1e-6)),
         max_position_embeddings=int(_field(raw, "max_position_embeddings")),
-        num_mtp_layers=int(_field(raw, "num_nextn_predict_layers", 0)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=eos_ids,
+        eos_token_ids=(tuple(eos) if isinstance(eos, list)
+                       else () if eos is None else (int(eos),)),
         quantization=_parse_quant(raw.get("quantization_config")),
     )
 

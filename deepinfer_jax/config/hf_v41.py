@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from deepinfer_jax.config.hf import V41_MODEL_TYPES, _field, _parse_quant, _parse_rope
+from deepinfer_jax.config.hf import V41_MODEL_TYPES, _field, _parse_rope, shared_fields
 from deepinfer_jax.config.model import ConfigError
 from deepinfer_jax.config.v41 import DSparkConfig, EngramConfig, V41Config
 
@@ -39,19 +39,11 @@ def parse_v41_config(raw: dict[str, Any]) -> V41Config:
     elif int(candidate) < 0:
         candidate = None              # the reference's "no two-level top-k"
     rope_theta, compress_theta, yarn = _parse_rope(raw)
-    eos = raw.get("eos_token_id", 1)
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     cfg = V41Config(
-        vocab_size=int(_field(raw, "vocab_size")),
-        hidden_size=int(_field(raw, "hidden_size")),
+        **shared_fields(raw),
         num_layers=n,
-        num_heads=int(_field(raw, "num_attention_heads")),
         head_dim=head_dim,
         rope_head_dim=_parse_rope_head_dim(raw, head_dim),
-        q_lora_rank=int(_field(raw, "q_lora_rank")),
-        o_groups=int(_field(raw, "o_groups")),
-        o_lora_rank=int(_field(raw, "o_lora_rank")),
-        sliding_window=int(_field(raw, "sliding_window")),
         compress_ratios=ratios,
         kv_source_layer_ids=kv_sources,
         index_source_layer_ids=index_sources,
@@ -61,29 +53,10 @@ def parse_v41_config(raw: dict[str, Any]) -> V41Config:
         rope_theta=rope_theta,
         compress_rope_theta=compress_theta,
         compress_yarn=yarn,
-        index_n_heads=int(_field(raw, "index_n_heads")),
-        index_head_dim=int(_field(raw, "index_head_dim")),
-        index_topk=int(_field(raw, "index_topk")),
-        hc_mult=int(_field(raw, "hc_mult", 4)),
-        hc_sinkhorn_iters=int(_field(raw, "hc_sinkhorn_iters", 20)),
-        hc_eps=float(_field(raw, "hc_eps", 1e-6)),
-        n_routed_experts=int(_field(raw, "n_routed_experts")),
-        n_shared_experts=int(_field(raw, "n_shared_experts", 1)),
-        num_experts_per_tok=int(_field(raw, "num_experts_per_tok")),
-        moe_intermediate_size=int(_field(raw, "moe_intermediate_size")),
         gate_temp=float(_field(raw, "gate_temp", 1.0)),
-        norm_topk_prob=bool(_field(raw, "norm_topk_prob", True)),
-        routed_scaling_factor=float(_field(raw, "routed_scaling_factor", 1.0)),
-        swiglu_limit=float(_field(raw, "swiglu_limit", 0.0)),
-        rms_norm_eps=float(_field(raw, "rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(_field(raw, "max_position_embeddings")),
         engram=_parse_engram(raw),
         dspark=_parse_dspark(raw, n_draft),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=eos_ids,
         pad_token_id=raw.get("pad_token_id"),
-        quantization=_parse_quant(raw.get("quantization_config")),
     )
     _check_layer_types(raw, n, kv_sources)    # after the roles themselves were checked
     return cfg
