@@ -21,7 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from deepinfer_jax.config.model import ConfigError, QuantConfig, YarnConfig
+from deepinfer_jax.config.model import (
+    ConfigError,
+    QuantConfig,
+    YarnConfig,
+    check_shared_fields,
+    need,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,39 +122,19 @@ class V41Config:
     quantization: QuantConfig | None = None
 
     def __post_init__(self):
-        def need(cond: bool, field: str, why: str):
-            if not cond:
-                raise ConfigError(f"{field}: {why}")
-
         n = self.num_layers
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim",
-                     "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "hc_mult",
-                     "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
-                     "index_n_heads", "index_head_dim", "index_topk", "candidate_topk_blocks",
-                     "candidate_block_size"):
-            need(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+        check_shared_fields(self, ("candidate_topk_blocks", "candidate_block_size"))
         need(len(self.compress_ratios) == n, "compress_ratios",
              f"has {len(self.compress_ratios)} backbone entries for num_hidden_layers={n}")
         need(all(r >= 0 for r in self.compress_ratios), "compress_ratios",
              f"entries must be >= 0, got {list(self.compress_ratios)}")
-        need(0 < self.rope_head_dim <= self.head_dim and self.rope_head_dim % 2 == 0,
-             "qk_rope_head_dim", f"must be even and in (0, head_dim={self.head_dim}], "
-             f"got {self.rope_head_dim}")
-        need(self.index_head_dim >= self.rope_head_dim, "index_head_dim",
-             f"must be >= qk_rope_head_dim={self.rope_head_dim} (the indexer ropes that slice)")
-        need(self.num_heads % self.o_groups == 0, "o_groups",
-             f"must divide num_attention_heads={self.num_heads}")
-        need(self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok",
-             f"{self.num_experts_per_tok} > n_routed_experts={self.n_routed_experts}")
-        need(self.n_shared_experts >= 0, "n_shared_experts", "must be >= 0")
-        need(self.hc_sinkhorn_iters >= 1, "hc_sinkhorn_iters", "must be >= 1")
         need(self.gate_temp > 0, "gate_temp", f"must be > 0, got {self.gate_temp}")
-        self._check_sources(need)
+        self._check_sources()
         if self.engram is not None:
             bad = [i for i in self.engram.layer_ids if not 0 <= i < n]
             need(not bad, "engram_layer_ids", f"{bad} outside the {n} backbone layers")
 
-    def _check_sources(self, need):
+    def _check_sources(self):
         n, ratios = self.num_layers, self.compress_ratios
         for field in ("kv_source_layer_ids", "index_source_layer_ids"):
             ids = getattr(self, field)
