@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from deepinfer_jax.config.hf import V41_MODEL_TYPES, _field, _parse_rope, shared_fields
+from deepinfer_jax.config.hf_fields import field_value, parse_rope, shared_fields
 from deepinfer_jax.config.model import ConfigError
 from deepinfer_jax.config.v41 import DSparkConfig, EngramConfig, V41Config
+
+V41_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
 
 _SHARED = "shared_compressed_attention"
 _SLIDING = "sliding_attention"
@@ -27,9 +29,9 @@ def parse_v41_config(raw: dict[str, Any]) -> V41Config:
     if model_type == "deepseek_v41" and isinstance(raw.get("text_config"), dict):
         raw = raw["text_config"]      # the composite config: only the text backbone is served
     _refuse_unsupported(raw)
-    n = int(_field(raw, "num_hidden_layers"))
-    head_dim = int(_field(raw, "head_dim"))
-    n_draft = int(_field(raw, "num_nextn_predict_layers", 0))
+    n = int(field_value(raw, "num_hidden_layers"))
+    head_dim = int(field_value(raw, "head_dim"))
+    n_draft = int(field_value(raw, "num_nextn_predict_layers", 0))
     ratios = _parse_ratios(raw, n, n_draft)
     kv_sources = tuple(int(i) for i in raw.get("kv_source_layer_ids") or _default_sources(ratios))
     index_sources = tuple(int(i) for i in raw.get("index_source_layer_ids") or kv_sources)
@@ -38,7 +40,7 @@ def parse_v41_config(raw: dict[str, Any]) -> V41Config:
         candidate = kv_sources[-1] if kv_sources else None
     elif int(candidate) < 0:
         candidate = None              # the reference's "no two-level top-k"
-    rope_theta, compress_theta, yarn = _parse_rope(raw)
+    rope_theta, compress_theta, yarn = parse_rope(raw)
     cfg = V41Config(
         **shared_fields(raw),
         num_layers=n,
@@ -48,12 +50,12 @@ def parse_v41_config(raw: dict[str, Any]) -> V41Config:
         kv_source_layer_ids=kv_sources,
         index_source_layer_ids=index_sources,
         candidate_source_layer_id=None if candidate is None else int(candidate),
-        candidate_topk_blocks=int(_field(raw, "candidate_topk_blocks", 2048)),
-        candidate_block_size=int(_field(raw, "candidate_block_size", 8)),
+        candidate_topk_blocks=int(field_value(raw, "candidate_topk_blocks", 2048)),
+        candidate_block_size=int(field_value(raw, "candidate_block_size", 8)),
         rope_theta=rope_theta,
         compress_rope_theta=compress_theta,
         compress_yarn=yarn,
-        gate_temp=float(_field(raw, "gate_temp", 1.0)),
+        gate_temp=float(field_value(raw, "gate_temp", 1.0)),
         engram=_parse_engram(raw),
         dspark=_parse_dspark(raw, n_draft),
         pad_token_id=raw.get("pad_token_id"),
@@ -128,24 +130,24 @@ def _parse_engram(raw: dict) -> EngramConfig | None:
         return None
     return EngramConfig(
         layer_ids=layer_ids,
-        num_embeddings=tuple(int(r) for r in _field(raw, "engram_num_embeddings")),
-        vocab_size=int(_field(raw, "engram_vocab_size")),
-        max_ngram_size=int(_field(raw, "engram_max_ngram_size")),
-        n_heads=int(_field(raw, "engram_n_heads")),
-        head_dim=int(_field(raw, "engram_head_dim")),
-        pad_id=int(_field(raw, "engram_pad_id", 2)),
-        compressed_vocab_size=int(_field(raw, "engram_compressed_vocab_size")),
+        num_embeddings=tuple(int(r) for r in field_value(raw, "engram_num_embeddings")),
+        vocab_size=int(field_value(raw, "engram_vocab_size")),
+        max_ngram_size=int(field_value(raw, "engram_max_ngram_size")),
+        n_heads=int(field_value(raw, "engram_n_heads")),
+        head_dim=int(field_value(raw, "engram_head_dim")),
+        pad_id=int(field_value(raw, "engram_pad_id", 2)),
+        compressed_vocab_size=int(field_value(raw, "engram_compressed_vocab_size")),
     )
 
 
 def _parse_dspark(raw: dict, n_draft: int) -> DSparkConfig:
     return DSparkConfig(
         num_layers=n_draft,
-        block_size=int(_field(raw, "dspark_block_size", 5)),
-        noise_token_id=int(_field(raw, "dspark_noise_token_id", 128799)),
-        target_layer_ids=tuple(int(i) for i in _field(raw, "dspark_target_layer_ids", ())),
-        markov_rank=int(_field(raw, "dspark_markov_rank", 256)),
-        n_routed_experts=int(_field(raw, "dspark_n_routed_experts", 128)),
-        num_experts_per_tok=int(_field(raw, "dspark_num_experts_per_tok", 3)),
+        block_size=int(field_value(raw, "dspark_block_size", 5)),
+        noise_token_id=int(field_value(raw, "dspark_noise_token_id", 128799)),
+        target_layer_ids=tuple(int(i) for i in field_value(raw, "dspark_target_layer_ids", ())),
+        markov_rank=int(field_value(raw, "dspark_markov_rank", 256)),
+        n_routed_experts=int(field_value(raw, "dspark_n_routed_experts", 128)),
+        num_experts_per_tok=int(field_value(raw, "dspark_num_experts_per_tok", 3)),
     )
 
