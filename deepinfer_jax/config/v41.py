@@ -75,6 +75,13 @@ class DSparkConfig:
     n_routed_experts: int
     num_experts_per_tok: int
 
+    def __post_init__(self):
+        for name in ("block_size", "markov_rank", "n_routed_experts", "num_experts_per_tok"):
+            need(getattr(self, name) > 0, f"dspark_{name}", f"must be > 0, got {getattr(self, name)}")
+        need(self.num_layers >= 0, "num_nextn_predict_layers", "must be >= 0")
+        need(self.num_experts_per_tok <= self.n_routed_experts, "dspark_num_experts_per_tok",
+             f"{self.num_experts_per_tok} > dspark_n_routed_experts={self.n_routed_experts}")
+
 
 @dataclasses.dataclass(frozen=True)
 class V41Config:
@@ -133,6 +140,8 @@ class V41Config:
         if self.engram is not None:
             bad = [i for i in self.engram.layer_ids if not 0 <= i < n]
             need(not bad, "engram_layer_ids", f"{bad} outside the {n} backbone layers")
+        bad = [i for i in self.dspark.target_layer_ids if not 0 <= i < n]
+        need(not bad, "dspark_target_layer_ids", f"{bad} outside the {n} backbone layers")
 
     def _check_sources(self):
         n, ratios = self.num_layers, self.compress_ratios

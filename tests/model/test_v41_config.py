@@ -77,6 +77,9 @@ def test_composite_config_reads_its_text_backbone():
     ({"layer_types": ["sliding_attention"] * 6}, "layer_types"),
     ({"engram_num_embeddings": [290]}, "engram_num_embeddings"),
     ({"qk_rope_head_dim": 32}, "rope dimensions disagree"),
+    ({"dspark_target_layer_ids": [2, 6]}, "dspark_target_layer_ids"),
+    ({"dspark_num_experts_per_tok": 5}, "dspark_num_experts_per_tok"),
+    ({"dspark_block_size": 0}, "dspark_block_size"),
     ({"rope_parameters": {"main": {"rope_type": "yarn", "rope_theta": 1.0},
                           "compress": {"rope_theta": 1.0}}}, "rope_parameters.main"),
 ])
