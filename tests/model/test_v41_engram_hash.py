@@ -46,6 +46,9 @@ def test_hash_ids_match_the_reference(case):
     live = ref["attention_mask"].astype(bool)
     ids = engram_hash.hash_ids(ref["input_ids"], live, ref["engram_token_map"], cfg, tables)
     np.testing.assert_array_equal(ids, ref["engram_hash_ids"])
+    narrow = engram_hash.hash_ids(ref["input_ids"].astype(np.int32), live,
+                                  ref["engram_token_map"].astype(np.int32), cfg, tables)
+    np.testing.assert_array_equal(narrow, ids)          # int32 inputs must not wrap early
     assert (ids >= 0).all() and (ids < np.array(cfg.num_embeddings)[:, None]).all()
 
 

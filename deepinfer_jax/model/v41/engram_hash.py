@@ -93,11 +93,12 @@ def hash_ids(tokens: np.ndarray, live: np.ndarray, token_map: np.ndarray, cfg: E
     history: i64[B, max_ngram-1] compressed ids before this call (DEAD where none), the
     look-back across calls; None = every row starts here."""
     back = cfg.max_ngram_size - 1
-    compressed = np.where(live, token_map[tokens], _DEAD)
+    # int64 whatever the caller's dtypes: the products wrap as the reference's int64 do.
+    compressed = np.where(live, np.asarray(token_map, np.int64)[tokens], _DEAD)
     if history is None:
         history = np.full((tokens.shape[0], back), _DEAD, np.int64)
     full = np.concatenate([history, compressed], axis=1)
-    pad = token_map[cfg.pad_id]
+    pad = compressed.dtype.type(token_map[cfg.pad_id])
     seq = tokens.shape[1]
     blocked = np.zeros(compressed.shape, bool)
     slots = []
