@@ -14,6 +14,7 @@ _EXPORTS = {
     "Model": "deepinfer_jax.api.model",
     "load": "deepinfer_jax.api.model",
     "convert": "deepinfer_jax.api.model",
+    "load_v41": "deepinfer_jax.api.v41_model",
     "ConfigError": "deepinfer_jax.config.model",
     "ModelConfig": "deepinfer_jax.config.model",
     "read_model_config": "deepinfer_jax.config.hf",

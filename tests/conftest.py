@@ -40,6 +40,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("DEEPINFER_COMPILE_THREADS", "1")
 ORACLE_DIR = Path(os.environ.get("DEEPINFER_ORACLE_DIR", REPO / ".cache" / "oracle"))
 ORACLE_CASES = ("tiny-mixed", "tiny-sigmoid", "tiny-legacy")
+# The two tiny DeepSeek-V4.1 checkpoints with transformers-main reference outputs (issue 36),
+# kept beside the checkout (read-only), not made by `make oracle`.
+V41_ORACLE_DIR = Path(os.environ.get("DEEPINFER_V41_ORACLE_DIR", REPO.parent / "shared" / "oracle"))
 
 
 class OracleCase:

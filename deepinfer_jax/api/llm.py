@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from deepinfer_jax.api.model import Model, load
 from deepinfer_jax.config.engine import QUICKSTART_SHAPES, EngineConfig
-from deepinfer_jax.config.hf import read_model_config
+from deepinfer_jax.config.hf import read_served_model_config
 from deepinfer_jax.engine.core import EngineCore, failed_output
 from deepinfer_jax.engine.devices import local_device_facts
 from deepinfer_jax.engine.memory_plan import check_checkpoint_fits
@@ -108,7 +108,7 @@ class LLM:
         elif isinstance(model, (str, Path)):
             # resolved from config.json before the weights: a converted store is restored
             # straight into the mesh (load's `mesh`)
-            step_config = options.resolve(read_model_config(model), device)
+            step_config = options.resolve(read_served_model_config(model), device)
             if memory is not None:        # weights that cannot fit fail before they load
                 check_checkpoint_fits(model, memory, quantized=weights == "quantized")
             self.model = load(model, dtype=dtype, weights=weights,

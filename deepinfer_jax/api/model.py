@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from deepinfer_jax.config.compute import ComputeConfig
-from deepinfer_jax.config.hf import read_model_config
+from deepinfer_jax.config.hf import read_served_model_config
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.options import resolve_compute
 from deepinfer_jax.engine.devices import local_device_facts
@@ -118,7 +118,7 @@ def load(path: str | Path, dtype=None, weights: str = "quantized", mesh: Mesh | 
     """
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
-    cfg = read_model_config(path)
+    cfg = read_served_model_config(path)
     keep_quantized = weights == "quantized"
     if orbax_store.is_store(path):
         shardings = None if mesh is None else functools.partial(param_shardings, mesh=mesh)

@@ -13,21 +13,20 @@ the modern spelling.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any
 
+from deepinfer_jax.config.hf_fields import field_value, parse_rope, shared_fields
+from deepinfer_jax.config.hf_v41 import V41_MODEL_TYPES, parse_v41_config
 from deepinfer_jax.config.model import (
     AttentionKind,
     ConfigError,
     MlpKind,
     ModelConfig,
-    QuantConfig,
     ScoringFunc,
-    YarnConfig,
 )
+from deepinfer_jax.config.v41 import V41Config
 
 
 # ---- writing ------------------------------------------------------------------------------
@@ -83,20 +82,14 @@ _RATIO_TO_KIND = {0: AttentionKind.SLIDING, 4: AttentionKind.CSA, 128: Attention
 _DEFAULT_RATES = {AttentionKind.CSA: 4, AttentionKind.HCA: 128}
 
 
-def _field(raw: dict, name: str, default=dataclasses.MISSING):
-    if name in raw and raw[name] is not None:
-        return raw[name]
-    if default is dataclasses.MISSING:
-        raise ConfigError(f"{name}: required field is missing")
-    return default
 
 
 def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
     model_type = raw.get("model_type")
     if model_type != "deepseek_v4":
         raise ConfigError(f"model_type: expected 'deepseek_v4', got {model_type!r}")
-    n = int(_field(raw, "num_hidden_layers"))
-    head_dim = int(_field(raw, "head_dim"))
+    n = int(field_value(raw, "num_hidden_layers"))
+    head_dim = int(field_value(raw, "head_dim"))
     if int(raw.get("num_key_value_heads", 1)) != 1:
         raise ConfigError("num_key_value_heads: DeepSeek-V4 shares one K=V head; got "
                           f"{raw['num_key_value_heads']}")
@@ -110,9 +103,7 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
     layer_types = _parse_layer_types(raw, n, rates)
     mlp_types = _parse_mlp_types(raw, n)
     rope_head_dim = _parse_rope_head_dim(raw, head_dim)
-    rope_theta, compress_theta, yarn = _parse_rope(raw)
-    eos = raw.get("eos_token_id", 1)
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    rope_theta, compress_theta, yarn = parse_rope(raw)
     try:
         scoring = ScoringFunc(raw.get("scoring_func", "sqrtsoftplus"))
     except ValueError:
@@ -120,16 +111,10 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
                           f"got {raw.get('scoring_func')!r}") from None
 
     return ModelConfig(
-        vocab_size=int(_field(raw, "vocab_size")),
-        hidden_size=int(_field(raw, "hidden_size")),
+        **shared_fields(raw),
         num_layers=n,
-        num_heads=int(_field(raw, "num_attention_heads")),
         head_dim=head_dim,
         rope_head_dim=rope_head_dim,
-        q_lora_rank=int(_field(raw, "q_lora_rank")),
-        o_groups=int(_field(raw, "o_groups")),
-        o_lora_rank=int(_field(raw, "o_lora_rank")),
-        sliding_window=int(_field(raw, "sliding_window")),
         layer_types=layer_types,
         mlp_types=mlp_types,
         compress_rate_csa=rates[AttentionKind.CSA],
@@ -137,28 +122,11 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         rope_theta=rope_theta,
         compress_rope_theta=compress_theta,
         compress_yarn=yarn,
-        index_n_heads=int(_field(raw, "index_n_heads")),
-        index_head_dim=int(_field(raw, "index_head_dim")),
-        index_topk=int(_field(raw, "index_topk")),
-        hc_mult=int(_field(raw, "hc_mult", 4)),
-        hc_sinkhorn_iters=int(_field(raw, "hc_sinkhorn_iters", 20)),
-        hc_eps=float(_field(raw, "hc_eps", 1e-6)),
-        n_routed_experts=int(_field(raw, "n_routed_experts")),
-        n_shared_experts=int(_field(raw, "n_shared_experts", 1)),
-        num_experts_per_tok=int(_field(raw, "num_experts_per_tok")),
-        moe_intermediate_size=int(_field(raw, "moe_intermediate_size")),
         scoring_func=scoring,
-        norm_topk_prob=bool(_field(raw, "norm_topk_prob", True)),
-        routed_scaling_factor=float(_field(raw, "routed_scaling_factor", 1.0)),
-        swiglu_limit=float(_field(raw, "swiglu_limit", 0.0)),
-        rms_norm_eps=float(_field(raw, "rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(_field(raw, "max_position_embeddings")),
-        num_mtp_layers=int(_field(raw, "num_nextn_predict_layers", 0)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=eos_ids,
-        quantization=_parse_quant(raw.get("quantization_config")),
+        num_mtp_layers=int(field_value(raw, "num_nextn_predict_layers", 0)),
     )
+
+
 
 
 def _parse_compress_rates(raw: dict) -> dict[AttentionKind, int]:
@@ -251,64 +219,15 @@ def _parse_rope_head_dim(raw: dict, head_dim: int) -> int:
     return 64  # transformers' default: 64 of 512
 
 
-def _parse_rope(raw: dict) -> tuple[float, float, YarnConfig | None]:
-    rope_theta = float(raw.get("rope_theta", 10000.0))
-    compress_theta = float(raw.get("compress_rope_theta", 160000.0))
-    params = raw.get("rope_parameters") or {}
-    if isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):
-        rope_theta = float(params["main"].get("rope_theta", rope_theta))
-        main_type = params["main"].get("rope_type", params["main"].get("type", "default"))
-        if main_type != "default":
-            raise ConfigError(f"rope_parameters.main.rope_type: only 'default', got {main_type!r}")
-        compress = params["compress"]
-        compress_theta = float(compress.get("rope_theta", compress_theta))
-    else:
-        compress = params
-    legacy = raw.get("rope_scaling")
-    yarn_modern = _parse_yarn(compress, "rope_parameters.compress", raw)
-    yarn_legacy = _parse_yarn(legacy or {}, "rope_scaling", raw)
-    if yarn_modern and yarn_legacy and yarn_modern != yarn_legacy:
-        raise ConfigError("rope_parameters.compress and rope_scaling disagree")
-    return rope_theta, compress_theta, yarn_modern or yarn_legacy
 
 
-def _parse_yarn(d: dict, where: str, raw: dict) -> YarnConfig | None:
-    rope_type = d.get("rope_type", d.get("type", "default"))
-    if rope_type in ("default", None):
-        return None
-    if rope_type != "yarn":
-        raise ConfigError(f"{where}.rope_type: only 'default' or 'yarn', got {rope_type!r}")
-    attention_factor = d.get("attention_factor", 1.0)
-    if attention_factor is not None and not math.isclose(float(attention_factor), 1.0):
-        raise ConfigError(f"{where}.attention_factor: V4 uses no YaRN mscale, got {attention_factor}")
-    original = d.get("original_max_position_embeddings", raw.get("max_position_embeddings"))
-    factor = d.get("factor")
-    if factor is None:
-        factor = raw["max_position_embeddings"] / original
-    return YarnConfig(
-        factor=float(factor),
-        original_max_position_embeddings=int(original),
-        beta_fast=float(d.get("beta_fast") or 32.0),
-        beta_slow=float(d.get("beta_slow") or 1.0),
-        truncate=bool(d.get("truncate", True)),
-    )
 
 
-def _parse_quant(q: dict | None) -> QuantConfig | None:
-    if not q:
-        return None
-    method = q.get("quant_method", "fp8")
-    if method != "fp8":
-        raise ConfigError(f"quantization_config.quant_method: only 'fp8', got {method!r}")
-    block = tuple(q.get("weight_block_size", (128, 128)))
-    if len(block) != 2:
-        raise ConfigError(f"quantization_config.weight_block_size: expected 2 ints, got {block}")
-    return QuantConfig(fmt=q.get("fmt", "e4m3"), scale_fmt=q.get("scale_fmt", "ue8m0"),
-                       weight_block_size=(int(block[0]), int(block[1])))
 
 
-def read_model_config(path: str | Path) -> ModelConfig:
-    """A checkpoint directory's config.json (or that file itself) -> ModelConfig."""
+def read_model_config(path: str | Path) -> ModelConfig | V41Config:
+    """A checkpoint directory's config.json (or that file itself) -> ModelConfig, or a
+    V41Config for `deepseek_v41` / `deepseek_v41_text` (config/hf_v41.py)."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
@@ -325,8 +244,21 @@ def read_model_config(path: str | Path) -> ModelConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     try:
+        if raw.get("model_type") in V41_MODEL_TYPES:
+            return parse_v41_config(raw)
         return parse_hf_config(raw)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
     except (TypeError, ValueError, KeyError) as e:   # a field of the wrong type or form
         raise ConfigError(f"{path}: {type(e).__name__}: {e}") from None
+
+
+def read_served_model_config(path: str | Path) -> ModelConfig:
+    """read_model_config for the engine and the `Model` API, which serve the V4 family only:
+    a V4.1 config is refused by name rather than failing later on a missing field."""
+    cfg = read_model_config(path)
+    if isinstance(cfg, V41Config):
+        raise ConfigError(f"{path}: DeepSeek-V4.1 is read (config, weights) and has a cache-free "
+                          f"reference forward (deepinfer_jax/model/v41/forward.py), but the "
+                          f"engine and the Model API do not serve it yet (issue 36)")
+    return cfg

@@ -56,6 +56,34 @@ class QuantConfig:
     weight_block_size: tuple[int, int] = (128, 128)
 
 
+def need(cond: bool, field: str, why: str) -> None:
+    if not cond:
+        raise ConfigError(f"{field}: {why}")
+
+
+def check_shared_fields(cfg, positive: tuple[str, ...] = ()) -> None:
+    """The checks of the fields ModelConfig and V4.1's V41Config share (plus `positive`, more
+    fields that must be > 0)."""
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim",
+                 "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "hc_mult",
+                 "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+                 "index_n_heads", "index_head_dim", "index_topk") + positive:
+        need(getattr(cfg, name) > 0, name, f"must be > 0, got {getattr(cfg, name)}")
+    need(0 < cfg.rope_head_dim <= cfg.head_dim and cfg.rope_head_dim % 2 == 0,
+         "qk_rope_head_dim", f"must be even and in (0, head_dim={cfg.head_dim}], "
+         f"got {cfg.rope_head_dim}")
+    need(cfg.index_head_dim >= cfg.rope_head_dim, "index_head_dim",
+         f"must be >= qk_rope_head_dim={cfg.rope_head_dim} (the indexer ropes that slice)")
+    need((cfg.num_heads * cfg.head_dim) % cfg.o_groups == 0, "o_groups",
+         f"must divide num_attention_heads * head_dim = {cfg.num_heads * cfg.head_dim}")
+    need(cfg.num_heads % cfg.o_groups == 0, "o_groups",
+         f"must divide num_attention_heads={cfg.num_heads}")
+    need(cfg.num_experts_per_tok <= cfg.n_routed_experts, "num_experts_per_tok",
+         f"{cfg.num_experts_per_tok} > n_routed_experts={cfg.n_routed_experts}")
+    need(cfg.n_shared_experts >= 0, "n_shared_experts", "must be >= 0")
+    need(cfg.hc_sinkhorn_iters >= 1, "hc_sinkhorn_iters", "must be >= 1")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
@@ -98,33 +126,11 @@ class ModelConfig:
     quantization: QuantConfig | None = None
 
     def __post_init__(self):
-        def need(cond: bool, field: str, why: str):
-            if not cond:
-                raise ConfigError(f"{field}: {why}")
-
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim",
-                     "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "hc_mult",
-                     "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
-                     "index_n_heads", "index_head_dim", "index_topk",
-                     "compress_rate_csa", "compress_rate_hca"):
-            need(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+        check_shared_fields(self, ("compress_rate_csa", "compress_rate_hca"))
         need(len(self.layer_types) == self.num_layers, "layer_types",
              f"has {len(self.layer_types)} entries for num_hidden_layers={self.num_layers}")
         need(len(self.mlp_types) == self.num_layers, "mlp_layer_types",
              f"has {len(self.mlp_types)} entries for num_hidden_layers={self.num_layers}")
-        need(0 < self.rope_head_dim <= self.head_dim and self.rope_head_dim % 2 == 0,
-             "qk_rope_head_dim", f"must be even and in (0, head_dim={self.head_dim}], "
-             f"got {self.rope_head_dim}")
-        need(self.index_head_dim >= self.rope_head_dim, "index_head_dim",
-             f"must be >= qk_rope_head_dim={self.rope_head_dim} (the indexer ropes that slice)")
-        need((self.num_heads * self.head_dim) % self.o_groups == 0, "o_groups",
-             f"must divide num_attention_heads * head_dim = {self.num_heads * self.head_dim}")
-        need(self.num_heads % self.o_groups == 0, "o_groups",
-             f"must divide num_attention_heads={self.num_heads}")
-        need(self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok",
-             f"{self.num_experts_per_tok} > n_routed_experts={self.n_routed_experts}")
-        need(self.n_shared_experts >= 0, "n_shared_experts", "must be >= 0")
-        need(self.hc_sinkhorn_iters >= 1, "hc_sinkhorn_iters", "must be >= 1")
         need(self.num_mtp_layers >= 0, "num_nextn_predict_layers", "must be >= 0")
 
     # ---- derived values -------------------------------------------------------------------

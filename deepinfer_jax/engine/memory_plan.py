@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from deepinfer_jax.config.hf import read_model_config
+from deepinfer_jax.config.hf import read_served_model_config
 from deepinfer_jax.config.host import HostOptions
 from deepinfer_jax.config.memory import (
     MemoryLimits,
@@ -161,7 +161,7 @@ def check_checkpoint_fits(path, limits: MemoryLimits, quantized: bool = True) ->
     """Before a checkpoint loads: its weights counted from its config.json (quantized where
     the checkpoint is and the load keeps it so), which must fit the budget. The exact check
     follows once they are loaded (`engine_plan`)."""
-    cfg = read_model_config(path)
+    cfg = read_served_model_config(path)
     weights = weight_bytes(abstract_params(cfg, quantized=quantized and cfg.quantization is not None))
     check_weights(weights, limits.device_bytes, limits.utilization, f" of {path}")
 

@@ -1,0 +1,73 @@
+"""The QAT fake quantization that is part of V4.1's numerics (section 8 of the architecture
+notes): values are rounded onto the FP8 / FP4 grid and back, in float32, where the reference
+rounds them; a last dimension that is not a multiple of the block is left as is (the
+reference's rule, which only tiny configs meet).
+
+* window K=V after RoPE: FP8 e4m3, 32-channel blocks, power-of-two (ue8m0) scales;
+* compressed KV after RoPE: FP4 e2m1, 16-channel blocks, e4m3 scales;
+* indexer keys and queries after RoPE: FP4 e2m1, 32-channel blocks, ue8m0 scales.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+_FP4_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Midpoints between grid values; round-to-nearest-even sends a tie to the even code, i.e. up
+# at the odd-code boundaries (0.75, 1.75, 3.5) and down at the others.
+_FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_FP4_TIES_UP = (False, True, False, True, False, True, False)
+
+
+def pow2_ceil(t: jax.Array) -> jax.Array:
+    """2^ceil(log2 t) for float32 t > 0, from the IEEE bits (exact, as the reference's)."""
+    bits = jax.lax.bitcast_convert_type(t.astype(jnp.float32), jnp.int32)
+    exponent = (bits >> 23) & 0xFF
+    k = exponent - 127 + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
+    # Built from its exponent bits: XLA's exp2 is not exact for negative k. Every caller
+    # clamps t to >= 2^-126, so the result is a normal float.
+    return jax.lax.bitcast_convert_type((jnp.clip(k, -126, 127) + 127) << 23, jnp.float32)
+
+
+def _blocks(x: jax.Array, block: int) -> jax.Array:
+    return x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def fake_quant_fp8(x: jax.Array, block: int = 32) -> jax.Array:
+    """[..., n] -> the same values after an e4m3 round trip with ue8m0 block scales."""
+    if x.shape[-1] % block:
+        return x
+    b = _blocks(x, block)
+    amax = jnp.maximum(jnp.abs(b).max(-1, keepdims=True), 1e-4)
+    scale = pow2_ceil(amax * (1.0 / FP8_MAX))
+    q = jnp.clip(b / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    return (q * scale).reshape(x.shape).astype(x.dtype)
+
+
+def round_e2m1(q: jax.Array) -> jax.Array:
+    """float32 values already within [-6, 6] -> the nearest e2m1 value (ties to even code)."""
+    magnitude = jnp.abs(q)
+    mids = jnp.array(_FP4_MIDPOINTS, jnp.float32)
+    thresholds = jnp.where(jnp.array(_FP4_TIES_UP), mids, jnp.nextafter(mids, jnp.inf))
+    code = (magnitude[..., None] >= thresholds).sum(-1)
+    value = jnp.array(_FP4_GRID, jnp.float32)[code]
+    return jnp.where(jnp.signbit(q), -value, value)
+
+
+def fake_quant_fp4(x: jax.Array, block: int, e4m3_scales: bool = False) -> jax.Array:
+    """[..., n] -> the same values after an e2m1 round trip with per-block scales: e4m3
+    (compressed KV, block 16) or ue8m0 (indexer, block 32)."""
+    if x.shape[-1] % block:
+        return x
+    b = _blocks(x, block)
+    amax = jnp.abs(b).max(-1, keepdims=True)
+    if e4m3_scales:
+        scale = (jnp.maximum(amax, FP4_MAX * 2.0**-9) / FP4_MAX).astype(jnp.float8_e4m3fn)
+        scale = scale.astype(jnp.float32)
+    else:
+        scale = pow2_ceil(jnp.maximum(amax, FP4_MAX * 2.0**-126) * (1.0 / FP4_MAX))
+    q = round_e2m1(jnp.clip(b / scale, -FP4_MAX, FP4_MAX))
+    return (q * scale).reshape(x.shape).astype(x.dtype)
