@@ -145,10 +145,6 @@ class EngineConfig:
                                           batch_invariant=self.batch_invariant,
                                           invariant_tile=self.invariant_tile, environ=environ)
         self.parallel.check(model, device.device_count, device.process_count)
-        if self.parallel.dp > 1 and self.speculative_config:
-            raise EngineConfigError(f"parallel dp={self.parallel.dp}: speculative decoding is "
-                                    f"not built for data-parallel attention yet; turn it off "
-                                    f"or use dp=1")
         compute = dataclasses.replace(compute, parallel=self.parallel)
         return StepConfig(
             max_num_seqs=self.max_num_seqs, max_model_len=max_model_len,

@@ -121,7 +121,8 @@ def draft(params: ModelParams, state: StateCache, plan, streams: Array, next_tok
             # skipped once no row wants this many drafts (large batches draft little), where
             # skipping does not stall the host; rows past their cap write nothing and their
             # drafts are ignored
-            z_row, mtp_state = skip_unless(step_cfg.compute.launch_bound, jnp.any(ctx1.valid), again,
+            z_row, mtp_state = skip_unless(step_cfg.compute.launch_bound,
+                                           any_rank(jnp.any(ctx1.valid), step_cfg), again,
                                            lambda z, t, st: (z, st), z_row, token, mtp_state)
         logits = project_logits(z_row, mp.hc_head, mp.norm, params.head, cfg,
                                 step_cfg.compute)                                      # [N, V]
@@ -177,3 +178,13 @@ def spec_step(params: ModelParams, state: StateCache, plan, *, cfg: ModelConfig,
         new_tokens=new, num_new=jnp.where(plan.seq_samples, accepted + 1, 0), drafts=drafts,
         num_drafts=num_drafts.astype(jnp.int32), logprob=lp.logprob.reshape(n, s),
         top_ids=lp.top_ids.reshape(n, s, l_), top_logprobs=lp.top_logprobs.reshape(n, s, l_))
+
+
+def any_rank(needed: jax.Array, step_cfg: StepConfig) -> jax.Array:
+    """`needed` of one data-parallel rank -> whether any rank needs the work. Inside the
+    step's per-rank map (parallel/mesh.py over_ranks) a branch must go the same way on every
+    rank: the work holds collectives (the MoE's exchange over "dp"), which would wait forever
+    for a rank that skipped them."""
+    if step_cfg.compute.parallel.dp == 1:
+        return needed
+    return jax.lax.psum(needed.astype(jnp.int32), "dp") > 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from deepinfer_jax.config.step import StepConfig
-from deepinfer_jax.contract import StepOutput
+from deepinfer_jax.contract import SpecStepOutput, StepOutput
 from deepinfer_jax.host.decision import Restore, ScheduleDecision, ScheduledSeq, SnapshotSave
 from deepinfer_jax.host.prefix_cache import PrefixCacheStats
 from deepinfer_jax.host.request import Request
@@ -25,11 +25,13 @@ from deepinfer_jax.host.scheduler import Scheduler
 
 @dataclasses.dataclass(frozen=True)
 class RankedDecision:
-    """One step's decisions, a rank's each (rank order). Plain steps only: speculation is
-    refused with data-parallel ranks for now (config/engine.py)."""
+    """One step's decisions, a rank's each (rank order), all plain or all speculative."""
 
     ranks: tuple[ScheduleDecision, ...]
-    speculative = False
+
+    @property
+    def speculative(self) -> bool:
+        return self.ranks[0].speculative
 
     @property
     def restores(self) -> tuple[tuple[Restore, ...], ...]:
@@ -106,9 +108,15 @@ class RankedScheduler:
 
     # ---- the two verbs --------------------------------------------------------------------
     def schedule(self) -> RankedDecision:
-        return RankedDecision(tuple(scheduler.schedule() for scheduler in self.ranks))
+        """Every rank's decision for one step. The ranks run one program, so the step is
+        speculative only where every rank with requests would speculate (its batch leaves
+        room in its verify budget); otherwise all run the plain step."""
+        busy = [scheduler for scheduler in self.ranks if scheduler.has_work()]
+        speculate = all(scheduler.draft_cap() > 0 for scheduler in busy)
+        return RankedDecision(tuple(scheduler.schedule(speculate) for scheduler in self.ranks))
 
-    def postprocess(self, decision: RankedDecision, outputs: list[StepOutput]) -> list[Request]:
+    def postprocess(self, decision: RankedDecision, outputs: list[StepOutput | SpecStepOutput]
+                    ) -> list[Request]:
         """`outputs`: the step's output per rank, in rank order."""
         return [req for scheduler, rank_decision, output in
                 zip(self.ranks, decision.ranks, outputs, strict=True)

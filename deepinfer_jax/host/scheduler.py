@@ -81,11 +81,13 @@ class Scheduler:
         return None
 
     # ---- the two verbs --------------------------------------------------------------------
-    def schedule(self) -> ScheduleDecision:
+    def schedule(self, speculate: bool = True) -> ScheduleDecision:
         """The next step, booked as launched (see the module docstring): the caller launches
-        it before the next `schedule()` and hands its output to `postprocess`."""
+        it before the next `schedule()` and hands its output to `postprocess`. speculate
+        False: a plain step even where the batch would speculate (data-parallel ranks share
+        one step, host/ranks.py)."""
         self.kv_cache.cache_completed()
-        cap = self._draft_cap(len(self.running) + min(len(self.waiting), len(self._free_slots)))
+        cap = self.draft_cap() if speculate else 0
         speculative = cap > 0
         scheduled, budget = self._schedule_running(cap, speculative)
         restores = self._admit(cap, speculative, budget, scheduled)
@@ -216,6 +218,11 @@ class Scheduler:
             if aligned > req.num_computed:
                 n = aligned - req.num_computed
         return n
+
+    def draft_cap(self) -> int:
+        """Drafts per row for the next step (0: a plain step), from the requests that would
+        run in it."""
+        return self._draft_cap(len(self.running) + min(len(self.waiting), len(self._free_slots)))
 
     def _draft_cap(self, batch: int) -> int:
         """Drafts per row for the next step: the verify-token budget shared by the batch's

@@ -56,7 +56,9 @@ def run(model, prompts, parallel, batch_invariant, passes=1, **options):
              if batch_invariant else None)
     mesh_devices = 1 if llm.engine.mesh is None else llm.engine.mesh.size
     expert_leaf = jax.tree.leaves(llm.engine.params.layers[0].moe.experts)[0]
+    spec = llm.spec_metrics
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "drafted": None if spec is None else spec.drafted,
             "logprobs": [_logprobs(o) for o in outs], "alone_logprobs": alone,
             "mesh_devices": mesh_devices,
             "planned_weight_bytes": llm.engine.memory_plan.weights,
@@ -71,11 +73,15 @@ def run(model, prompts, parallel, batch_invariant, passes=1, **options):
 def main() -> None:
     """argv: CONFIG[:invariant][:long][:prefix] and mesh shapes "dp,ep,tp" or "dp,ep,tp,cp";
     ":long" adds a 440-token prompt (seven 64-token prefill chunks); ":prefix" serves three
-    prompts sharing a 192-token prefix twice with prefix caching on."""
+    prompts sharing a 192-token prefix twice with prefix caching on; ":spec" keeps the MTP
+    block and speculates with up to 2 drafts."""
     config, shapes = sys.argv[1], sys.argv[2:]
     flags = config.split(":")[1:]
     batch_invariant, long, prefix = "invariant" in flags, "long" in flags, "prefix" in flags
-    cfg = read_model_config(REPO / config.split(":")[0]).replace(num_mtp_layers=0)
+    speculative = "spec" in flags
+    cfg = read_model_config(REPO / config.split(":")[0])
+    if not speculative:
+        cfg = cfg.replace(num_mtp_layers=0)
     model = deepinfer_jax.Model(cfg, deepinfer_jax.random_params(cfg, 5, jnp.float32))
     rng = np.random.default_rng(0)
     lengths = (440, 30, 130) if long else (30, 130, 75)
@@ -85,6 +91,8 @@ def main() -> None:
         shared = rng.integers(2, cfg.vocab_size, 192).tolist()
         prompts = [shared + rng.integers(2, cfg.vocab_size, n).tolist() for n in (20, 70, 45)]
         options = {"passes": 2, "enable_prefix_caching": True}
+    if speculative:
+        options = {"speculative_config": {"num_speculative_tokens": 2, "varlen": False}}
     results = {"single": run(model, prompts, None, batch_invariant, **options)}
     for shape in shapes:
         sizes = dict(zip(("dp", "ep", "tp", "cp"), map(int, shape.split(","))))
