@@ -31,13 +31,6 @@ jax.config.update("jax_cpu_enable_async_dispatch", False)   # (before the CPU cl
 # threads always leave the last one room; more cost the other tests time on two cores (two test
 # files: 99 s with 2 threads, 106 s with 4, 123 s with 8). Larger machines keep a thread a core.
 os.environ.setdefault("PJRT_NPROC", str(max(4, os.cpu_count() or 1)))
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # Under `make test`'s workers (one per core) each compiles one step at a time. Side by
-    # side they added nothing the other worker was not already using, and one CI run had a
-    # worker die with a segfault in XLA's executable serialization (jax's persistent-cache
-    # write, compilation_cache.put_executable_and_time) after compiling steps side by side:
-    # not reproduced, one source of concurrency fewer.
-    os.environ.setdefault("DEEPINFER_COMPILE_THREADS", "1")
 ORACLE_DIR = Path(os.environ.get("DEEPINFER_ORACLE_DIR", REPO / ".cache" / "oracle"))
 ORACLE_CASES = ("tiny-mixed", "tiny-sigmoid", "tiny-legacy")
 # The two tiny DeepSeek-V4.1 checkpoints with transformers-main reference outputs (issue 36),
@@ -99,12 +92,16 @@ def pytest_runtest_makereport(item, call):
 # pytest-timeout's signal method needs the main thread back in Python; a test stuck inside
 # XLA (a futex wait) never returns there, and one CI run's worker sat so until CI's 90 min ran
 # out. Past this the watchdog thread of faulthandler prints every thread's stack and ends the
-# process: xdist reports the test as failed ("node down") and goes on without it.
+# process: xdist reports the test as failed ("node down") and goes on without it. Armed around
+# the whole of a test's protocol, so that a module fixture's set-up (an engine compiled for
+# the test file) is covered too.
 HARD_TIMEOUT_S = 1200
 
 
-@pytest.fixture(autouse=True)
-def _hard_timeout():
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
     faulthandler.dump_traceback_later(HARD_TIMEOUT_S, exit=True, file=sys.stderr)
-    yield
-    faulthandler.cancel_dump_traceback_later()
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()

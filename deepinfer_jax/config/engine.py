@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Mapping
 
 from deepinfer_jax.config import options
@@ -187,6 +186,4 @@ class EngineConfig:
             async_scheduling=self.async_scheduling and step.speculative is None,
             launch_thread=self.launch_thread, seed=self.seed,
             grammar_compile_timeout_s=self.grammar_compile_timeout_s,
-            compile_threads=options.compile_threads(self.compile_threads,
-                                                    step.compute.formulation,
-                                                    os.cpu_count() or 1, environ))
+            compile_threads=options.compile_threads(self.compile_threads, environ))

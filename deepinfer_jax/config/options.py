@@ -80,15 +80,13 @@ def speculative_from_environment(environ: Mapping[str, str] | None = None) -> di
             "num_speculative_tokens": int(env.get("DEEPINFER_USE_NEXTN_DECODE") or 5)}
 
 
-def compile_threads(given: int | None, formulation: str, cpu_count: int,
-                    environ: Mapping[str, str] | None = None) -> int:
-    """Buckets compiled at once: one per core on the CPU; one on GPUs, where XLA times
-    candidate GEMMs on the device while it compiles and concurrent timings would disturb
-    each other."""
+def compile_threads(given: int | None, environ: Mapping[str, str] | None = None) -> int:
+    """Buckets compiled at once: one unless asked. On GPUs XLA times candidate GEMMs on the
+    device while it compiles, and concurrent timings disturb each other; on the CPU, XLA's
+    client crashed the process (segfaults in the compiler, an abort serializing) three times
+    in CI runs with buckets compiling side by side on pool threads, and never with one."""
     forced = given or _environ(environ).get("DEEPINFER_COMPILE_THREADS")
-    if forced:
-        return max(1, int(forced))
-    return 1 if formulation == "gpu" else max(1, cpu_count)
+    return max(1, int(forced)) if forced else 1
 
 
 # vLLM's default share of a GPU's memory for weights, activations and the cache.

@@ -228,8 +228,9 @@ def _build(params, state, cfg, step_cfg, host, speculative, keys, plan_wires, pl
     after they all compiled, before any runs."""
     launch_bound = step_cfg.compute.launch_bound
     ranks = step_cfg.compute.parallel.dp
-    # Tracing and lowering is Python (one at a time); XLA's compile releases the GIL and is
-    # mostly single-threaded per module, so on the CPU the buckets compile side by side.
+    # Tracing and lowering is Python (one at a time); XLA's compile releases the GIL, so
+    # host.compile_threads > 1 compiles buckets side by side (config/options.py says why the
+    # default is one).
     lowered, wires = {}, {}
     kind = "speculative steps" if speculative else "steps"
     out_shardings = step_out_shardings(state)     # None: jit's own choice (None would replicate)
@@ -255,16 +256,22 @@ def _build(params, state, cfg, step_cfg, host, speculative, keys, plan_wires, pl
     progress = tqdm(total=len(keys), unit="step", disable=not host.show_progress,
                     desc=f"compiling {kind}")
     compiled = {}
-    with ThreadPoolExecutor(min(len(keys), host.compile_threads)) as pool:
-        futures = {pool.submit(lowered[key].compile, compiler_options=options): key
-                   for key in keys}
-        for future in as_completed(futures):
-            key = futures[future]
-            executable = future.result()
-            compiled[key] = CompiledStep(executable, *wires[key], launch_bound, ranks,
-                                         _plan_sharding(executable))
-            progress.set_postfix(tokens=key[0])
-            progress.update()
+
+    def done(key, executable):
+        compiled[key] = CompiledStep(executable, *wires[key], launch_bound, ranks,
+                                     _plan_sharding(executable))
+        progress.set_postfix(tokens=key[0])
+        progress.update()
+
+    if host.compile_threads == 1:       # on this thread: no compile ever beside another
+        for key in keys:
+            done(key, lowered[key].compile(compiler_options=options))
+    else:
+        with ThreadPoolExecutor(min(len(keys), host.compile_threads)) as pool:
+            futures = {pool.submit(lowered[key].compile, compiler_options=options): key
+                       for key in keys}
+            for future in as_completed(futures):
+                done(futures[future], future.result())
     progress.close()
     # Written once every compile has ended: XLA's CPU client aborted the process serializing
     # one executable while the pool compiled the next (a CI run, in step_cache.store; an

@@ -77,7 +77,6 @@ def test_bad_values_are_named():
 
 
 def test_compile_threads():
-    assert compile_threads(None, "cpu", 2, environ={}) == 2
-    assert compile_threads(None, "gpu", 16, environ={}) == 1
-    assert compile_threads(None, "gpu", 16, environ={"DEEPINFER_COMPILE_THREADS": "3"}) == 3
-    assert compile_threads(5, "gpu", 16, environ={"DEEPINFER_COMPILE_THREADS": "3"}) == 5
+    assert compile_threads(None, environ={}) == 1
+    assert compile_threads(None, environ={"DEEPINFER_COMPILE_THREADS": "3"}) == 3
+    assert compile_threads(5, environ={"DEEPINFER_COMPILE_THREADS": "3"}) == 5
