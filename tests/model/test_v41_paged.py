@@ -59,7 +59,8 @@ def _engram_ids(plan, reqs, seqs, cfg, ref, tables) -> np.ndarray:
 
 @functools.lru_cache(maxsize=4)
 def run_paged(folder, chunk: int = CHUNK):
-    """-> (per prompt: logits f32[len, V] of its prompt tokens, greedy tokens, per prompt the
+    """-> (per prompt: logits f32[len, V] of its prompt tokens, then the logits f32[12, V] that
+    chose each generated token; greedy tokens; per prompt the
     top-k i32[len, k] of its prompt tokens per index source layer, and the candidate source's
     blocks bool[len, R] under the key "candidates")."""
     cfg, params, ref = case(folder)
@@ -71,6 +72,7 @@ def run_paged(folder, chunk: int = CHUNK):
     reqs = [Request(str(r), p, SamplingParams(), r) for r, p in enumerate(prompts)]
     computed = [0] * len(reqs)
     logits = [np.zeros((len(p), cfg.vocab_size), np.float32) for p in prompts]
+    sampled = [[] for _ in prompts]
     top_k = [{i: [None] * len(p) for i in (*cfg.index_source_layer_ids, "candidates")}
              for p in prompts]
     while any(len(r.generated) < steps for r in reqs):
@@ -98,8 +100,9 @@ def run_paged(folder, chunk: int = CHUNK):
                     top_k[r][i][prompt_part] = chosen[i][span][:n_prompt]
             computed[r] += seq.num_tokens
             if seq.samples:
+                sampled[r].append(out[span][-1])
                 reqs[r].generated.append(int(out[span][-1].argmax()))
-    return logits, np.array([r.generated for r in reqs]), top_k
+    return (logits, np.array(sampled)), np.array([r.generated for r in reqs]), top_k
 
 
 @pytest.mark.parametrize("folder", FIXTURES, ids=["a", "b"])
@@ -115,10 +118,23 @@ def test_paged_prompt_logits_match_each_prompt_alone(folder):
     """Within 1e-4 of `logits_single` on at least 99% of the prompt positions; the rest are the
     isolated fake-quantization flips the fixtures' README describes (bounded)."""
     _, _, ref = case(folder)
-    logits, _, _ = run_paged(folder)
+    (logits, _), _, _ = run_paged(folder)
     err = np.concatenate([np.abs(got - ref["logits_single"][r, -len(got):]).max(-1)
                           for r, got in enumerate(logits)])
     assert (err > 1e-4).mean() <= 0.01 and err.max() < 1e-2, np.sort(err)[-5:]
+
+
+@pytest.mark.parametrize("folder", FIXTURES, ids=["a", "b"])
+def test_paged_decode_logits_match_a_reference_step(folder):
+    """The logits that chose each generated token, within 1e-4 of the reference's cached step
+    (`gen_logits`) or of its cache-free recomputation (`gen_logits_nocache`): the two differ
+    from each other by isolated fake-quantization flips (README), and the paged step may land
+    on either side of one."""
+    _, _, ref = case(folder)
+    (_, sampled), _, _ = run_paged(folder)
+    err = np.minimum(np.abs(sampled - ref["gen_logits"]).max(-1),
+                     np.abs(sampled - ref["gen_logits_nocache"]).max(-1))
+    assert err.max() < 1e-4, err
 
 
 @pytest.mark.parametrize("folder", FIXTURES, ids=["a", "b"])

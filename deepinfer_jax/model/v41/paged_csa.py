@@ -54,10 +54,12 @@ def _closing_tokens(ctx: TokenContext, ratio: int, max_new: int) -> tuple[Array,
 
 
 def close_groups(x: Array, p: V41CompressorParams, tail: GroupTail | None, ctx: TokenContext,
-                 ratio: int, cfg: V41Config) -> tuple[Array, Array, Array, GroupTail | None]:
+                 ratio: int, cfg: V41Config, order_free: bool
+                 ) -> tuple[Array, Array, Array, Array, GroupTail | None]:
     """x f32[T, D] (the normed attention input) -> (latents f32[n, hd] before RoPE, their
     entry index i32[n], closing token i32[n], real bool[n], the tail with this step's tokens).
-    The pooling is the cache-free `csa.compress`'s, group by group."""
+    The pooling is the cache-free `csa.compress`'s, group by group (order_free: the ring
+    writes' indices declared unique, as `ragged.write_ring` says)."""
     num_tokens = x.shape[0]
     kv = x @ p.wkv
     if ratio == 1:   # every token is its own group: no gate, no tail
@@ -76,8 +78,8 @@ def close_groups(x: Array, p: V41CompressorParams, tail: GroupTail | None, ctx: 
     grouped = jnp.concatenate([kv, tail.kv.reshape(-1, kv.shape[-1])])[index]   # [n, ratio, hd]
     logits = jnp.concatenate([gate, tail.gate.reshape(-1, gate.shape[-1])])[index]
     latent = jnp.sum(grouped * jax.nn.softmax(logits, axis=1), axis=1)
-    tail = GroupTail(kv=write_ring(tail.kv, kv, ctx, False),
-                     gate=write_ring(tail.gate, gate, ctx, False))
+    tail = GroupTail(kv=write_ring(tail.kv, kv.astype(tail.kv.dtype), ctx, order_free),
+                     gate=write_ring(tail.gate, gate.astype(tail.gate.dtype), ctx, order_free))
     return rms_norm(latent, p.norm, cfg.rms_norm_eps), row, closer, real, tail
 
 
@@ -85,17 +87,20 @@ def publish(x: Array, p: V41AttentionParams, ls: V41LayerState, ctx: TokenContex
             compress_freqs: np.ndarray, cfg: V41Config, step_cfg: StepConfig) -> V41LayerState:
     """A KV source: close this step's groups, write their entries (and, at an index source,
     their indexer keys) into the sequence's pages."""
-    latent, row, closer, real, tail = close_groups(x, p.compressor, ls.tail, ctx, ratio, cfg)
+    order_free = step_cfg.batch_invariant     # each closed entry has its own page row
+    latent, row, closer, real, tail = close_groups(x, p.compressor, ls.tail, ctx, ratio, cfg,
+                                                   order_free)
     rope = cos_sin(row * ratio, compress_freqs)          # a group sits at its first position
     entries = encode_fp4(apply_rope(latent, *rope), ENTRY_BLOCK, e4m3_scales=True)
     dest = row_index(ctx.block_table, ctx.seq[closer], row, ratio, step_cfg.page_size)
     dest = settled(ctx.launch_bound, jnp.where(real, dest, ls.entries.codes.shape[0]))
-    ls = ls.replace(entries=scatter(ls.entries, dest, entries, False), tail=tail)
+    ls = ls.replace(entries=scatter(ls.entries, dest, entries, order_free), tail=tail)
     if ls.index_keys is not None:
         ip = p.indexer
         k = apply_rope(rms_norm(latent @ ip.wk, ip.k_norm, cfg.rms_norm_eps), *rope)
         ls = ls.replace(index_keys=scatter(ls.index_keys, dest,
-                                           encode_fp4(k, KEY_BLOCK, e4m3_scales=False), False))
+                                           encode_fp4(k, KEY_BLOCK, e4m3_scales=False),
+                                           order_free))
     return ls
 
 

@@ -11,7 +11,7 @@ Per layer:
   read the source's pool, so one page of a sequence holds the entries of all its group's layers.
 * index sources that are KV sources: `index_keys`, the indexer keys (FP4 codes + ue8m0 scales
   per 32 channels) in the same rows of the same pages.
-* KV sources with ratio > 1: `tail`, per slot a ring (position mod ratio) of the projected
+* KV sources with ratio > 1: `tail`, per slot a ring (position mod R >= ratio) of the projected
   tokens (kv and gate logits, float32) of the open group, so a group split across steps closes
   with all its tokens. At ratio 1 each token closes its own entry and needs no tail.
 Per slot, `last_tokens`, `prompt_mask` and `output_counts` mean what they mean in V4's
@@ -37,8 +37,8 @@ KEY_BLOCK = 32         # FP4 indexer keys: channels per ue8m0 scale
 
 @struct.dataclass
 class GroupTail:
-    kv: Array        # f32[slots, ratio, hd]  projected tokens of the open group, by position mod ratio
-    gate: Array      # f32[slots, ratio, hd]  their pooling logits
+    kv: Array        # f32[slots, R, hd]  projected tokens of the open group, by position mod R
+    gate: Array      # f32[slots, R, hd]  their pooling logits (R = ratio + spec spare rows)
 
 
 @struct.dataclass
@@ -68,13 +68,15 @@ def check_formats(cfg: V41Config) -> None:
                              f"quantization block {block}")
 
 
-def init_v41_state(cfg: V41Config, step_cfg: StepConfig) -> V41State:
-    """Zeroed state (the formats are fixed: no dtype to choose)."""
+def init_v41_state(cfg: V41Config, step_cfg: StepConfig, dtype=jnp.float32) -> V41State:
+    """Zeroed state. The window and page formats are the reference's and fixed; `dtype` is the
+    open-group tails' (float32, the default, keeps the reference's pooling numerics). With
+    speculation the rings hold `spec_tokens` spare rows, as V4's (model/state.py)."""
     check_formats(cfg)
-    slots, hd = step_cfg.max_num_seqs, cfg.head_dim
+    slots, hd, spare = step_cfg.max_num_seqs, cfg.head_dim, step_cfg.spec_tokens
     layers = []
     for i, ratio in enumerate(cfg.compress_ratios):
-        window = zeros_fp8((slots, cfg.sliding_window + step_cfg.spec_tokens, hd), WINDOW_BLOCK)
+        window = zeros_fp8((slots, cfg.sliding_window + spare, hd), WINDOW_BLOCK)
         entries = keys = tail = None
         if cfg.is_kv_source(i):
             if step_cfg.page_size % ratio:
@@ -86,8 +88,8 @@ def init_v41_state(cfg: V41Config, step_cfg: StepConfig) -> V41State:
                 keys = zeros_fp4((n_rows, cfg.index_head_dim), KEY_BLOCK, e4m3_scales=False)
             if ratio > 1:
                 # Two buffers: the state is donated, and a buffer may be donated only once.
-                tail = GroupTail(kv=jnp.zeros((slots, ratio, hd), jnp.float32),
-                                 gate=jnp.zeros((slots, ratio, hd), jnp.float32))
+                tail = GroupTail(kv=jnp.zeros((slots, ratio + spare, hd), dtype),
+                                 gate=jnp.zeros((slots, ratio + spare, hd), dtype))
         layers.append(V41LayerState(window=window, entries=entries, index_keys=keys, tail=tail))
     return V41State(tuple(layers), last_tokens=jnp.zeros((slots,), jnp.int32),
                     prompt_mask=jnp.zeros((slots, cfg.vocab_size), bool),
