@@ -39,6 +39,7 @@ from deepinfer_jax.model.v41.kv_format import (
 )
 from deepinfer_jax.model.v41.params import V41AttentionParams, V41CompressorParams
 from deepinfer_jax.model.v41.state import ENTRY_BLOCK, KEY_BLOCK, GroupTail, V41LayerState
+from pallas_kernels.indexer import api as indexer_op
 
 Array = jax.Array
 Rope = csa.Rope
@@ -113,7 +114,11 @@ def index_scores(x: Array, q_residual: Array, keys: Fp4Rows, ctx: TokenContext, 
                  p: V41AttentionParams, ratio: int, cfg: V41Config,
                  step_cfg: StepConfig) -> Array:
     """f32[T, R]: each token's scores over its sequence's entries, -inf past what it sees.
-    The keys are gathered once per sequence, then per token (a kernel would not)."""
+
+    V4's indexer op scores the same sum_h w_h * relu(q_h . k) / sqrt(Id) against keys
+    gathered once per sequence, not per token. The FP4 keys and queries are exact in bf16
+    (2-bit mantissas times powers of two), so its bf16 kernel would see the same values."""
+    compute = step_cfg.compute
     max_rows = step_cfg.max_rows(ratio)
     rows = jnp.arange(max_rows)
     n = ctx.block_table.shape[0]
@@ -121,7 +126,10 @@ def index_scores(x: Array, q_residual: Array, keys: Fp4Rows, ctx: TokenContext, 
                                                 ratio, step_cfg.page_size))
     seq_keys = decode_fp4(gather(keys, index))                               # [N, R, Id]
     q, weights = csa.index_queries(x, q_residual, rope, p.indexer, cfg, True)
-    scores = csa.head_sum(jnp.einsum("thd,trd->thr", q, seq_keys[ctx.seq]), weights, cfg)
+    scores = indexer_op.indexer_scores(
+        q, seq_keys, weights, jnp.where(ctx.valid, ctx.seq, -1),
+        implementation=compute.kernels.indexer,
+        row_tile=compute.invariant_tile if compute.batch_invariant else None)
     return jnp.where(rows[None, :] < visible_counts(ctx, ratio)[:, None], scores, -jnp.inf)
 
 
