@@ -140,22 +140,3 @@ def selected_entries(entries: Fp4Rows, selected: Array, ctx: TokenContext, ratio
                       step_cfg.page_size)
     picked = decode_fp4(gather(entries, settled(ctx.launch_bound, index)))
     return picked, (selected >= 0) & ctx.valid[:, None]
-
-
-def attend(q: Array, window: Array, window_visible: Array, picked: Array | None,
-           picked_visible: Array | None, sinks: Array, cfg: V41Config) -> Array:
-    """q [T, H, hd] over its window rows [T, W, hd] (visible bool[T, W]) and, in compressed
-    layers, its chosen entries [T, k, hd], with one sink logit per head -> [T, H, hd]."""
-    scale = cfg.head_dim ** -0.5
-    logits = jnp.einsum("thd,twd->thw", q, window) * scale
-    parts = [jnp.where(window_visible[:, None], logits, -jnp.inf)]
-    if picked is not None:
-        sel = jnp.einsum("thd,tkd->thk", q, picked) * scale
-        parts.append(jnp.where(picked_visible[:, None], sel, -jnp.inf))
-    parts.append(jnp.broadcast_to(sinks[None, :, None], (*q.shape[:2], 1)))
-    probs = jax.nn.softmax(jnp.concatenate(parts, -1), axis=-1)
-    w = window.shape[1]
-    out = jnp.einsum("thw,twd->thd", probs[..., :w], window)
-    if picked is not None:
-        out = out + jnp.einsum("thk,tkd->thd", probs[..., w:-1], picked)
-    return out

@@ -25,6 +25,7 @@ from flax import struct
 
 from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.config.v41 import V41Config
+from deepinfer_jax.model.attention import sink_attention_parts
 from deepinfer_jax.model.norms import rms_norm
 from deepinfer_jax.model.ragged import TokenContext, token_context, window_keys, write_ring
 from deepinfer_jax.model.rope import cos_sin, inv_freq
@@ -121,7 +122,9 @@ def layer_step(p: V41LayerParams, streams: Array, pre: Array, ls: V41LayerState,
         picked, picked_visible = paged_csa.selected_entries(group.entries, group.selected, ctx,
                                                             ratio, step_cfg)
     q = csa.attention_queries(q_residual, rope, attn, cfg)
-    out = paged_csa.attend(q, window, window_visible, picked, picked_visible, attn.sinks, cfg)
+    keys, visible = ((window,), (window_visible,)) if picked is None else (
+        (window, picked), (window_visible, picked_visible))
+    out = sink_attention_parts(q, keys, visible, attn.sinks, step_cfg.compute)
     y = csa.output_projection(out, rope, attn, cfg)
     streams = _one_row(blocks.hc_expand, y, streams, a_post, a_comb)
     f_pre, f_post, f_comb = _one_row(lambda s: blocks.hc_site(s, p.ffn_hc, cfg), streams)
