@@ -57,12 +57,27 @@ def _engram_ids(plan, reqs, seqs, cfg, ref, tables) -> np.ndarray:
     return out
 
 
+def _layout(prompts, steps: int, step_cfg: StepConfig, scattered: bool):
+    """-> (slot of each sequence, its pages)."""
+    if not scattered:
+        return (list(range(len(prompts))),
+                [list(range(r * BLOCKS, (r + 1) * BLOCKS)) for r in range(len(prompts))])
+    pool = np.random.default_rng(0).permutation(step_cfg.num_pages).tolist()
+    pages = []
+    for p in prompts:
+        need = -(-(len(p) + steps) // PAGE)
+        pages.append([pool.pop() for _ in range(need)])
+    return [3, 0, 2][: len(prompts)], pages
+
+
 @functools.lru_cache(maxsize=4)
-def run_paged(folder, chunk: int = CHUNK):
+def run_paged(folder, chunk: int = CHUNK, scattered: bool = False):
     """-> (per prompt: logits f32[len, V] of its prompt tokens, then the logits f32[12, V] that
     chose each generated token; greedy tokens; per prompt the
     top-k i32[len, k] of its prompt tokens per index source layer, and the candidate source's
-    blocks bool[len, R] under the key "candidates")."""
+    blocks bool[len, R] under the key "candidates"). scattered: the sequences get slots out of
+    order and only the pages they need, drawn at random from the pool (the rest of each block
+    table points past it)."""
     cfg, params, ref = case(folder)
     steps = ref["gen_tokens"].shape[1]
     prompts = [ref["input_ids"][r, -n:].tolist() for r, n in enumerate(ref["lengths"])]
@@ -70,6 +85,7 @@ def run_paged(folder, chunk: int = CHUNK):
     tables = engram_hash.hash_tables(cfg.engram)
     state = init_v41_state(cfg, step_cfg)
     reqs = [Request(str(r), p, SamplingParams(), r) for r, p in enumerate(prompts)]
+    slots, pages = _layout(prompts, steps, step_cfg, scattered)
     computed = [0] * len(reqs)
     logits = [np.zeros((len(p), cfg.vocab_size), np.float32) for p in prompts]
     sampled = [[] for _ in prompts]
@@ -82,7 +98,7 @@ def run_paged(folder, chunk: int = CHUNK):
             total = len(reqs[r].tokens)
             n = min(chunk, total - computed[r])
             seqs.append(ScheduledSeq(reqs[r], computed[r], n, samples=computed[r] + n == total,
-                                     slot=r, pages=list(range(r * BLOCKS, (r + 1) * BLOCKS))))
+                                     slot=slots[r], pages=pages[r]))
         plan = build_plan(ScheduleDecision(tuple(seqs)), BUCKET, step_cfg)
         ids = _engram_ids(plan, [reqs[r] for r in live], seqs, cfg, ref, tables)
         state, out, (chosen, candidates) = _step(params, state, plan, plan.token_ids, ids, cfg,
@@ -106,11 +122,22 @@ def run_paged(folder, chunk: int = CHUNK):
 
 
 @pytest.mark.parametrize("folder", FIXTURES, ids=["a", "b"])
-@pytest.mark.parametrize("chunk", [CHUNK, 5])
-def test_paged_greedy_tokens_match_the_reference(folder, chunk):
+@pytest.mark.parametrize("chunk,scattered", [(CHUNK, False), (5, True)])
+def test_paged_greedy_tokens_match_the_reference(folder, chunk, scattered):
     _, _, ref = case(folder)
-    _, tokens, _ = run_paged(folder, chunk)
+    _, tokens, _ = run_paged(folder, chunk, scattered)
     np.testing.assert_array_equal(tokens, ref["gen_tokens"])
+
+
+@pytest.mark.parametrize("folder", FIXTURES, ids=["a", "b"])
+def test_paged_chunking_and_layout_do_not_change_the_logits(folder):
+    """Chunks of 13 in slots 0-2 with contiguous pages, and chunks of 5 in slots 3, 0, 2 with
+    scattered pages, give the same logits (identical on the CPU: one step shape, and each
+    token's row computed alone)."""
+    (prompt_a, sampled_a), _, _ = run_paged(folder)
+    (prompt_b, sampled_b), _, _ = run_paged(folder, 5, True)
+    for a, b in zip([*prompt_a, sampled_a], [*prompt_b, sampled_b]):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("folder", FIXTURES, ids=["a", "b"])
