@@ -16,6 +16,7 @@ Per layer:
   with all its tokens. At ratio 1 each token closes its own entry and needs no tail.
 Per slot, `last_tokens`, `prompt_mask` and `output_counts` mean what they mean in V4's
 StateCache (model/state.py), so the device step's bookkeeping can serve both models.
+What it costs: config/memory_v41.py (checked against this pytree in the tests).
 """
 
 from __future__ import annotations
@@ -24,15 +25,15 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from deepinfer_jax.config.memory_v41 import ENTRY_BLOCK, KEY_BLOCK, WINDOW_BLOCK
 from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.config.v41 import V41Config
 from deepinfer_jax.model.v41.kv_format import Fp4Rows, Fp8Rows, zeros_fp4, zeros_fp8
 
 Array = jax.Array
 
-WINDOW_BLOCK = 32      # FP8 window K=V: channels per ue8m0 scale
-ENTRY_BLOCK = 16       # FP4 compressed entries: channels per e4m3 scale
-KEY_BLOCK = 32         # FP4 indexer keys: channels per ue8m0 scale
+__all__ = ["ENTRY_BLOCK", "KEY_BLOCK", "WINDOW_BLOCK", "GroupTail", "V41LayerState", "V41State",
+           "check_formats", "init_v41_state"]
 
 
 @struct.dataclass
