@@ -70,34 +70,46 @@ def index_keys(latent: jax.Array, rope: Rope, p: V41IndexerParams, cfg: V41Confi
     return fake_quant_fp4(k, 32) if quant else k
 
 
+def index_queries(x: jax.Array, q_residual: jax.Array, rope: Rope, p: V41IndexerParams,
+                  cfg: V41Config, quant: bool) -> tuple[jax.Array, jax.Array]:
+    """Per token (any leading axes): (roped queries f32[..., IH, Id], head weights f32[..., IH])."""
+    ih, idim = cfg.index_n_heads, cfg.index_head_dim
+    q = apply_rope((q_residual @ p.wq_b).reshape(*x.shape[:-1], ih, idim), rope[0][..., None, :],
+                   rope[1][..., None, :])
+    q = fake_quant_fp4(q, 32) if quant else q
+    return q, (x @ p.weights_proj) * ih ** -0.5
+
+
+def head_sum(dots: jax.Array, weights: jax.Array, cfg: V41Config) -> jax.Array:
+    """dots f32[..., IH, G] (q_h . k), weights f32[..., IH] -> sum_h w_h * relu(dot) * Id^-0.5."""
+    per_head = jax.nn.relu(dots) * cfg.index_head_dim ** -0.5
+    return jnp.sum(per_head * weights[..., None], axis=-2)
+
+
 def index_scores(x: jax.Array, q_residual: jax.Array, keys: jax.Array, visible: jax.Array,
                  rope: Rope, p: V41IndexerParams, cfg: V41Config, quant: bool) -> jax.Array:
     """f32[B, S, G]: sum_h w_h * relu(q_h . k) * Id^-0.5, -inf past each query's visible count
     (visible i32[B, S])."""
-    b, s, _ = x.shape
-    ih, idim = cfg.index_n_heads, cfg.index_head_dim
-    q = apply_rope((q_residual @ p.wq_b).reshape(b, s, ih, idim), rope[0][:, :, None],
-                   rope[1][:, :, None])
-    q = fake_quant_fp4(q, 32) if quant else q
-    weights = (x @ p.weights_proj) * ih ** -0.5
-    per_head = jax.nn.relu(jnp.einsum("bshd,btd->bsht", q, keys)) * idim ** -0.5
-    scores = jnp.sum(per_head * weights[..., None], axis=2)
+    q, weights = index_queries(x, q_residual, rope, p, cfg, quant)
+    scores = head_sum(jnp.einsum("bshd,btd->bsht", q, keys), weights, cfg)
     entry = jnp.arange(keys.shape[1])
     return jnp.where(entry[None, None, :] < visible[..., None], scores, -jnp.inf)
 
 
 def candidate_blocks(scores: jax.Array, visible: jax.Array, cfg: V41Config) -> jax.Array:
-    """Level one: bool[B, S, G], the best `candidate_topk_blocks` blocks of
-    `candidate_block_size` entries per query (block score: its best entry); the block holding
-    the newest visible entry is always kept, unreachable blocks never."""
+    """Level one: bool[..., G] (scores f32[..., G], visible i32[...]), the best
+    `candidate_topk_blocks` blocks of `candidate_block_size` entries per query (block score:
+    its best entry); the block holding the newest visible entry is always kept, unreachable
+    blocks never."""
     g, size = scores.shape[-1], cfg.candidate_block_size
-    padded = jnp.pad(scores, ((0, 0), (0, 0), (0, -g % size)), constant_values=-jnp.inf)
-    blocks = padded.reshape(*scores.shape[:-1], -1, size).max(-1)           # [B, S, nb]
+    pad = ((0, 0),) * (scores.ndim - 1) + ((0, -g % size),)
+    padded = jnp.pad(scores, pad, constant_values=-jnp.inf)
+    blocks = padded.reshape(*scores.shape[:-1], -1, size).max(-1)           # [..., nb]
     newest = (visible - 1) // size
     blocks = jnp.where(jnp.arange(blocks.shape[-1]) == newest[..., None], jnp.inf, blocks)
     values, picked = jax.lax.top_k(blocks, min(cfg.candidate_topk_blocks, blocks.shape[-1]))
     chosen = jax.nn.one_hot(picked, blocks.shape[-1], dtype=bool) & (values > -jnp.inf)[..., None]
-    keep = jnp.any(chosen, axis=-2)                                          # [B, S, nb]
+    keep = jnp.any(chosen, axis=-2)                                          # [..., nb]
     return jnp.repeat(keep, size, axis=-1)[..., :g]
 
 
@@ -105,6 +117,27 @@ def top_k_entries(scores: jax.Array, k: int) -> jax.Array:
     """Level two: i32[B, S, min(k, G)] best entries per query, -1 where fewer are reachable."""
     values, picked = jax.lax.top_k(scores, min(k, scores.shape[-1]))
     return jnp.where(values > -jnp.inf, picked, -1)
+
+
+def attention_queries(q_residual: jax.Array, rope: Rope, p: V41AttentionParams,
+                      cfg: V41Config) -> jax.Array:
+    """Per token (any leading axes): roped queries [..., H, hd]."""
+    q = (q_residual @ p.wq_b).reshape(*q_residual.shape[:-1], cfg.num_heads, cfg.head_dim)
+    return apply_rope(q, rope[0][..., None, :], rope[1][..., None, :])
+
+
+def window_latents(x: jax.Array, rope: Rope, p: V41AttentionParams, cfg: V41Config) -> jax.Array:
+    """Per token: the roped K=V latent [..., hd] (before the FP8 fake quantization)."""
+    return apply_rope(rms_norm(x @ p.wkv, p.kv_norm, cfg.rms_norm_eps), *rope)
+
+
+def output_projection(out: jax.Array, rope: Rope, p: V41AttentionParams,
+                      cfg: V41Config) -> jax.Array:
+    """Per token: attention output [..., H, hd] -> un-roped, grouped low-rank projection [..., D]."""
+    out = apply_rope(out, rope[0][..., None, :], rope[1][..., None, :], inverse=True)
+    grouped = out.reshape(*out.shape[:-2], cfg.o_groups, -1)
+    low = jnp.einsum("...gi,gil->...gl", grouped, p.wo_a).reshape(*out.shape[:-2], -1)
+    return low @ p.wo_b
 
 
 def attention(x: jax.Array, q_residual: jax.Array, live: jax.Array, rope: Rope,
@@ -116,9 +149,8 @@ def attention(x: jax.Array, q_residual: jax.Array, live: jax.Array, rope: Rope,
     -> [B, S, D]."""
     b, s, _ = x.shape
     h, hd = cfg.num_heads, cfg.head_dim
-    cos, sin = rope[0][:, :, None], rope[1][:, :, None]
-    q = apply_rope((q_residual @ p.wq_b).reshape(b, s, h, hd), cos, sin)
-    kv = apply_rope(rms_norm(x @ p.wkv, p.kv_norm, cfg.rms_norm_eps), *rope)
+    q = attention_queries(q_residual, rope, p, cfg)
+    kv = window_latents(x, rope, p, cfg)
     kv = fake_quant_fp8(kv) if quant else kv
     scale = hd ** -0.5
     logits = jnp.einsum("bshd,btd->bhst", q, kv) * scale
@@ -135,7 +167,4 @@ def attention(x: jax.Array, q_residual: jax.Array, live: jax.Array, rope: Rope,
     out = jnp.einsum("bhst,btd->bshd", probs[..., :s], kv)
     if selected is not None:
         out = out + jnp.einsum("bhsk,bskd->bshd", probs[..., s:-1], picked)
-    out = apply_rope(out, cos, sin, inverse=True)
-    grouped = out.reshape(b, s, cfg.o_groups, -1)
-    low = jnp.einsum("bsgi,gil->bsgl", grouped, p.wo_a).reshape(b, s, -1)
-    return low @ p.wo_b
+    return output_projection(out, rope, p, cfg)

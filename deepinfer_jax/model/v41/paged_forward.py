@@ -1,0 +1,162 @@
+"""The forward step of DeepSeek-V4.1 over a ragged batch with the paged state (state.py).
+
+Same math as the cache-free `forward.py`, but each token sees: its window (this step's rows
+of its sequence plus the slot's ring), and the compressed entries in its sequence's pages of
+its group's KV source, chosen by the latest index source. State in, state out.
+
+The CSA2 group state travels through the layer loop as `_StepGroup`, the step's form of the
+reference's per-forward `shared` dict: the source's updated pools (consumers read them, they
+own none), the latest index source's choice, and the candidate source's block mask, which
+later index sources (Reindex) score inside.
+
+Per-token blocks (mHC, Engram, MoE) are V4.1's `blocks`, run on the flat batch as a batch of
+one row. The Engram row ids come from the host (`engram_hash.hash_ids` with the sequence's
+look-back) as i32[T, L_e, C]; the tables are gathered on the device for now.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from deepinfer_jax.config.step import StepConfig
+from deepinfer_jax.config.v41 import V41Config
+from deepinfer_jax.model.attention import sink_attention_parts
+from deepinfer_jax.model.norms import rms_norm
+from deepinfer_jax.model.ragged import TokenContext, token_context, window_keys, write_ring
+from deepinfer_jax.model.rope import cos_sin, inv_freq
+from deepinfer_jax.model.v41 import blocks, csa, paged_csa
+from deepinfer_jax.model.v41.kv_format import Fp4Rows, Fp8Rows, decode_fp8, encode_fp8
+from deepinfer_jax.model.v41.params import V41AttentionParams, V41LayerParams, V41ModelParams
+from deepinfer_jax.model.v41.state import WINDOW_BLOCK, V41LayerState, V41State
+
+Array = jax.Array
+
+
+@struct.dataclass
+class FinalStreams:
+    """What the head needs, and what the indexers chose (parity checks; free to drop)."""
+
+    streams: Array                      # f32[T, hc, D]  residual streams after the last layer
+    pre: Array                          # f32[T, hc]     the last site's `pre` (collapse weights)
+    top_k: tuple[Array | None, ...]     # per layer: i32[T, k] at index sources, else None
+    candidates: Array | None            # bool[T, R] of the candidate source
+
+
+@dataclasses.dataclass
+class _StepGroup:
+    entries: Fp4Rows | None = None      # the current KV source's pool, this step's rows written
+    keys: Fp4Rows | None = None         # its indexer keys
+    selected: Array | None = None       # i32[T, k]  the latest index source's choice
+    candidates: Array | None = None     # bool[T, R] the candidate source's blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class _Token:
+    """Per-step constants of the layer loop."""
+
+    ctx: TokenContext
+    rope: dict                          # {compressed: (cos, sin) f32[T, rope_dim / 2]}
+    compress_freqs: np.ndarray
+
+
+def _one_row(fn, *args):
+    """Run a [B, S, ...] block of the reference on the flat batch as B = 1."""
+    return jax.tree.map(lambda out: out[0], fn(*[a[None] for a in args]))
+
+
+def forward_step(params: V41ModelParams, state: V41State, plan, token_ids: Array,
+                 engram_ids: Array | None, cfg: V41Config, step_cfg: StepConfig
+                 ) -> tuple[V41State, FinalStreams]:
+    """One ragged step over token_ids i32[T] (engram_ids i32[T, L_e, C], None without Engram)
+    -> (new state, FinalStreams)."""
+    ctx = token_context(plan, step_cfg.compute.launch_bound)
+    freqs = {False: inv_freq(cfg.rope_head_dim, cfg.rope_theta, None),
+             True: inv_freq(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.compress_yarn)}
+    tok = _Token(ctx=ctx, rope={k: cos_sin(ctx.positions, f) for k, f in freqs.items()},
+                 compress_freqs=freqs[True])
+    x = params.embed[token_ids].astype(jnp.float32)
+    streams = jnp.broadcast_to(x[:, None], (x.shape[0], cfg.hc_mult, x.shape[-1]))
+    pre = jnp.zeros((x.shape[0], cfg.hc_mult), jnp.float32).at[:, 0].set(1.0)
+    group, layers, top_k = _StepGroup(), [], []
+    for i, (lp, ls) in enumerate(zip(params.layers, state.layers, strict=True)):
+        if cfg.has_engram(i):
+            k = cfg.engram.layer_ids.index(i)
+            rows = params.engram_tables[k][engram_ids[:, k]].astype(jnp.float32)  # [T, C, ed]
+            streams = blocks.engram(streams, rows, ctx.valid, lp.engram, cfg)
+        streams, pre, ls, group = layer_step(lp, streams, pre, ls, group, i, tok, cfg, step_cfg)
+        layers.append(ls)
+        top_k.append(group.selected if cfg.is_index_source(i) else None)
+    state = state.replace(layers=tuple(layers))
+    return state, FinalStreams(streams=streams, pre=pre, top_k=tuple(top_k),
+                               candidates=group.candidates)
+
+
+def final_logits(params: V41ModelParams, final: FinalStreams, cfg: V41Config) -> Array:
+    """FinalStreams of some tokens [t, ...] -> logits f32[t, V] (the last collapse, norm, head)."""
+    out = rms_norm(blocks.hc_collapse(final.streams, final.pre), params.norm, cfg.rms_norm_eps)
+    return out @ params.head
+
+
+def layer_step(p: V41LayerParams, streams: Array, pre: Array, ls: V41LayerState,
+               group: _StepGroup, i: int, tok: _Token, cfg: V41Config, step_cfg: StepConfig):
+    """One block on the flat batch's streams [T, hc, D] -> (streams, the next collapse's pre,
+    the layer's state, the group state for the layers after it)."""
+    ctx, ratio, attn = tok.ctx, cfg.compress_ratios[i], p.attn
+    rope = tok.rope[ratio > 0]
+    a_pre, a_post, a_comb = _one_row(lambda s: blocks.hc_site(s, p.attn_hc, cfg), streams)
+    x = rms_norm(blocks.hc_collapse(streams, pre), p.attn_norm, cfg.rms_norm_eps)
+    q_residual = rms_norm(x @ attn.wq_a, attn.q_norm, cfg.rms_norm_eps)
+    window, window_visible, ls = _window(x, rope, attn, ls, ctx, cfg, step_cfg)
+    if cfg.is_kv_source(i):
+        ls = paged_csa.publish(x, attn, ls, ctx, ratio, tok.compress_freqs, cfg, step_cfg)
+        group = dataclasses.replace(group, entries=ls.entries, keys=ls.index_keys)
+    if cfg.is_index_source(i):
+        group = _select(x, q_residual, attn, group, i, ratio, tok, cfg, step_cfg)
+    picked = picked_visible = None
+    if ratio > 0:
+        picked, picked_visible = paged_csa.selected_entries(group.entries, group.selected, ctx,
+                                                            ratio, step_cfg)
+    q = csa.attention_queries(q_residual, rope, attn, cfg)
+    keys, visible = ((window,), (window_visible,)) if picked is None else (
+        (window, picked), (window_visible, picked_visible))
+    out = sink_attention_parts(q, keys, visible, attn.sinks, step_cfg.compute)
+    y = csa.output_projection(out, rope, attn, cfg)
+    streams = _one_row(blocks.hc_expand, y, streams, a_post, a_comb)
+    f_pre, f_post, f_comb = _one_row(lambda s: blocks.hc_site(s, p.ffn_hc, cfg), streams)
+    x = rms_norm(blocks.hc_collapse(streams, a_pre), p.ffn_norm, cfg.rms_norm_eps)
+    streams = _one_row(blocks.hc_expand, blocks.moe(x, p.moe, cfg), streams, f_post, f_comb)
+    return streams, f_pre, ls, group
+
+
+def _window(x: Array, rope, p: V41AttentionParams, ls: V41LayerState, ctx: TokenContext, cfg: V41Config,
+            step_cfg: StepConfig) -> tuple[Array, Array, V41LayerState]:
+    """This step's roped K=V latents, FP8-coded as the ring stores them; each token's window
+    (read before the ring is written: a long chunk overwrites rows its first tokens need)
+    -> (rows f32[T, W, hd], visible bool[T, W], the layer state with the ring written)."""
+    kv = encode_fp8(csa.window_latents(x, rope, p, cfg), WINDOW_BLOCK)
+    codes, visible = window_keys(kv.codes, ls.window.codes, ctx, cfg.sliding_window)
+    exps, _ = window_keys(kv.exps, ls.window.exps, ctx, cfg.sliding_window)
+    order_free = step_cfg.batch_invariant
+    ring = Fp8Rows(codes=write_ring(ls.window.codes, kv.codes, ctx, order_free),
+                   exps=write_ring(ls.window.exps, kv.exps, ctx, order_free))
+    return decode_fp8(Fp8Rows(codes=codes, exps=exps)), visible, ls.replace(window=ring)
+
+
+def _select(x: Array, q_residual: Array, p: V41AttentionParams, group: _StepGroup, i: int, ratio: int,
+            tok: _Token, cfg: V41Config, step_cfg: StepConfig) -> _StepGroup:
+    """An index source: score against the group's keys (inside the candidate blocks after the
+    candidate source), publish the top-k (and, at the candidate source, the blocks)."""
+    scores = paged_csa.index_scores(x, q_residual, group.keys, tok.ctx, tok.rope[True], p,
+                                    ratio, cfg, step_cfg)                       # [T, R]
+    candidates = group.candidates
+    if i == cfg.candidate_source_layer_id:
+        candidates = csa.candidate_blocks(scores, paged_csa.visible_counts(tok.ctx, ratio), cfg)
+    elif cfg.uses_candidates(i):
+        scores = jnp.where(candidates, scores, -jnp.inf)
+    return dataclasses.replace(group, selected=csa.top_k_entries(scores, cfg.index_topk),
+                               candidates=candidates)
