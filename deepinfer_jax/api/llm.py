@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from deepinfer_jax.api.deltas import RequestDeltas
 from deepinfer_jax.api.model import Model, load
 from deepinfer_jax.config.engine import QUICKSTART_SHAPES, EngineConfig
 from deepinfer_jax.config.hf import read_served_model_config
@@ -30,8 +31,7 @@ from deepinfer_jax.engine.core import EngineCore, failed_output
 from deepinfer_jax.engine.devices import local_device_facts
 from deepinfer_jax.engine.memory_plan import check_checkpoint_fits
 from deepinfer_jax.host.chat import ChatTemplate
-from deepinfer_jax.host.detokenizer import IncrementalDetokenizer
-from deepinfer_jax.host.outputs import cut_at_stop, group_output, prompt_logprobs, text_tokens, token_text
+from deepinfer_jax.host.outputs import group_output, prompt_logprobs, token_text
 from deepinfer_jax.host.request import (
     FinishReason,
     InvalidRequestError,
@@ -185,38 +185,18 @@ class LLM:
             if g.failed is not None:
                 yield CompletionDelta(i, g.request_id, [], None, True, g.failed.finish_reason,
                                       g.failed.error)
-        sent_tokens = {rid: 0 for rid in pending}
-        sent_text = {rid: "" for rid in pending}
-        # a request's resolved tokens only grow, so its text is decoded a piece at a time:
-        # final_text + pending text == decode(text tokens fed so far)
-        detokenizers = {rid: IncrementalDetokenizer(self.tokenizer.decoder(
-            req.params.skip_special_tokens)) for rid, req in pending.items()
-        } if self.tokenizer is not None else {}
-        fed = {rid: 0 for rid in pending}
-        final_text = {rid: "" for rid in pending}
+        deltas = {rid: RequestDeltas(req, self.tokenizer) for rid, req in pending.items()}
         while pending and self.engine.has_unfinished():
             for req in self.engine.step():
                 rid = req.request_id
                 if rid not in pending:
                     continue
-                known = req.resolved_tokens
-                new = known[sent_tokens[rid]:]
-                sent_tokens[rid] = len(known)
-                done = req.is_complete
-                text = None
-                if self.tokenizer is not None:
-                    shown = text_tokens(req, known) if done else known
-                    final_text[rid] += detokenizers[rid].add(shown[fed[rid]:])
-                    fed[rid] = max(fed[rid], len(shown))
-                    # the held-back tail (an unfinished character) only once it is final
-                    decoded = final_text[rid] + (detokenizers[rid].pending if done else "")
-                    full = _streamable_text(decoded, req, done)
-                    text, sent_text[rid] = full[len(sent_text[rid]):], full
-                if done:
+                inc = deltas[rid].advance()
+                if inc.done:
                     pending.pop(rid)
                 i, j = where[rid]
-                yield CompletionDelta(i, groups[i].request_id, new, text, done, req.finish_reason,
-                                      output_index=j)
+                yield CompletionDelta(i, groups[i].request_id, inc.token_ids, inc.text, inc.done,
+                                      req.finish_reason, output_index=j)
         for rid, req in list(pending.items()):       # aborted while streaming
             pending.pop(rid)
             i, j = where[rid]
@@ -305,21 +285,6 @@ class LLM:
     def spec_metrics(self):
         """Speculative decoding counters summed over the requests this LLM finished."""
         return self._spec_totals
-
-
-def _streamable_text(text: str, req: Request, done: bool) -> str:
-    """The part of the text that may be shown: cut at a stop string, and while running, hold
-    back a tail that could still grow into one."""
-    if req.stop_text_at is not None:
-        return cut_at_stop(text, req)
-    if done or not req.params.stop:
-        return text
-    for keep in range(len(text) - max(len(s) for s in req.params.stop) + 1, len(text) + 1):
-        tail = text[max(keep, 0):]
-        if not any(s.startswith(tail) for s in req.params.stop if tail):
-            continue
-        return text[: max(keep, 0)]
-    return text
 
 
 def _children(p: SamplingParams) -> list[SamplingParams]:
