@@ -65,6 +65,12 @@ def build_app(llm: LLM, model_name: str, model_dir=None) -> FastAPI:
                            f"{model_name!r})", "model", code="model_not_found",
                            kind="model_not_found")
 
+    def stream_error(error: BaseException, endpoint: str, names: dict) -> dict:
+        """The SSE error event of a stream that the engine ended with an error."""
+        e = _as_api_error(error, endpoint, names)
+        metrics.errors.labels(e.kind).inc()
+        return e.body()
+
     async def start(job: Job, http: HTTPRequest, endpoint: str, names: dict) -> tuple:
         engine.submit(job)
         first = await next_event(job, engine, http)
@@ -107,7 +113,7 @@ def build_app(llm: LLM, model_name: str, model_dir=None) -> FastAPI:
                 return responses.completion_chunk(rid, model_name, made, index, text, lps, reason,
                                                   usage is not None)
             return _sse(stream_events(job, engine, first, params.n, chunk, usage,
-                                      lambda e: _error_body(e, "completion", names)))
+                                      lambda e: stream_error(e, "completion", names)))
         result = await collect(job, engine, http, first)
         if isinstance(result, tuple):
             raise _as_api_error(result[1], "completion", names)
@@ -143,7 +149,7 @@ def build_app(llm: LLM, model_name: str, model_dir=None) -> FastAPI:
                 return responses.chat_chunk(rid, model_name, made, index, delta, lps, reason,
                                             usage is not None)
             return _sse(stream_events(job, engine, first, params.n, chunk, usage,
-                                      lambda e: _error_body(e, "chat", names)))
+                                      lambda e: stream_error(e, "chat", names)))
         result = await collect(job, engine, http, first)
         if isinstance(result, tuple):
             raise _as_api_error(result[1], "chat", names)
@@ -159,10 +165,6 @@ def _as_api_error(error: BaseException, endpoint: str, names: dict) -> APIError:
         return engine_error(error, endpoint, names)
     return APIError(f"the engine failed: {type(error).__name__}: {error}", None, status=500,
                     type="internal_server_error", kind="internal")
-
-
-def _error_body(error: BaseException, endpoint: str, names: dict) -> dict:
-    return _as_api_error(error, endpoint, names).body()
 
 
 def _sse(events) -> StreamingResponse:
