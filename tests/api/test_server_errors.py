@@ -1,0 +1,85 @@
+"""Bad input gets a 400 in OpenAI's error shape naming the parameter, read by the official
+client, while a good request running at the same time completes unharmed."""
+
+from __future__ import annotations
+
+import threading
+
+import openai
+import pytest
+
+from tests.api.conftest import CHAT, MODEL, PROMPTS
+
+COMPLETION_CASES = [       # (request fields, the param named, its code)
+    (dict(model="no-such-model"), "model", "model_not_found"),
+    (dict(temperature=-1.0), "temperature", None),
+    (dict(top_p=2.0), "top_p", None),
+    (dict(max_tokens=0), "max_tokens", None),
+    (dict(n=0), "n", None),
+    (dict(logprobs=50), "logprobs", None),
+    (dict(seed=-3), "seed", None),
+    (dict(prompt=[5] * 600), "prompt", "context_length_exceeded"),
+    (dict(max_tokens=1000), "prompt", "context_length_exceeded"),
+    (dict(extra_body={"guided_regex": "(["}), "guided_regex", "invalid_grammar"),
+    (dict(extra_body={"guided_json": "{not json"}), "guided_json", "invalid_grammar"),
+    (dict(extra_body={"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}}),
+     "response_format", "invalid_grammar"),
+    (dict(extra_body={"top_k": "many"}), "top_k", None),
+    (dict(extra_body={"no_such_field": 1}), "no_such_field", None),
+]
+
+
+def _bad(call) -> openai.BadRequestError:
+    with pytest.raises(openai.BadRequestError) as info:
+        call()
+    e = info.value
+    assert e.status_code == 400 and set(e.body) == {"message", "type", "param", "code"}
+    assert e.body["type"] == "invalid_request_error" and e.message
+    return e
+
+
+def test_bad_requests_name_their_parameter_while_a_good_one_runs(served):
+    ref = served.reference["long"].outputs[0]
+    good = {}
+
+    def run_good():
+        stream = served.client.completions.create(
+            model=MODEL, prompt=PROMPTS[1], max_tokens=40, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})
+        good["text"] = "".join(c.text for chunk in stream for c in chunk.choices)
+
+    thread = threading.Thread(target=run_good)
+    thread.start()
+    for fields, param, code in COMPLETION_CASES:
+        request = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0) | fields
+        for stream in (False, True):
+            e = _bad(lambda: served.client.completions.create(**request, stream=stream))
+            assert (e.body["param"], e.body["code"]) == (param, code), (fields, e.body)
+    thread.join(60)
+    assert good["text"] == ref.text
+    assert not served.engine.has_unfinished()
+
+
+CHAT_CASES = [
+    (dict(max_completion_tokens=0), "max_completion_tokens", None),
+    (dict(max_tokens=0), "max_tokens", None),
+    (dict(logprobs=True, top_logprobs=50), "top_logprobs", None),
+    (dict(top_logprobs=2), "top_logprobs", None),
+    (dict(messages=[{"role": "user", "content": "word " * 600}]), "messages",
+     "context_length_exceeded"),
+    (dict(messages=[]), "messages", None),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+     "response_format", None),
+]
+
+
+def test_chat_bad_requests_name_their_parameter(served):
+    for fields, param, code in CHAT_CASES:
+        request = dict(model=MODEL, messages=CHAT, max_tokens=4) | fields
+        e = _bad(lambda: served.client.chat.completions.create(**request))
+        assert (e.body["param"], e.body["code"]) == (param, code), (fields, e.body)
+    # and the server still serves
+    out = served.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10,
+                                                temperature=0)
+    assert out.choices[0].message.content == served.reference["chat"].outputs[0].text
