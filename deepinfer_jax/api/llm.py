@@ -31,6 +31,7 @@ from deepinfer_jax.engine.core import EngineCore, failed_output
 from deepinfer_jax.engine.devices import local_device_facts
 from deepinfer_jax.engine.memory_plan import check_checkpoint_fits
 from deepinfer_jax.host.chat import ChatTemplate
+from deepinfer_jax.host.deepseek_v4_chat import DeepSeekV4Chat
 from deepinfer_jax.host.outputs import group_output, prompt_logprobs, token_text
 from deepinfer_jax.host.request import (
     FinishReason,
@@ -114,14 +115,14 @@ class LLM:
             self.model = load(model, dtype=dtype, weights=weights,
                               mesh=make_mesh(step_config.compute.parallel))
             self.tokenizer = TextTokenizer.from_model_dir(model)
-            self.chat_template = ChatTemplate.from_model_dir(model)
+            self.chat_template = chat_format(model, self.tokenizer)
         else:
             raise TypeError(f"model must be a path or a deepinfer_jax.Model, got {type(model)}")
         if tokenizer is not None:     # a tokenizer.json, or a directory holding one
             path = Path(tokenizer)
             path = path.parent if path.is_file() else path
             self.tokenizer = TextTokenizer.from_model_dir(path)
-            self.chat_template = ChatTemplate.from_model_dir(path) or self.chat_template
+            self.chat_template = chat_format(path, self.tokenizer) or self.chat_template
         self.host_options = options.host_options(step_config)
         self.engine = EngineCore(self.model.config, self.model.params, step_config,
                                  self.host_options, self.tokenizer, memory)
@@ -285,6 +286,16 @@ class LLM:
     def spec_metrics(self):
         """Speculative decoding counters summed over the requests this LLM finished."""
         return self._spec_totals
+
+
+def chat_format(directory, tokenizer: TextTokenizer | None):
+    """The model's chat template (host/chat.py), else, for a tokenizer with DeepSeek-V4's role
+    tokens (the released checkpoints ship no template), V4's own message format; or None."""
+    template = ChatTemplate.from_model_dir(directory)
+    if template is None and tokenizer is not None and DeepSeekV4Chat.applies_to(
+            tokenizer.token_to_id):
+        return DeepSeekV4Chat()
+    return template
 
 
 def _children(p: SamplingParams) -> list[SamplingParams]:
