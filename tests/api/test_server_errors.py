@@ -69,6 +69,8 @@ CHAT_CASES = [
     (dict(messages=[{"role": "user", "content": "word " * 600}]), "messages",
      "context_length_exceeded"),
     (dict(messages=[]), "messages", None),
+    # the tiny model's template takes no options (DeepSeek-V4's format takes "thinking")
+    (dict(extra_body={"chat_template_kwargs": {"thinking": True}}), "chat_template_kwargs", None),
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
      "response_format", None),
 ]

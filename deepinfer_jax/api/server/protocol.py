@@ -84,3 +84,5 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # options of the model's chat format, e.g. {"thinking": true} for DeepSeek-V4's
+    chat_template_kwargs: dict[str, Any] | None = None

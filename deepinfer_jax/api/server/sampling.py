@@ -60,7 +60,11 @@ class RequestBuilder:
                            "tokenizer_config.json's chat_template)", "messages")
         messages = [{"role": m.role, "content": _content_text(m.content, i)}
                     for i, m in enumerate(req.messages)]
-        text = self.chat_template.render(messages, req.add_generation_prompt)
+        try:
+            text = self.chat_template.render(messages, req.add_generation_prompt,
+                                             **(req.chat_template_kwargs or {}))
+        except TypeError as e:        # an option the chat format does not take, or its type
+            raise APIError(f"chat_template_kwargs: {e}", "chat_template_kwargs") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # ---- sampling -------------------------------------------------------------------------
