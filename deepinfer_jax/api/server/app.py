@@ -25,7 +25,7 @@ from deepinfer_jax.api.server.errors import APIError, engine_error
 from deepinfer_jax.api.server.metrics import ServerMetrics
 from deepinfer_jax.api.server.protocol import ChatCompletionRequest, CompletionRequest
 from deepinfer_jax.api.server.sampling import RequestBuilder, generation_defaults
-from deepinfer_jax.api.server.streams import collect, created_now, next_event, stream_events
+from deepinfer_jax.api.server.streams import ClientGone, collect, created_now, next_event, stream_events
 from deepinfer_jax.host.chat import ChatTemplateError
 from deepinfer_jax.host.request import RequestError
 
@@ -49,6 +49,16 @@ def build_app(llm: LLM, model_name: str, model_dir=None) -> FastAPI:
     async def api_error(_, e: APIError):
         metrics.errors.labels(e.kind).inc()
         return e.response()
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_, e: ClientGone):
+        return Response(status_code=499)       # nobody reads it (nginx's code for this)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_, e: Exception):
+        return await api_error(None, APIError(f"internal error: {type(e).__name__}: {e}",
+                                              status=500, type="internal_server_error",
+                                              kind="internal"))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_, e: RequestValidationError):

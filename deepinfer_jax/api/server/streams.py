@@ -20,16 +20,20 @@ from deepinfer_jax.host.request import RequestOutput
 _DISCONNECT_POLL_S = 0.25
 
 
+class ClientGone(Exception):
+    """The client disconnected while its request waited (its job is aborted)."""
+
+
 async def next_event(job: Job, engine: EngineThread, http: HTTPRequest | None) -> tuple:
-    """The job's next event; aborts the job (and raises CancelledError) if the client goes
-    away first."""
+    """The job's next event; aborts the job (and raises ClientGone) if the client goes away
+    first."""
     while True:
         try:
             return await asyncio.wait_for(job.events.get(), _DISCONNECT_POLL_S)
         except TimeoutError:
             if http is not None and await http.is_disconnected():
                 engine.abort(job)
-                raise asyncio.CancelledError("the client disconnected") from None
+                raise ClientGone() from None
             if not engine.alive:
                 return ("error", engine.error or RuntimeError("the engine stopped"))
 
@@ -46,7 +50,7 @@ async def collect(job: Job, engine: EngineThread, http: HTTPRequest, first: tupl
             if event[0] == "final":
                 outputs[event[1]] = event[2]
             event = await next_event(job, engine, http)
-    except asyncio.CancelledError:
+    except asyncio.CancelledError:       # the server is stopping
         engine.abort(job)
         raise
     return [outputs[i] for i in range(len(outputs))]
