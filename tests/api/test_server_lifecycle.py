@@ -127,7 +127,7 @@ def test_deepinfer_serve_from_the_command_line():
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_PLATFORMS": "cpu"}
     process = subprocess.Popen(
         [sys.executable, "-m", "deepinfer_jax.api.cli", "serve", "--port", str(port),
-         "--served-model-name", "tiny", "--log-level", "warning"],
+         "--served-model-name", "tiny", "--log-level", "warning", "--batch-invariant"],
         cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
