@@ -5,6 +5,7 @@ serves."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -35,6 +36,7 @@ REFERENCE_CASES = {
     "stop": (STORY, SamplingParams(max_tokens=12, stop=("time, time",))),
     "json": (STORY, SamplingParams(max_tokens=40, json_schema=SCHEMA)),
     "long": (PROMPTS[1], SamplingParams(max_tokens=40, ignore_eos=True)),
+    "best_of": (STORY, SamplingParams(max_tokens=8, temperature=1.0, seed=3, n=2, best_of=4)),
 }
 
 
@@ -72,6 +74,13 @@ def served():
     reference["chat"] = llm.chat(CHAT, SamplingParams(max_tokens=10), use_tqdm=False)[0]
     reference["chat_json"] = llm.chat(CHAT, SamplingParams(max_tokens=40, json_schema=SCHEMA),
                                       use_tqdm=False)[0]
+    with running_server(llm) as (app, base_url):
+        yield Served(llm, app, base_url, reference)
+
+
+@contextlib.contextmanager
+def running_server(llm: LLM):
+    """`llm` served by uvicorn on a thread, on a free loopback port: (app, base URL)."""
     app = build_app(llm, MODEL, llm_model_dir())
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -81,9 +90,11 @@ def served():
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.05)
-    yield Served(llm, app, f"http://127.0.0.1:{port}", reference)
-    server.should_exit = True
-    thread.join(30)
+    try:
+        yield app, f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
 
 
 def llm_model_dir():

@@ -4,11 +4,14 @@ client, while a good request running at the same time completes unharmed."""
 from __future__ import annotations
 
 import threading
+import urllib.error
+import urllib.request
 
 import openai
 import pytest
 
-from tests.api.conftest import CHAT, MODEL, PROMPTS
+from deepinfer_jax.api.llm import LLM
+from tests.api.conftest import CHAT, MODEL, PROMPTS, running_server
 
 COMPLETION_CASES = [       # (request fields, the param named, its code)
     (dict(model="no-such-model"), "model", "model_not_found"),
@@ -27,6 +30,9 @@ COMPLETION_CASES = [       # (request fields, the param named, its code)
      "response_format", "invalid_grammar"),
     (dict(extra_body={"top_k": "many"}), "top_k", None),
     (dict(extra_body={"no_such_field": 1}), "no_such_field", None),
+]
+STREAM_ONLY_CASES = [       # best_of > n picks among finished completions: it cannot stream
+    (dict(n=1, best_of=2, temperature=1.0), "best_of", None),
 ]
 
 
@@ -56,6 +62,10 @@ def test_bad_requests_name_their_parameter_while_a_good_one_runs(served):
         for stream in (False, True):
             e = _bad(lambda: served.client.completions.create(**request, stream=stream))
             assert (e.body["param"], e.body["code"]) == (param, code), (fields, e.body)
+    for fields, param, code in STREAM_ONLY_CASES:
+        request = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8) | fields
+        e = _bad(lambda: served.client.completions.create(**request, stream=True))
+        assert (e.body["param"], e.body["code"]) == (param, code), (fields, e.body)
     thread.join(60)
     assert good["text"] == ref.text
     assert not served.engine.has_unfinished()
@@ -85,3 +95,24 @@ def test_chat_bad_requests_name_their_parameter(served):
     out = served.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10,
                                                 temperature=0)
     assert out.choices[0].message.content == served.reference["chat"].outputs[0].text
+
+
+def test_an_engine_that_fails_answers_500_and_health_says_so():
+    """A second server whose engine step raises: the request gets a 500 in OpenAI's shape,
+    /health turns 503, and the server process stays up to say so."""
+    llm = LLM(max_num_seqs=4, batch_invariant=True)      # the fixture's steps, from the cache
+
+    def broken_step():
+        raise RuntimeError("the device fell over")
+    llm.engine.step = broken_step
+    with running_server(llm) as (app, base_url):
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0,
+                               timeout=30)
+        with pytest.raises(openai.InternalServerError) as info:
+            client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4)
+        assert info.value.status_code == 500
+        assert info.value.body["type"] == "internal_server_error"
+        assert "the device fell over" in info.value.body["message"]
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(base_url + "/health", timeout=10)
+        assert health.value.code == 503

@@ -107,6 +107,15 @@ def test_same_seed_same_text_and_n_completions_as_generate(served):
     assert [streamed[0], streamed[1]] == texts
 
 
+def test_best_of_returns_generate_s_most_likely_completions(served):
+    ref = served.reference["best_of"]
+    out = served.client.completions.create(model=MODEL, prompt=STORY, max_tokens=8,
+                                           temperature=1.0, seed=3, n=2, best_of=4)
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == [
+        c.text for c in ref.outputs]
+    assert out.usage.completion_tokens == sum(len(c.token_ids) for c in ref.outputs)
+
+
 def test_logprobs_equal_generate_s(served):
     ref = served.reference["logprobs"].outputs[0]
     out = served.client.completions.create(model=MODEL, prompt=STORY, max_tokens=6,
