@@ -146,14 +146,18 @@ class EngineThread:
 
     def _abort(self, job: Job, count: bool = True) -> None:
         job.aborted = True
+        aborted = 0
         for g in job.groups:
             for req in g.requests:
                 if self._live.pop(req.request_id, None) is not None:
                     self.engine.abort(req.request_id)
-                    if count:
-                        self.metrics.aborted.inc()
+                    aborted += 1
         for i in range(len(job.groups)):
             self._open_in_group.pop((id(job), i), None)
+        # the freed pages show before the count does: a scrape that sees the abort sees them
+        self._snapshot()
+        if count and aborted:
+            self.metrics.aborted.inc(aborted)
 
     def _handle(self, touched: list[Request]) -> None:
         now = time.perf_counter()
