@@ -65,10 +65,12 @@ async def stream_events(job: Job, engine: EngineThread, first: tuple, n: int,
                         usage_chunk: Callable[[dict], dict] | None,
                         error_body: Callable[[BaseException], dict]) -> AsyncIterator[str]:
     """The job's events as SSE lines: `chunk(choice index, text, logprob entries, finish
-    reason)` per delta, then the usage chunk (with include_usage) and [DONE]."""
+    reason)` per delta, then the usage chunk (with include_usage) and [DONE]. Events that
+    queued up while the client was sent the last ones go out in one write."""
     text_of = token_text(engine.llm.tokenizer)
     finished = False
     prompt_tokens = completion_tokens = 0
+    lines: list[str] = []
     event = first
     try:
         while True:
@@ -77,25 +79,28 @@ async def stream_events(job: Job, engine: EngineThread, first: tuple, n: int,
                 _, i, j, inc, reason = event
                 entries = (completion_logprobs(inc.logprobs, text_of)
                            if job.params.logprobs is not None else None)
-                yield sse(chunk(i * n + j, inc.text or "", entries,
-                                reason.value if inc.done and reason is not None else None))
+                lines.append(sse(chunk(i * n + j, inc.text or "", entries,
+                                       reason.value if inc.done and reason is not None else None)))
             elif kind == "final":
                 out = event[2]
                 prompt_tokens += len(out.prompt_token_ids)
                 completion_tokens += sum(len(c.token_ids) for c in out.outputs)
-            elif kind == "error":
+            else:                         # error or done: the end
                 finished = True
-                yield sse(error_body(event[1]))
-                yield "data: [DONE]\n\n"
+                if kind == "error":
+                    lines.append(sse(error_body(event[1])))
+                elif usage_chunk is not None:
+                    lines.append(sse(usage_chunk({
+                        "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                        "total_tokens": prompt_tokens + completion_tokens})))
+                yield "".join(lines) + "data: [DONE]\n\n"
                 return
-            else:                         # done
-                finished = True
-                if usage_chunk is not None:
-                    yield sse(usage_chunk({"prompt_tokens": prompt_tokens,
-                                           "completion_tokens": completion_tokens,
-                                           "total_tokens": prompt_tokens + completion_tokens}))
-                yield "data: [DONE]\n\n"
-                return
+            if not job.events.empty():
+                event = job.events.get_nowait()
+                continue
+            if lines:
+                yield "".join(lines)
+                lines = []
             event = await next_event(job, engine, None)
     finally:
         if not finished:        # the client went away (or the server is stopping)
