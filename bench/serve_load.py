@@ -118,15 +118,19 @@ class Load:
         await asyncio.gather(*(worker() for _ in range(concurrency)))
 
     async def disconnect(self, prompt: str) -> None:
-        stream = await self.client.completions.create(
-            model=self.model, prompt=prompt, max_tokens=10 * self.max_tokens, stream=True,
-            temperature=0, extra_body={"ignore_eos": True})
-        seen = 0
-        async for chunk in stream:
-            seen += bool(chunk.choices and chunk.choices[0].text)
-            if seen >= 2:
-                break
-        await stream.close()
+        """A client that reads two chunks of its stream and goes away."""
+        try:
+            stream = await self.client.completions.create(
+                model=self.model, prompt=prompt, max_tokens=self.max_tokens, stream=True,
+                temperature=0, extra_body={"ignore_eos": True})
+            seen = 0
+            async for chunk in stream:
+                seen += bool(chunk.choices and chunk.choices[0].text)
+                if seen >= 2:
+                    break
+            await stream.close()
+        except Exception as e:
+            self.errors.append(f"{type(e).__name__}: {e}"[:200])
 
 
 async def phases(args, base: str, model: str, pid: int, deadline: float) -> dict:
@@ -145,6 +149,7 @@ async def phases(args, base: str, model: str, pid: int, deadline: float) -> dict
         **{f"itl_p{q}_s": pct(load.itl, q) for q in (50, 90, 99)}}
     if args.disconnects:
         gone = prompts(args.disconnects, args.input_words, seed=1)
+        load.errors.clear()
         sem = asyncio.Semaphore(args.concurrency)
 
         async def bounded(p):
@@ -160,7 +165,7 @@ async def phases(args, base: str, model: str, pid: int, deadline: float) -> dict
                 break
             await asyncio.sleep(0.1)
         result["disconnects"] = {
-            "clients": args.disconnects, "settled": idle,
+            "clients": args.disconnects, "settled": idle, "errors": len(load.errors),
             "pages_used_after": m["deepinfer_cache_pages_used"],
             "running_after": m["deepinfer_num_requests_running"],
             "aborted_total": m["deepinfer_requests_aborted_total"]}
@@ -260,8 +265,9 @@ def checks(result: dict) -> list[str]:
     if load["lost"] or load["errors"]:
         out.append(f"{load['lost']} lost and {load['errors']} failed requests")
     d = result.get("disconnects")
-    if d and (d["pages_used_after"] or d["running_after"]):
-        out.append(f"{d['pages_used_after']} pages in use after the disconnects")
+    if d and (d["pages_used_after"] or d["running_after"] or d["errors"]):
+        out.append(f"{d['pages_used_after']} pages in use after the disconnects, "
+                   f"{d['errors']} errors")
     s = result.get("soak")
     if s and (s["rss_growth_pct"] >= 5 or s["lost"] or s["errors"]):
         out.append(f"soak: RSS grew {s['rss_growth_pct']}%, {s['lost']} lost, "
