@@ -116,3 +116,22 @@ def test_an_engine_that_fails_answers_500_and_health_says_so():
         with pytest.raises(urllib.error.HTTPError) as health:
             urllib.request.urlopen(base_url + "/health", timeout=10)
         assert health.value.code == 503
+
+
+def test_a_request_that_fails_unforeseen_fails_alone(served, monkeypatch):
+    """An exception the engine thread did not expect while adding one request answers that
+    request with a 500; the engine thread and everyone else carry on."""
+    real = served.llm._submit
+
+    def flaky(prompts, params, streaming=False):
+        if params.max_tokens == 7:
+            raise RuntimeError("unforeseen")
+        return real(prompts, params, streaming=streaming)
+    monkeypatch.setattr(served.llm, "_submit", flaky)
+    with pytest.raises(openai.InternalServerError) as info:
+        served.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=7)
+    assert "unforeseen" in info.value.body["message"]
+    assert served.app.state.engine.alive
+    out = served.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=10,
+                                           temperature=0)
+    assert out.choices[0].text == served.reference["greedy0"].outputs[0].text

@@ -117,7 +117,12 @@ class EngineThread:
         while True:
             kind, job = command
             if kind == "submit":
-                self._submit(job)
+                try:
+                    self._submit(job)
+                except Exception as e:     # one request's unforeseen failure: its own 500
+                    log.exception("submitting a request failed")
+                    self._abort(job, count=False)
+                    job.push("error", e)
             elif kind == "abort":
                 self._abort(job)
             try:
