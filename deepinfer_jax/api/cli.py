@@ -147,6 +147,11 @@ def serve(args) -> int:
     from deepinfer_jax.api.llm import DEFAULT_MODEL
     from deepinfer_jax.api.server.app import build_app
 
+    if args.coordinator_address is not None and args.num_processes > 1:
+        # every process would serve HTTP and step its engine apart from the others'
+        print("serve runs the engine in one process; an engine over several processes "
+              "(--coordinator-address) cannot be served yet", file=sys.stderr)
+        return 2
     if args.model_path is not None:
         if args.model is not None and args.model != args.model_path:
             print("give the model once: MODEL or --model", file=sys.stderr)

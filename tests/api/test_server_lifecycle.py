@@ -146,3 +146,12 @@ def test_deepinfer_serve_from_the_command_line():
     finally:
         process.send_signal(2)
         assert process.wait(30) == 0
+
+
+def test_serve_refuses_what_it_cannot_serve(capsys):
+    from deepinfer_jax.api import cli
+
+    assert cli.main(["serve", "--coordinator-address", "127.0.0.1:1", "--num-processes", "2"]) == 2
+    assert "cannot be served yet" in capsys.readouterr().err
+    assert cli.main(["serve", "models/a", "--model", "models/b"]) == 2
+    assert "give the model once" in capsys.readouterr().err
