@@ -9,7 +9,6 @@ import contextlib
 import socket
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import openai
@@ -58,10 +57,6 @@ class Served:
     @property
     def engine(self):
         return self.app.state.engine.engine
-
-    def metrics_text(self) -> str:
-        with urllib.request.urlopen(self.base_url + "/metrics", timeout=10) as response:
-            return response.read().decode()
 
 
 @pytest.fixture(scope="package")

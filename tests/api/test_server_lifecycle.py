@@ -18,10 +18,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.api.conftest import MODEL, PROMPTS, REPO_ROOT, free_port
 
 
-def _metrics(served) -> dict[tuple[str, tuple], float]:
+def _metrics(base_url: str) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(base_url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(served.metrics_text())
-            for s in family.samples}
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def _value(metrics, name: str, **labels) -> float:
@@ -44,16 +45,16 @@ def _long_request(**extra) -> dict:
 
 
 def test_a_stream_closed_mid_way_frees_its_pages_at_once(served):
-    before = _metrics(served)
+    before = _metrics(served.base_url)
     stream = served.client.completions.create(**_long_request(), stream=True)
     chunks = iter(stream)
     for _ in range(3):
         assert next(chunks).choices[0].text is not None
-    during = _metrics(served)
+    during = _metrics(served.base_url)
     assert _value(during, "deepinfer_num_requests_running") == 1
     assert _value(during, "deepinfer_cache_pages_used") > 0
     stream.close()
-    after = _wait_until(lambda: (m := _metrics(served)) and _value(
+    after = _wait_until(lambda: (m := _metrics(served.base_url)) and _value(
         m, "deepinfer_requests_aborted_total") > _value(before, "deepinfer_requests_aborted_total")
         and m)
     assert _value(after, "deepinfer_cache_pages_used") == 0
@@ -70,7 +71,7 @@ def test_a_stream_closed_mid_way_frees_its_pages_at_once(served):
 
 
 def test_a_client_that_times_out_aborts_its_request(served):
-    before = _value(_metrics(served), "deepinfer_requests_aborted_total")
+    before = _value(_metrics(served.base_url), "deepinfer_requests_aborted_total")
     body = json.dumps(dict(model=MODEL, prompt=PROMPTS[3], max_tokens=400, ignore_eos=True)).encode()
     request = urllib.request.Request(served.base_url + "/v1/completions", body,
                                      {"Content-Type": "application/json"})
@@ -79,21 +80,21 @@ def test_a_client_that_times_out_aborts_its_request(served):
         raise AssertionError("400 tokens came back within a second")
     except (TimeoutError, socket.timeout, urllib.error.URLError):
         pass
-    after = _wait_until(lambda: (m := _metrics(served)) and _value(
+    after = _wait_until(lambda: (m := _metrics(served.base_url)) and _value(
         m, "deepinfer_requests_aborted_total") > before and m)
     assert _value(after, "deepinfer_cache_pages_used") == 0
     assert not served.engine.has_unfinished()
 
 
 def test_metrics_parse_and_follow_the_requests(served):
-    before = _metrics(served)
+    before = _metrics(served.base_url)
     out = served.client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=10,
                                            temperature=0, extra_body={"ignore_eos": True})
     try:
         served.client.completions.create(model="nope", prompt="a", max_tokens=2)
     except openai.BadRequestError:
         pass
-    after = _metrics(served)
+    after = _metrics(served.base_url)
 
     def moved(name, **labels):
         return _value(after, name, **labels) - _value(before, name, **labels)
@@ -155,3 +156,27 @@ def test_serve_refuses_what_it_cannot_serve(capsys):
     assert "cannot be served yet" in capsys.readouterr().err
     assert cli.main(["serve", "models/a", "--model", "models/b"]) == 2
     assert "give the model once" in capsys.readouterr().err
+
+
+def test_prefix_cache_hits_show_in_the_metrics(served):
+    """A server with prefix caching (its steps are the fixture's, from the cache): the same
+    long prompt twice is one hit of its whole blocks, and the output does not change."""
+    from deepinfer_jax.api.llm import LLM
+    from tests.api.conftest import running_server
+
+    prompt = "Once upon a time there was a fox. " * 8
+    expected = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=8,
+                                                temperature=0).choices[0].text
+    llm = LLM(max_num_seqs=4, batch_invariant=True, enable_prefix_caching=True)
+    with running_server(llm) as (app, base_url):
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0,
+                               timeout=30)
+        texts = []
+        for _ in range(2):
+            texts.append(client.completions.create(model=MODEL, prompt=prompt, max_tokens=8,
+                                                   temperature=0).choices[0].text)
+        m = _metrics(base_url)
+    assert texts == [expected, expected]
+    assert _value(m, "deepinfer_prefix_cache_queries_total") == 2
+    assert _value(m, "deepinfer_prefix_cache_hits_total") == 1
+    assert _value(m, "deepinfer_prefix_cache_hit_tokens_total") >= 32
