@@ -29,6 +29,16 @@ def test_greedy_completion_equals_generate(served):
     assert ids.choices[0].text == choice.text
 
 
+def test_several_prompts_in_one_request_come_back_in_order(served):
+    out = served.client.completions.create(model=MODEL, prompt=[PROMPTS[2], PROMPTS[0]],
+                                           max_tokens=10, temperature=0)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert [c.text for c in out.choices] == [served.reference[f"greedy{i}"].outputs[0].text
+                                             for i in (2, 0)]
+    assert out.usage.prompt_tokens == sum(len(served.reference[f"greedy{i}"].prompt_token_ids)
+                                          for i in (2, 0))
+
+
 def test_the_model_s_generation_config_is_the_default(served):
     """No temperature given: the shipped model's generation_config.json (do_sample false)."""
     out = served.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=10)
