@@ -180,3 +180,23 @@ def test_prefix_cache_hits_show_in_the_metrics(served):
     assert _value(m, "deepinfer_prefix_cache_queries_total") == 2
     assert _value(m, "deepinfer_prefix_cache_hits_total") == 1
     assert _value(m, "deepinfer_prefix_cache_hit_tokens_total") >= 32
+
+
+def test_speculative_acceptance_shows_in_the_metrics(served):
+    """A server with MTP speculation gives the plain server's greedy text, and /metrics counts
+    the drafts it verified and accepted (the shipped model's MTP block drafts well)."""
+    from deepinfer_jax.api.llm import LLM
+    from tests.api.conftest import running_server
+
+    request = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=20, temperature=0)
+    expected = served.client.completions.create(**request).choices[0].text
+    llm = LLM(max_num_seqs=4, batch_invariant=True,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    with running_server(llm) as (app, base_url):
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0,
+                               timeout=60)
+        assert client.completions.create(**request).choices[0].text == expected
+        m = _metrics(base_url)
+    drafted = _value(m, "deepinfer_spec_decode_draft_tokens_total")
+    accepted = _value(m, "deepinfer_spec_decode_accepted_tokens_total")
+    assert 0 < accepted <= drafted
