@@ -190,7 +190,8 @@ def test_speculative_acceptance_shows_in_the_metrics(served):
 
     request = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=20, temperature=0)
     expected = served.client.completions.create(**request).choices[0].text
-    llm = LLM(max_num_seqs=4, batch_invariant=True,
+    # one token bucket (16): half the compile of a cold start
+    llm = LLM(max_num_seqs=4, max_num_batched_tokens=16, batch_invariant=True,
               speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     with running_server(llm) as (app, base_url):
         client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0,
