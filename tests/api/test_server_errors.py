@@ -135,3 +135,28 @@ def test_a_request_that_fails_unforeseen_fails_alone(served, monkeypatch):
     out = served.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=10,
                                            temperature=0)
     assert out.choices[0].text == served.reference["greedy0"].outputs[0].text
+
+
+def test_an_output_that_fails_mid_stream_ends_its_stream_with_an_error_event(served, monkeypatch):
+    """A failure while a request's output is put together (here: its final output) ends that
+    stream with an error event after the text already sent; the engine carries on."""
+    real = served.llm._group_output
+
+    def flaky(group):
+        if group.params.max_tokens == 9:
+            raise RuntimeError("assembling the output failed")
+        return real(group)
+    monkeypatch.setattr(served.llm, "_group_output", flaky)
+    ref = served.reference["long"].outputs[0].text
+    received = ""
+    with pytest.raises(openai.APIError) as info:
+        for chunk in served.client.completions.create(
+                model=MODEL, prompt=PROMPTS[1], max_tokens=9, temperature=0, stream=True,
+                extra_body={"ignore_eos": True}):
+            received += "".join(c.text for c in chunk.choices)
+    assert "assembling the output failed" in str(info.value.body)
+    assert received and ref.startswith(received)     # the tokens sent before the failure
+    assert served.app.state.engine.alive and not served.engine.has_unfinished()
+    out = served.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=10,
+                                           temperature=0)
+    assert out.choices[0].text == served.reference["greedy0"].outputs[0].text

@@ -175,13 +175,18 @@ class EngineThread:
                 live.job.push("error", req.error)
                 self._abort(live.job, count=False)
                 continue
-            self._count_tokens(live, req, now)
-            if live.deltas is not None:
-                inc = live.deltas.advance()
-                if inc.token_ids or inc.text or inc.done:
-                    live.job.push("delta", live.group, live.index, inc, req.finish_reason)
-            if req.is_complete:
-                self._complete(live, req, now)
+            try:
+                self._count_tokens(live, req, now)
+                if live.deltas is not None:
+                    inc = live.deltas.advance()
+                    if inc.token_ids or inc.text or inc.done:
+                        live.job.push("delta", live.group, live.index, inc, req.finish_reason)
+                if req.is_complete:
+                    self._complete(live, req, now)
+            except Exception as e:     # this request's output failed: it alone ends, with a 500
+                log.exception("reading request %s's output failed", req.request_id)
+                self._abort(live.job, count=False)
+                live.job.push("error", e)
 
     def _count_tokens(self, live: _Live, req: Request, now: float) -> None:
         known = len(req.resolved_tokens)
