@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 
 import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.api.conftest import MODEL, PROMPTS, REPO_ROOT, free_port
@@ -120,6 +121,10 @@ def test_health_and_models(served):
         assert response.status == 200 and json.loads(response.read()) == {"status": "ok"}
     [model] = served.client.models.list().data
     assert model.id == MODEL and model.owned_by == "deepinfer"
+    with pytest.raises(urllib.error.HTTPError) as info:       # no such route: OpenAI's shape
+        urllib.request.urlopen(served.base_url + "/v1/embeddings", timeout=10)
+    assert info.value.code == 404
+    assert json.loads(info.value.read())["error"]["type"] == "invalid_request_error"
 
 
 def test_deepinfer_serve_from_the_command_line():

@@ -50,6 +50,12 @@ def build_app(llm: LLM, model_name: str, model_dir=None) -> FastAPI:
         metrics.errors.labels(e.kind).inc()
         return e.response()
 
+    @app.exception_handler(404)
+    @app.exception_handler(405)
+    async def no_route(http: HTTPRequest, e):
+        return APIError(f"{http.method} {http.url.path}: {getattr(e, 'detail', e)}",
+                        status=e.status_code, kind="no_route").response()
+
     @app.exception_handler(ClientGone)
     async def client_gone(_, e: ClientGone):
         return Response(status_code=499)       # nobody reads it (nginx's code for this)
