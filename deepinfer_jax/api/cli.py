@@ -1,6 +1,6 @@
-"""The `deepinfer` command: `generate` a few prompts, `bench` the engine's throughput, `plan` a
-model's device memory from its configuration, or `convert` a checkpoint once into a store
-that restores straight into a device mesh."""
+"""The `deepinfer` command: `generate` a few prompts, `serve` the OpenAI API over HTTP, `bench`
+the engine's throughput, `plan` a model's device memory from its configuration, or `convert` a
+checkpoint once into a store that restores straight into a device mesh."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def _sampling_params(args):
         regex=args.regex, grammar=_text_or_file(args.grammar))
 
 
-def _make_llm(args):
+def _make_llm(args, **options):
     from deepinfer_jax.api.llm import LLM
 
     speculative = (None if not args.speculative_tokens else
@@ -109,7 +109,8 @@ def _make_llm(args):
                gpu_memory_utilization=args.gpu_memory_utilization,
                device_memory_gib=args.device_memory_gib,
                enable_prefix_caching=args.enable_prefix_caching,
-               batch_invariant=args.batch_invariant, speculative_config=speculative)
+               batch_invariant=args.batch_invariant, speculative_config=speculative,
+               **options)
 
 
 def generate(args) -> int:
@@ -135,6 +136,35 @@ def generate(args) -> int:
                 print("    " + ", ".join(f"{lp.decoded_token!r}: {lp.logprob:.3f}"
                                          for lp in entry.values()))
     return 1 if failed else 0
+
+
+def serve(args) -> int:
+    """Load the model, then serve the OpenAI API (api/server/) until interrupted."""
+    from pathlib import Path
+
+    import uvicorn
+
+    from deepinfer_jax.api.llm import DEFAULT_MODEL
+    from deepinfer_jax.api.server.app import build_app
+
+    if args.coordinator_address is not None and args.num_processes > 1:
+        # every process would serve HTTP and step its engine apart from the others'
+        print("serve runs the engine in one process; an engine over several processes "
+              "(--coordinator-address) cannot be served yet", file=sys.stderr)
+        return 2
+    if args.model_path is not None:
+        if args.model is not None and args.model != args.model_path:
+            print("give the model once: MODEL or --model", file=sys.stderr)
+            return 2
+        args.model = args.model_path
+    llm = _make_llm(args, grammar_compile_timeout_s=args.grammar_compile_timeout_s,
+                    max_logprobs=args.max_logprobs, show_progress=True)
+    model_dir = Path(args.model) if args.model is not None else DEFAULT_MODEL
+    name = args.served_model_name or model_dir.name
+    app = build_app(llm, name, model_dir)
+    print(f"serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
 
 
 def bench(args) -> int:
@@ -236,6 +266,22 @@ def main(argv=None) -> int:
     g.add_argument("--prompt-ids", action="append", help="comma-separated token ids")
     _sampling_args(g)
     g.set_defaults(func=generate)
+    s = sub.add_parser("serve", help="serve the OpenAI API (completions, chat, models, "
+                                     "health, metrics) over HTTP")
+    s.add_argument("model_path", nargs="?", metavar="MODEL",
+                   help="checkpoint directory (the same as --model)")
+    _engine_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", help="the model's name in the API (default: the "
+                                               "model directory's name)")
+    s.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most top logprobs a request may ask for")
+    s.add_argument("--grammar-compile-timeout-s", type=float, default=10.0,
+                   help="a structured-output grammar that takes longer fails its request")
+    s.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(func=serve)
     b = sub.add_parser("bench", help="offline throughput on random prompts")
     _engine_args(b)
     b.add_argument("--num-prompts", type=int, default=32)

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from deepinfer_jax.api.deltas import RequestDeltas
 from deepinfer_jax.api.model import Model, load
 from deepinfer_jax.config.engine import QUICKSTART_SHAPES, EngineConfig
 from deepinfer_jax.config.hf import read_served_model_config
@@ -30,8 +31,8 @@ from deepinfer_jax.engine.core import EngineCore, failed_output
 from deepinfer_jax.engine.devices import local_device_facts
 from deepinfer_jax.engine.memory_plan import check_checkpoint_fits
 from deepinfer_jax.host.chat import ChatTemplate
-from deepinfer_jax.host.detokenizer import IncrementalDetokenizer
-from deepinfer_jax.host.outputs import cut_at_stop, group_output, prompt_logprobs, text_tokens, token_text
+from deepinfer_jax.host.deepseek_v4_chat import DeepSeekV4Chat
+from deepinfer_jax.host.outputs import group_output, prompt_logprobs, token_text
 from deepinfer_jax.host.request import (
     FinishReason,
     InvalidRequestError,
@@ -114,14 +115,14 @@ class LLM:
             self.model = load(model, dtype=dtype, weights=weights,
                               mesh=make_mesh(step_config.compute.parallel))
             self.tokenizer = TextTokenizer.from_model_dir(model)
-            self.chat_template = ChatTemplate.from_model_dir(model)
+            self.chat_template = chat_format(model, self.tokenizer)
         else:
             raise TypeError(f"model must be a path or a deepinfer_jax.Model, got {type(model)}")
         if tokenizer is not None:     # a tokenizer.json, or a directory holding one
             path = Path(tokenizer)
             path = path.parent if path.is_file() else path
             self.tokenizer = TextTokenizer.from_model_dir(path)
-            self.chat_template = ChatTemplate.from_model_dir(path) or self.chat_template
+            self.chat_template = chat_format(path, self.tokenizer) or self.chat_template
         self.host_options = options.host_options(step_config)
         self.engine = EngineCore(self.model.config, self.model.params, step_config,
                                  self.host_options, self.tokenizer, memory)
@@ -185,38 +186,18 @@ class LLM:
             if g.failed is not None:
                 yield CompletionDelta(i, g.request_id, [], None, True, g.failed.finish_reason,
                                       g.failed.error)
-        sent_tokens = {rid: 0 for rid in pending}
-        sent_text = {rid: "" for rid in pending}
-        # a request's resolved tokens only grow, so its text is decoded a piece at a time:
-        # final_text + pending text == decode(text tokens fed so far)
-        detokenizers = {rid: IncrementalDetokenizer(self.tokenizer.decoder(
-            req.params.skip_special_tokens)) for rid, req in pending.items()
-        } if self.tokenizer is not None else {}
-        fed = {rid: 0 for rid in pending}
-        final_text = {rid: "" for rid in pending}
+        deltas = {rid: RequestDeltas(req, self.tokenizer) for rid, req in pending.items()}
         while pending and self.engine.has_unfinished():
             for req in self.engine.step():
                 rid = req.request_id
                 if rid not in pending:
                     continue
-                known = req.resolved_tokens
-                new = known[sent_tokens[rid]:]
-                sent_tokens[rid] = len(known)
-                done = req.is_complete
-                text = None
-                if self.tokenizer is not None:
-                    shown = text_tokens(req, known) if done else known
-                    final_text[rid] += detokenizers[rid].add(shown[fed[rid]:])
-                    fed[rid] = max(fed[rid], len(shown))
-                    # the held-back tail (an unfinished character) only once it is final
-                    decoded = final_text[rid] + (detokenizers[rid].pending if done else "")
-                    full = _streamable_text(decoded, req, done)
-                    text, sent_text[rid] = full[len(sent_text[rid]):], full
-                if done:
+                inc = deltas[rid].advance()
+                if inc.done:
                     pending.pop(rid)
                 i, j = where[rid]
-                yield CompletionDelta(i, groups[i].request_id, new, text, done, req.finish_reason,
-                                      output_index=j)
+                yield CompletionDelta(i, groups[i].request_id, inc.token_ids, inc.text, inc.done,
+                                      req.finish_reason, output_index=j)
         for rid, req in list(pending.items()):       # aborted while streaming
             pending.pop(rid)
             i, j = where[rid]
@@ -307,19 +288,14 @@ class LLM:
         return self._spec_totals
 
 
-def _streamable_text(text: str, req: Request, done: bool) -> str:
-    """The part of the text that may be shown: cut at a stop string, and while running, hold
-    back a tail that could still grow into one."""
-    if req.stop_text_at is not None:
-        return cut_at_stop(text, req)
-    if done or not req.params.stop:
-        return text
-    for keep in range(len(text) - max(len(s) for s in req.params.stop) + 1, len(text) + 1):
-        tail = text[max(keep, 0):]
-        if not any(s.startswith(tail) for s in req.params.stop if tail):
-            continue
-        return text[: max(keep, 0)]
-    return text
+def chat_format(directory, tokenizer: TextTokenizer | None):
+    """The model's chat template (host/chat.py), else, for a tokenizer with DeepSeek-V4's role
+    tokens (the released checkpoints ship no template), V4's own message format; or None."""
+    template = ChatTemplate.from_model_dir(directory)
+    if template is None and tokenizer is not None and DeepSeekV4Chat.applies_to(
+            tokenizer.token_to_id):
+        return DeepSeekV4Chat()
+    return template
 
 
 def _children(p: SamplingParams) -> list[SamplingParams]:

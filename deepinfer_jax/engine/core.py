@@ -184,6 +184,10 @@ class EngineCore:
                     return req
         return self.scheduler.abort(request_id)
 
+    def num_awaiting_grammar(self) -> int:
+        """Requests queued until their grammar compiles (not yet in the scheduler)."""
+        return sum(len(waiting) for waiting in self._awaiting_grammar.values())
+
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_work() or bool(self._in_flight)
                 or any(self._awaiting_grammar.values()))

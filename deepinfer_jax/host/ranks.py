@@ -98,6 +98,11 @@ class RankedScheduler:
     def num_preemptions(self) -> int:
         return sum(scheduler.num_preemptions for scheduler in self.ranks)
 
+    def page_counts(self) -> tuple[int, int]:
+        """(pages, free pages) over every rank's pool."""
+        counts = [rank.page_counts() for rank in self.ranks]
+        return sum(c[0] for c in counts), sum(c[1] for c in counts)
+
     def prefix_stats(self) -> PrefixCacheStats | None:
         """The ranks' prefix-cache counters summed, or None without prefix caching."""
         stats = [scheduler.kv_cache.prefix_stats() for scheduler in self.ranks]

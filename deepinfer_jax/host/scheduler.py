@@ -73,6 +73,10 @@ class Scheduler:
         """The prefix cache's counters (PrefixCacheStats), or None without prefix caching."""
         return self.kv_cache.prefix_stats()
 
+    def page_counts(self) -> tuple[int, int]:
+        """(pages in the pool, pages free): what the server's metrics report."""
+        return self.step_cfg.num_pages, self.kv_cache.num_free_pages
+
     def abort(self, request_id: str) -> Request | None:
         for req in list(self.waiting) + self.running:
             if req.request_id == request_id:

@@ -1,0 +1,88 @@
+"""The server's Prometheus metrics (prometheus-client), in a registry of the app's own.
+
+Latencies and counts are observed by the engine thread as requests progress; the engine's
+state (requests running and waiting, cache pages, prefix-cache counters, speculation) is a
+snapshot the engine thread takes after each step (`EngineSnapshot`), read by a collector at
+scrape time, so a scrape never touches the engine's structures while a step changes them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# seconds: from a few ms (a decode step on a GPU) to minutes (a long queue on a CPU)
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                    120.0, 300.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSnapshot:
+    running: int = 0
+    waiting: int = 0                 # queued, or waiting for their grammar to compile
+    pages_total: int = 0
+    pages_free: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    prefix_hit_tokens: int = 0
+    spec_drafted: int = 0            # draft tokens verified (finished requests)
+    spec_accepted: int = 0
+    steps: int = 0
+
+
+class _EngineCollector:
+    def __init__(self):
+        self.snapshot = EngineSnapshot()
+
+    def collect(self):
+        s = self.snapshot
+        for name, doc, value in (
+                ("num_requests_running", "Requests in the running batch", s.running),
+                ("num_requests_waiting", "Requests waiting to join the batch", s.waiting),
+                ("cache_pages_total", "Pages of the KV cache pool", s.pages_total),
+                ("cache_pages_free", "Free pages of the KV cache pool", s.pages_free),
+                ("cache_pages_used", "Pages of the KV cache pool in use (sequences and "
+                 "prefix-cache blocks)", s.pages_total - s.pages_free)):
+            yield GaugeMetricFamily("deepinfer_" + name, doc, value=value)
+        for name, doc, value in (
+                ("prefix_cache_queries", "Admissions that looked the prefix cache up",
+                 s.prefix_queries),
+                ("prefix_cache_hits", "Admissions that reused a cached block", s.prefix_hits),
+                ("prefix_cache_hit_tokens", "Prompt tokens not computed thanks to the prefix "
+                 "cache", s.prefix_hit_tokens),
+                ("spec_decode_draft_tokens", "Speculative draft tokens verified", s.spec_drafted),
+                ("spec_decode_accepted_tokens", "Speculative draft tokens accepted",
+                 s.spec_accepted),
+                ("engine_steps", "Engine steps launched", s.steps)):
+            yield CounterMetricFamily("deepinfer_" + name, doc, value=value)
+
+
+class ServerMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.engine = _EngineCollector()
+        self.registry.register(self.engine)
+        r = self.registry
+        self.ttft = Histogram("deepinfer_time_to_first_token_seconds",
+                              "From the request's arrival to its first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("deepinfer_inter_token_latency_seconds",
+                             "Between a request's consecutive tokens", buckets=_LATENCY_BUCKETS,
+                             registry=r)
+        self.e2e = Histogram("deepinfer_e2e_request_latency_seconds",
+                             "From the request's arrival to its last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("deepinfer_prompt_tokens", "Prompt tokens of admitted "
+                                     "requests", registry=r)
+        self.generation_tokens = Counter("deepinfer_generation_tokens", "Tokens generated",
+                                         registry=r)
+        self.finished = Counter("deepinfer_request_success", "Requests finished, by reason",
+                                ["finished_reason"], registry=r)
+        self.errors = Counter("deepinfer_request_errors", "Requests refused or failed, by kind",
+                              ["kind"], registry=r)
+        self.aborted = Counter("deepinfer_requests_aborted", "Requests aborted because their "
+                               "client went away", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
