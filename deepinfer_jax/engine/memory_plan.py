@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from deepinfer_jax.config.family import facts_of
 from deepinfer_jax.config.hf import read_served_model_config
 from deepinfer_jax.config.host import HostOptions
 from deepinfer_jax.config.memory import (
@@ -117,13 +118,14 @@ def engine_plan(params: ModelParams, cfg: ModelConfig, step_cfg: StepConfig,
     check_weights(weights, limits.device_bytes, limits.utilization)
     activations = measured_activations(params, cfg, step_cfg, host, mesh)
     measured = activations is not None
+    family = facts_of(cfg)               # the state's bytes: DeepSeek-V4's or V4.1's
     if not measured:
-        activations = activation_estimate(cfg, step_cfg)
+        activations = family.activation_estimate(cfg, step_cfg)
     dtype_bytes = jnp.dtype(params.embed.dtype).itemsize
     plan = plan_pool(MemoryPlan(
         weights=weights, activations=activations, activations_measured=measured,
-        fixed_cache=fixed_cache_bytes(cfg, step_cfg, dtype_bytes),
-        page_bytes=page_bytes(cfg, step_cfg.page_size, dtype_bytes),
+        fixed_cache=family.fixed_cache_bytes(cfg, step_cfg, dtype_bytes),
+        page_bytes=family.page_bytes(cfg, step_cfg.page_size, dtype_bytes),
         page_size=step_cfg.page_size, pages=0, max_num_seqs=step_cfg.max_num_seqs,
         max_model_len=step_cfg.max_model_len, blocks_per_seq=step_cfg.max_blocks_per_seq,
         device_bytes=limits.device_bytes, utilization=limits.utilization), limits.num_pages)
