@@ -130,3 +130,15 @@ def test_v41_memory_plan_counts_the_v41_state():
     assert plan.pages == llm.step_config.num_pages == plan.full_reach_pages
     held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(llm.engine.state))
     assert held == plan.cache
+
+
+def test_v41_structured_output_without_an_eos_fails_the_request_alone():
+    """The fixtures name no EOS token, which grammars need: such a request fails with a
+    request error, and the engine still serves the others."""
+    llm = _engine(FIXTURES[0])
+    prompts, _ = _reference(FIXTURES[0])
+    bad, good = llm.generate([prompts[0], prompts[0]],
+                             [SamplingParams(max_tokens=2, regex="a+"), _greedy(2)],
+                             use_tqdm=False)
+    assert bad.error is not None and "end-of-sequence" in str(bad.error)
+    assert len(good.outputs[0].token_ids) == 2
