@@ -112,13 +112,12 @@ class LLM:
             # straight into the mesh (load's `mesh`)
             config = read_model_config(model)
             step_config = options.resolve(config, device)
-            if isinstance(config, V41Config):
-                # DeepSeek-V4.1: float checkpoints only (weights/v41.py), so the weights'
-                # bytes are the files'; the plan checks them once loaded (engine_plan)
+            if memory is not None:        # weights that cannot fit fail before they load
+                check_checkpoint_fits(model, memory, quantized=weights == "quantized",
+                                      dtype=dtype or checkpoint_dtype(model))
+            if isinstance(config, V41Config):     # float checkpoints only (weights/v41.py)
                 self.model = load_v41(model, dtype=dtype or checkpoint_dtype(model))
             else:
-                if memory is not None:        # weights that cannot fit fail before they load
-                    check_checkpoint_fits(model, memory, quantized=weights == "quantized")
                 self.model = load(model, dtype=dtype, weights=weights,
                                   mesh=make_mesh(step_config.compute.parallel))
             self.tokenizer = TextTokenizer.from_model_dir(model)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from deepinfer_jax.config.family import facts_of
-from deepinfer_jax.config.hf import read_served_model_config
+from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.config.host import HostOptions
 from deepinfer_jax.config.memory import (
     MemoryLimits,
@@ -38,10 +38,12 @@ from deepinfer_jax.config.memory import (
 )
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.step import StepConfig
+from deepinfer_jax.config.v41 import V41Config
 from deepinfer_jax.engine.compile import compile_steps
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.parallel.mesh import abstract_state
 from deepinfer_jax.weights import random_params
+from deepinfer_jax.weights.v41 import v41_weight_elements
 from pallas_kernels import quantized as q
 
 log = logging.getLogger("deepinfer_jax")
@@ -159,12 +161,19 @@ def config_plan(cfg: ModelConfig, step_cfg: StepConfig, *, devices: int = 1,
         device_bytes=device_bytes, utilization=utilization, devices=devices, notes=notes))
 
 
-def check_checkpoint_fits(path, limits: MemoryLimits, quantized: bool = True) -> None:
+def check_checkpoint_fits(path, limits: MemoryLimits, quantized: bool = True,
+                          dtype=jnp.bfloat16) -> None:
     """Before a checkpoint loads: its weights counted from its config.json (quantized where
     the checkpoint is and the load keeps it so), which must fit the budget. The exact check
-    follows once they are loaded (`engine_plan`)."""
-    cfg = read_served_model_config(path)
-    weights = weight_bytes(abstract_params(cfg, quantized=quantized and cfg.quantization is not None))
+    follows once they are loaded (`engine_plan`). DeepSeek-V4.1 (float checkpoints only):
+    the files' tensors at the compute `dtype`, a lower bound of the load (its norms and
+    mixing parameters stay float32)."""
+    cfg = read_model_config(path)
+    if isinstance(cfg, V41Config):
+        weights = v41_weight_elements(path) * jnp.dtype(dtype).itemsize
+    else:
+        weights = weight_bytes(abstract_params(cfg, quantized=quantized
+                                               and cfg.quantization is not None))
     check_weights(weights, limits.device_bytes, limits.utilization, f" of {path}")
 
 

@@ -142,3 +142,15 @@ def test_v41_structured_output_without_an_eos_fails_the_request_alone():
                              use_tqdm=False)
     assert bad.error is not None and "end-of-sequence" in str(bad.error)
     assert len(good.outputs[0].token_ids) == 2
+
+
+def test_v41_weights_that_cannot_fit_fail_before_they_load(monkeypatch):
+    from deepinfer_jax.api import llm as llm_module
+    from deepinfer_jax.config.errors import InsufficientMemoryError
+
+    def never(*args, **kwargs):
+        raise AssertionError("loaded")
+
+    monkeypatch.setattr(llm_module, "load_v41", never)
+    with pytest.raises(InsufficientMemoryError, match="weights of"):
+        deepinfer_jax.LLM(FIXTURES[0], **ENGINE, device_memory_gib=1e-4)
