@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import deepinfer_jax
+from bench.lib.admission import admit_first_chunks
 from deepinfer_jax.config.errors import EngineConfigError
 from deepinfer_jax.config.memory_v41 import v41_page_bytes, v41_slot_bytes
 from deepinfer_jax.host.request import SamplingParams
@@ -154,3 +155,17 @@ def test_v41_weights_that_cannot_fit_fail_before_they_load(monkeypatch):
     monkeypatch.setattr(llm_module, "load_v41", never)
     with pytest.raises(InsufficientMemoryError, match="weights of"):
         deepinfer_jax.LLM(FIXTURES[0], **ENGINE, device_memory_gib=1e-4)
+
+
+@pytest.mark.parametrize("first_chunk_admission", [False, True])
+def test_v41_a_short_page_pool_gives_the_same_tokens(first_chunk_admission):
+    """Three pages of 64 positions for three sequences that need two each: requests wait for
+    pages, or (admitted on their first chunk) are preempted and replayed, their Engram
+    look-back rehashed from position 0; every continuation is still the reference's."""
+    prompts, ref = _reference(FIXTURES[1])
+    llm = deepinfer_jax.LLM(FIXTURES[1], **ENGINE, num_pages=3)
+    if first_chunk_admission:
+        admit_first_chunks(llm)
+    outs = llm.generate(prompts, _greedy(ref["gen_tokens"].shape[1]), use_tqdm=False)
+    np.testing.assert_array_equal([o.outputs[0].token_ids for o in outs], ref["gen_tokens"])
+    assert (llm.engine.scheduler.num_preemptions > 0) == first_chunk_admission
