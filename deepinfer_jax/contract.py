@@ -54,6 +54,9 @@ class BatchPlan:
     next_token_ids: Array  # i32[T]  the token after each token when the host knows it, else -1
     num_drafts: Array      # i32[N]  drafts at the end of the row's span, to verify
     draft_cap: Array       # i32[N]  the most drafts the row may propose for the next step
+    # DeepSeek-V4.1's Engram: each token's row ids into each Engram layer's table, hashed on the
+    # host over the sequence's look-back (StepConfig.engram_shape); i32[T, 0, 0] without Engram
+    engram_ids: Array      # i32[T, L_e, C]
 
     @property
     def num_tokens(self) -> int:

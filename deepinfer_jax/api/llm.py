@@ -24,9 +24,11 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from deepinfer_jax.api.deltas import RequestDeltas
-from deepinfer_jax.api.model import Model, load
+from deepinfer_jax.api.model import Model, checkpoint_dtype, load
+from deepinfer_jax.api.v41_model import V41Model, load_v41
 from deepinfer_jax.config.engine import QUICKSTART_SHAPES, EngineConfig
-from deepinfer_jax.config.hf import read_served_model_config
+from deepinfer_jax.config.hf import read_model_config
+from deepinfer_jax.config.v41 import V41Config
 from deepinfer_jax.engine.core import EngineCore, failed_output
 from deepinfer_jax.engine.devices import local_device_facts
 from deepinfer_jax.engine.memory_plan import check_checkpoint_fits
@@ -81,8 +83,8 @@ class LLM:
     def __init__(self, model: str | Path | Model | None = None, *, dtype=None,
                  weights: str = "quantized", tokenizer: str | Path | None = None,
                  **engine_options):
-        """model: a checkpoint directory, a loaded `Model`, or None for the shipped tiny model
-        (with QUICKSTART_SHAPES where no shape is given).
+        """model: a checkpoint directory (DeepSeek-V4 or V4.1), a loaded `Model` / `V41Model`,
+        or None for the shipped tiny model (with QUICKSTART_SHAPES where no shape is given).
         weights: "quantized" keeps a checkpoint's FP8/FP4 weights as stored, "bf16"
         dequantizes them at load (api/model.py's load).
         engine_options: the fields of `EngineConfig` (max_num_seqs, max_model_len,
@@ -103,17 +105,22 @@ class LLM:
         join_processes(options.distributed)      # before anything starts jax's backend
         device = local_device_facts()
         memory = options.memory(device)
-        if isinstance(model, Model):
+        if isinstance(model, (Model, V41Model)):
             self.model, self.tokenizer, self.chat_template = model, None, None
             step_config = options.resolve(model.config, device)
         elif isinstance(model, (str, Path)):
             # resolved from config.json before the weights: a converted store is restored
             # straight into the mesh (load's `mesh`)
-            step_config = options.resolve(read_served_model_config(model), device)
+            config = read_model_config(model)
+            step_config = options.resolve(config, device)
             if memory is not None:        # weights that cannot fit fail before they load
-                check_checkpoint_fits(model, memory, quantized=weights == "quantized")
-            self.model = load(model, dtype=dtype, weights=weights,
-                              mesh=make_mesh(step_config.compute.parallel))
+                check_checkpoint_fits(model, memory, quantized=weights == "quantized",
+                                      dtype=dtype or checkpoint_dtype(model))
+            if isinstance(config, V41Config):     # float checkpoints only (weights/v41.py)
+                self.model = load_v41(model, dtype=dtype or checkpoint_dtype(model))
+            else:
+                self.model = load(model, dtype=dtype, weights=weights,
+                                  mesh=make_mesh(step_config.compute.parallel))
             self.tokenizer = TextTokenizer.from_model_dir(model)
             self.chat_template = chat_format(model, self.tokenizer)
         else:
@@ -125,7 +132,8 @@ class LLM:
             self.chat_template = chat_format(path, self.tokenizer) or self.chat_template
         self.host_options = options.host_options(step_config)
         self.engine = EngineCore(self.model.config, self.model.params, step_config,
-                                 self.host_options, self.tokenizer, memory)
+                                 self.host_options, self.tokenizer, memory,
+                                 engram_token_map=getattr(self.model, "token_map", None))
         self.step_config = self.engine.step_cfg          # with the planned page pool
         self._ids = itertools.count()
         self._spec_totals = SpecMetrics()

@@ -15,12 +15,14 @@ from deepinfer_jax.config import options
 from deepinfer_jax.config.compute import KernelChoices
 from deepinfer_jax.config.distributed import DistributedConfig
 from deepinfer_jax.config.errors import EngineConfigError
+from deepinfer_jax.config.family import facts_of, refuse_unbuilt
 from deepinfer_jax.config.host import HostOptions
 from deepinfer_jax.config.memory import MemoryLimits
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.parallel import ParallelConfig
 from deepinfer_jax.config.speculative import SpeculativeConfig
 from deepinfer_jax.config.step import StepConfig
+from deepinfer_jax.config.v41 import V41Config
 
 # The default context when none is given: the model's own, up to this many tokens (a default
 # that compiles and holds pages for a 1M-token context would surprise more than it helps).
@@ -110,14 +112,21 @@ class EngineConfig:
         if self.device_memory_gib is not None and self.device_memory_gib <= 0:
             raise EngineConfigError(f"device_memory_gib must be > 0, got {self.device_memory_gib}")
 
-    def resolve(self, model: ModelConfig, device: options.DeviceFacts = options.CPU,
+    def resolve(self, model: ModelConfig | V41Config, device: options.DeviceFacts = options.CPU,
                 environ: Mapping[str, str] | None = None) -> StepConfig:
         """The step's configuration for this model on this device (arguments, then
         DEEPINFER_* variables, then the device's defaults)."""
-        if self.speculative_config is not None and model.num_mtp_layers == 0:
+        family = facts_of(model)
+        refuse_unbuilt(model, {
+            "speculative decoding": self.speculative_config is not None,
+            "prefix caching": self.enable_prefix_caching,
+            "batch-invariant mode": bool(self.batch_invariant),
+            "a device mesh (parallel)": self.parallel.size > 1 or self.parallel.eplb is not None,
+            "several processes (distributed)": device.process_count > 1})
+        if self.speculative_config is not None and not family.has_mtp(model):
             raise EngineConfigError("speculative decoding with MTP needs a model with an MTP "
                                     "block (num_nextn_predict_layers > 0)")
-        rates = sorted({model.compress_rate(k) for k in model.layer_types} - {0}) or [1]
+        rates = list(family.page_rates(model)) or [1]
         unit = math.lcm(*rates)
         page_size = self.page_size or unit * max(1, math.ceil(64 / unit))
         if page_size % unit:
@@ -151,7 +160,7 @@ class EngineConfig:
             max_num_batched_tokens=self.max_num_batched_tokens, token_buckets=buckets,
             max_logprobs=min(self.max_logprobs, model.vocab_size), vocab_size=model.vocab_size,
             speculative=self.speculative_config, compute=compute,
-            enable_prefix_caching=self.enable_prefix_caching,
+            enable_prefix_caching=self.enable_prefix_caching, engram_shape=family.engram_shape(model),
             num_snapshots=(self.num_prefix_snapshots or 4 * self.max_num_seqs)
             if self.enable_prefix_caching else 0)
 
@@ -182,8 +191,11 @@ class EngineConfig:
                      ) -> HostOptions:
         return HostOptions(
             compilation_cache_dir=self.compilation_cache_dir, show_progress=self.show_progress,
-            # speculation reads each step's accepted counts before planning the next
-            async_scheduling=self.async_scheduling and step.speculative is None,
+            # speculation reads each step's accepted counts before planning the next; the
+            # Engram hash (DeepSeek-V4.1) needs every fed token on the host when it plans, and
+            # asynchronous scheduling feeds the last sampled one before the host has read it
+            async_scheduling=(self.async_scheduling and step.speculative is None
+                              and not step.hashes_tokens),
             launch_thread=self.launch_thread, seed=self.seed,
             grammar_compile_timeout_s=self.grammar_compile_timeout_s,
             compile_threads=options.compile_threads(self.compile_threads, environ))

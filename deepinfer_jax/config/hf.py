@@ -254,11 +254,12 @@ def read_model_config(path: str | Path) -> ModelConfig | V41Config:
 
 
 def read_served_model_config(path: str | Path) -> ModelConfig:
-    """read_model_config for the engine and the `Model` API, which serve the V4 family only:
-    a V4.1 config is refused by name rather than failing later on a missing field."""
+    """read_model_config for the `Model` API and the V4-only commands (`deepinfer plan`,
+    `convert`): a V4.1 config is refused by name rather than failing later on a missing field.
+    The engine (`LLM`) reads either family with read_model_config."""
     cfg = read_model_config(path)
     if isinstance(cfg, V41Config):
-        raise ConfigError(f"{path}: DeepSeek-V4.1 is read (config, weights) and has a cache-free "
-                          f"reference forward (deepinfer_jax/model/v41/forward.py), but the "
-                          f"engine and the Model API do not serve it yet (issue 36)")
+        raise ConfigError(f"{path}: DeepSeek-V4.1 is served by the engine (LLM(path)) and has a "
+                          f"cache-free reference forward (deepinfer_jax.load_v41), but the "
+                          f"Model API and this command do not take it yet (issue 36)")
     return cfg

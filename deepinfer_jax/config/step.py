@@ -31,10 +31,18 @@ class StepConfig:
     compute: ComputeConfig
     enable_prefix_caching: bool = False
     num_snapshots: int = 0            # snapshot pool of the prefix cache (0: no cache)
+    # (L_e, C): the Engram row ids each plan token carries (BatchPlan.engram_ids), hashed by
+    # the host; (0, 0) for a model without Engram (the plan's field is then empty)
+    engram_shape: tuple[int, int] = (0, 0)
 
     @property
     def batch_invariant(self) -> bool:
         return self.compute.batch_invariant
+
+    @property
+    def hashes_tokens(self) -> bool:
+        """The host hashes every fed token (Engram): it must know them all when it plans."""
+        return self.engram_shape[0] > 0
 
     @property
     def spec_tokens(self) -> int:

@@ -2,6 +2,9 @@
 
 step(params, state, plan) -> (state, StepOutput); the state is donated, every per-step
 quantity is an array in the plan, so one compiled program per token bucket serves all traffic.
+The model's family (DeepSeek-V4 or V4.1) supplies the forward and the sampled rows' logits
+(model/family.py); the placeholders, penalty bookkeeping and sampling around them are shared
+(both states keep `last_tokens`, `prompt_mask`, `output_counts` per slot).
 """
 
 from __future__ import annotations
@@ -15,9 +18,8 @@ from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.contract import BatchPlan, StepOutput
 from deepinfer_jax.device.sampling import SamplingRows, sample
-from deepinfer_jax.model.paged_forward import forward_step
+from deepinfer_jax.model.family import model_family
 from deepinfer_jax.model.params import ModelParams
-from deepinfer_jax.model.reference_forward import project_logits
 from deepinfer_jax.model.state import StateCache
 
 
@@ -53,9 +55,9 @@ def step(params: ModelParams, state: StateCache, plan: BatchPlan, *, cfg: ModelC
     """One engine step; `truncation` picks the sampler (sampling.sampling_logits)."""
     token_ids = resolve_placeholders(plan.token_ids, plan, state.last_tokens)
     state = record_fed_tokens(state, plan, token_ids)
-    state, streams = forward_step(params, state, plan, token_ids, cfg, step_cfg)
-    logits = project_logits(streams[plan.sample_index], params.hc_head, params.norm,
-                            params.head, cfg, step_cfg.compute)                 # f32[N, V]
+    family = model_family(cfg)           # DeepSeek-V4 or V4.1 (model/family.py)
+    state, final = family.forward(params, state, plan, token_ids, cfg, step_cfg)
+    logits = family.sampled_logits(params, final, plan.sample_index, cfg, step_cfg)  # f32[N, V]
     rows = SamplingRows(temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p,
                         min_p=plan.min_p, repetition_penalty=plan.repetition_penalty,
                         presence_penalty=plan.presence_penalty,

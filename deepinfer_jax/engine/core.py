@@ -30,8 +30,10 @@ from deepinfer_jax.config.host import HostOptions
 from deepinfer_jax.config.memory import MemoryLimits, MemoryPlan
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.step import StepConfig
+from deepinfer_jax.config.v41 import V41Config
 from deepinfer_jax.contract import BatchPlan, SpecStepOutput, StepOutput
 from deepinfer_jax.engine.compile import compile_steps, enable_persistent_cache
+from deepinfer_jax.engine.engram_rows import EngramRows
 from deepinfer_jax.engine.launch import Launcher
 from deepinfer_jax.engine.memory_plan import check_compiled, engine_plan
 from deepinfer_jax.engine.snapshot_copies import SnapshotCopies
@@ -54,6 +56,7 @@ from deepinfer_jax.host.scheduler import Scheduler
 from deepinfer_jax.host.stop_strings import StopStrings
 from deepinfer_jax.host.tokenizer import TextTokenizer
 from deepinfer_jax.model.params import ModelParams
+from deepinfer_jax.model.v41.params import V41ModelParams
 from deepinfer_jax.parallel.eplb import ExpertBalancer, compile_transfer, with_placement
 from deepinfer_jax.parallel.mesh import make_mesh, mesh_context, place_params, placed_state
 
@@ -79,13 +82,25 @@ class InFlight:
 
 
 class EngineCore:
-    def __init__(self, cfg: ModelConfig, params: ModelParams, step_cfg: StepConfig,
-                 host: HostOptions, tokenizer: TextTokenizer | None = None,
-                 memory: MemoryLimits | None = None):
-        """memory: the device memory to plan the page pool against (engine/memory_plan.py);
+    def __init__(self, cfg: ModelConfig | V41Config, params: ModelParams | V41ModelParams,
+                 step_cfg: StepConfig, host: HostOptions, tokenizer: TextTokenizer | None = None,
+                 memory: MemoryLimits | None = None, engram_token_map: np.ndarray | None = None):
+        """cfg, params: a DeepSeek-V4 or V4.1 model (model/family.py dispatches on the config).
+        memory: the device memory to plan the page pool against (engine/memory_plan.py);
         the step's shapes then take the planned pool (`self.step_cfg`), and a model that does
         not fit raises InsufficientMemoryError before its steps compile. None: the pool as
-        `step_cfg` has it."""
+        `step_cfg` has it.
+        engram_token_map: i64[V] the tokenizer-derived ids the Engram hash reads (V4.1 with
+        Engram; engine/engram_rows.py)."""
+        self.engram_rows = None
+        if step_cfg.hashes_tokens:
+            if engram_token_map is None:
+                raise EngineConfigError("this model's Engram layers need the token map derived "
+                                        "from its tokenizer (engram_token_map)")
+            if host.async_scheduling:
+                raise EngineConfigError("the Engram hash needs every fed token on the host: "
+                                        "asynchronous scheduling must be off for this model")
+            self.engram_rows = EngramRows(cfg.engram, engram_token_map)
         if step_cfg.batch_invariant:
             require_batch_invariant_support()
         if step_cfg.spec_tokens and not params.mtp:
@@ -122,7 +137,9 @@ class EngineCore:
                                                      self.mesh)
         self.params, self.step_cfg, self.host = params, step_cfg, host
         self.tokenizer = tokenizer
-        self.structured = None if tokenizer is None else StructuredOutputs(
+        # grammars need an end-of-sequence token to accept at (llguidance); a model that
+        # names none (the V4.1 fixtures) refuses constrained requests instead (_problems)
+        self.structured = None if tokenizer is None or not cfg.eos_token_ids else StructuredOutputs(
             tokenizer.path, cfg.vocab_size, cfg.eos_token_ids, host.grammar_compile_timeout_s)
         self.state = placed_state(self.cfg, step_cfg, params.embed.dtype, self.mesh)
         self.steps = compile_steps(params, self.state, self.cfg, step_cfg, host)
@@ -222,6 +239,9 @@ class EngineCore:
             # step in each process, whose plans must all be the same
             problems.append("structured outputs are not supported by an engine spanning "
                             "processes yet")
+        if params.constrained and self.tokenizer is not None and self.structured is None:
+            problems.append("structured outputs need the model to name an end-of-sequence "
+                            "token (eos_token_id); this one names none")
         if not prompt:
             problems.append("empty prompt")
         elif len(prompt) >= self.step_cfg.max_model_len:
@@ -316,6 +336,8 @@ class EngineCore:
 
     def _plan(self, decision: ScheduleDecision, bucket: int) -> BatchPlan:
         plan = build_plan(decision, bucket, self.step_cfg)
+        if self.engram_rows is not None:
+            self.engram_rows.fill(plan, decision)
         self._fill_masks(plan, decision)
         return plan
 

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from deepinfer_jax.config.hf import read_served_model_config
+from deepinfer_jax.config.family import facts_of
+from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.config.host import HostOptions
 from deepinfer_jax.config.memory import (
     MemoryLimits,
@@ -37,10 +38,12 @@ from deepinfer_jax.config.memory import (
 )
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.step import StepConfig
+from deepinfer_jax.config.v41 import V41Config
 from deepinfer_jax.engine.compile import compile_steps
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.parallel.mesh import abstract_state
 from deepinfer_jax.weights import random_params
+from deepinfer_jax.weights.v41 import v41_weight_elements
 from pallas_kernels import quantized as q
 
 log = logging.getLogger("deepinfer_jax")
@@ -117,13 +120,14 @@ def engine_plan(params: ModelParams, cfg: ModelConfig, step_cfg: StepConfig,
     check_weights(weights, limits.device_bytes, limits.utilization)
     activations = measured_activations(params, cfg, step_cfg, host, mesh)
     measured = activations is not None
+    family = facts_of(cfg)               # the state's bytes: DeepSeek-V4's or V4.1's
     if not measured:
-        activations = activation_estimate(cfg, step_cfg)
+        activations = family.activation_estimate(cfg, step_cfg)
     dtype_bytes = jnp.dtype(params.embed.dtype).itemsize
     plan = plan_pool(MemoryPlan(
         weights=weights, activations=activations, activations_measured=measured,
-        fixed_cache=fixed_cache_bytes(cfg, step_cfg, dtype_bytes),
-        page_bytes=page_bytes(cfg, step_cfg.page_size, dtype_bytes),
+        fixed_cache=family.fixed_cache_bytes(cfg, step_cfg, dtype_bytes),
+        page_bytes=family.page_bytes(cfg, step_cfg.page_size, dtype_bytes),
         page_size=step_cfg.page_size, pages=0, max_num_seqs=step_cfg.max_num_seqs,
         max_model_len=step_cfg.max_model_len, blocks_per_seq=step_cfg.max_blocks_per_seq,
         device_bytes=limits.device_bytes, utilization=limits.utilization), limits.num_pages)
@@ -157,12 +161,19 @@ def config_plan(cfg: ModelConfig, step_cfg: StepConfig, *, devices: int = 1,
         device_bytes=device_bytes, utilization=utilization, devices=devices, notes=notes))
 
 
-def check_checkpoint_fits(path, limits: MemoryLimits, quantized: bool = True) -> None:
+def check_checkpoint_fits(path, limits: MemoryLimits, quantized: bool = True,
+                          dtype=jnp.bfloat16) -> None:
     """Before a checkpoint loads: its weights counted from its config.json (quantized where
     the checkpoint is and the load keeps it so), which must fit the budget. The exact check
-    follows once they are loaded (`engine_plan`)."""
-    cfg = read_served_model_config(path)
-    weights = weight_bytes(abstract_params(cfg, quantized=quantized and cfg.quantization is not None))
+    follows once they are loaded (`engine_plan`). DeepSeek-V4.1 (float checkpoints only):
+    the files' tensors at the compute `dtype`, a lower bound of the load (its norms and
+    mixing parameters stay float32)."""
+    cfg = read_model_config(path)
+    if isinstance(cfg, V41Config):
+        weights = v41_weight_elements(path) * jnp.dtype(dtype).itemsize
+    else:
+        weights = weight_bytes(abstract_params(cfg, quantized=quantized
+                                               and cfg.quantization is not None))
     check_weights(weights, limits.device_bytes, limits.utilization, f" of {path}")
 
 

@@ -45,6 +45,9 @@ def build_plan(decision: ScheduleDecision, token_bucket: int,
     next_token_ids = np.full(t_cap, -1, np.int32)
     num_drafts = np.zeros(n_cap, np.int32)
     draft_cap = np.zeros(n_cap, np.int32)
+    # filled by the engine (engine/engram_rows.py), which may import the hash; zero-size
+    # without Engram, so V4's wire carries nothing for it
+    engram_ids = np.zeros((t_cap, *step_cfg.engram_shape), np.int32)
     offset = 0
     for row, seq in enumerate(decision.seqs):
         req, n = seq.request, seq.num_tokens
@@ -71,7 +74,7 @@ def build_plan(decision: ScheduleDecision, token_bucket: int,
     return BatchPlan(token_ids, positions, token_seq, seq_slot, seq_start, seq_len, seq_offset,
                      block_table, sample_index, seq_samples, prompt_len, temperature, top_k,
                      top_p, min_p, repetition, presence, frequency, seed, allowed,
-                     next_token_ids, num_drafts, draft_cap)
+                     next_token_ids, num_drafts, draft_cap, engram_ids)
 
 
 def suppress_stops(plan: BatchPlan, decision: ScheduleDecision, eos_token_ids) -> None:

@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.parallel import MESH_AXES, ParallelConfig
 from deepinfer_jax.config.step import StepConfig
-from deepinfer_jax.model.state import init_state
+from deepinfer_jax.model.family import model_family
 
 # (path fragment, the split of each of the leaf's leading axes) for tensor parallelism
 _TP_SPLITS = ((".attn.wq_b", (None, "tp")), (".attn.wo_a", ("tp",)), (".attn.wo_b", ("tp",)),
@@ -140,7 +140,7 @@ def placed_state(cfg: ModelConfig, step_cfg: StepConfig, dtype, mesh: Mesh | Non
     """The step's initial state where the step expects it: on one device; replicated over the
     mesh; or with data-parallel ranks, a rank's each (`init_rank_states`)."""
     def make():
-        return init_state(cfg, step_cfg, dtype)
+        return model_family(cfg).init_state(cfg, step_cfg, dtype)
     if mesh is None:
         return make()
     ranks = step_cfg.compute.parallel.dp

@@ -46,6 +46,18 @@ def load_v41_params(path: str | Path, cfg: V41Config, dtype=np.float32) -> V41Mo
     return jax.device_put(params)
 
 
+def v41_weight_elements(path: str | Path) -> int:
+    """The elements of the text model's tensors in a checkpoint (block scales and ignored
+    tensors left out), read from the files' headers: what `load_v41_params` will hold."""
+    ckpt = Checkpoint(path)
+    total = 0
+    for key in ckpt.keys():
+        name = reference_name(key)
+        if name is not None and not name.endswith("_scale_inv"):
+            total += int(np.prod(ckpt.shape(key)))
+    return total
+
+
 class _Reader:
     def __init__(self, ckpt: Checkpoint, dtype: np.dtype):
         self.ckpt, self.dtype = ckpt, dtype

@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import numpy as np
 
+import deepinfer_jax.device  # noqa: F401  (registers the plan and outputs as pytrees)
 from deepinfer_jax.contract import BatchPlan, StepOutput
 from deepinfer_jax.engine.transfer import Wire
 
@@ -15,7 +16,7 @@ def random_plan(rng: np.random.Generator) -> BatchPlan:
     t, n, words = 16, 4, 5
     arrays = {}
     for f in dataclasses.fields(BatchPlan):
-        shape = {"block_table": (n, 3), "allowed": (n, words)}.get(f.name)
+        shape = {"block_table": (n, 3), "allowed": (n, words), "engram_ids": (t, 2, 3)}.get(f.name)
         per_token = f.name in ("token_ids", "positions", "token_seq", "next_token_ids")
         shape = shape or ((t,) if per_token else (n,))
         if f.name in ("temperature", "top_p", "min_p", "repetition_penalty",
@@ -58,3 +59,14 @@ def test_output_packed_in_jit_unpacks_on_the_host():
         want, got = getattr(out, f.name), getattr(back, f.name)
         assert got.dtype == want.dtype and got.shape == want.shape, f.name
         np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8), err_msg=f.name)
+
+
+def test_a_zero_size_field_costs_nothing():
+    """V4's plans carry Engram ids as i32[T, 0, 0]: no words on the wire, and they come back."""
+    plan = dataclasses.replace(random_plan(np.random.default_rng(2)),
+                               engram_ids=np.zeros((16, 0, 0), np.int32))
+    wire = Wire.of(plan)
+    assert wire.size == Wire.of(random_plan(np.random.default_rng(2))).size - 16 * 2 * 3
+    back = jax.jit(wire.unpack_device)(wire.pack_host(plan))
+    assert back.engram_ids.shape == (16, 0, 0)
+    np.testing.assert_array_equal(np.asarray(back.token_ids), plan.token_ids)

@@ -99,8 +99,8 @@ def test_v4_configs_unchanged():
     assert isinstance(cfg, ModelConfig) and cfg.num_layers == 43
 
 
-def test_the_engine_refuses_v41_by_name():
+def test_the_model_api_refuses_v41_by_name():
     from deepinfer_jax.api.model import load
 
-    with pytest.raises(ConfigError, match="do not serve it yet"):
+    with pytest.raises(ConfigError, match="do not take it yet"):
         load(A)

@@ -19,6 +19,7 @@ from deepinfer_jax.config.v41 import EngramConfig
 
 _SEED_STRIDE = 10007          # layer l's multipliers come from default_rng(10007 * l)
 _DEAD = -1                    # a look-back slot that may not be used (start, pad, image)
+DEAD = _DEAD                  # the same, for callers that build `history`
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,99 @@
+"""The model families the engine serves (DeepSeek-V4, DeepSeek-V4.1) and the pure-Python facts
+its options and memory plan need about each: the compress rates a page must hold whole, what
+the paged state costs, the Engram row ids a plan carries, and the engine features not built
+for the family yet (refused at start-up by name, never run half-way). The device side of the
+same table (state init, forward, logits) is `model/family.py`. No jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from deepinfer_jax.config import memory, memory_v41
+from deepinfer_jax.config.errors import EngineConfigError
+from deepinfer_jax.config.model import ModelConfig
+from deepinfer_jax.config.step import StepConfig
+from deepinfer_jax.config.v41 import V41Config
+
+_F32 = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyFacts:
+    name: str                                                   # as errors name it
+    config_type: type
+    page_rates: Callable[[Any], tuple[int, ...]]                # compress rates (> 0) in use
+    page_bytes: Callable[[Any, int, int], int]                  # (cfg, page_size, dtype bytes)
+    fixed_cache_bytes: Callable[[Any, StepConfig, int], int]    # slots (+ snapshots)
+    activation_estimate: Callable[[Any, StepConfig], int]
+    engram_shape: Callable[[Any], tuple[int, int]]              # (L_e, C) per plan token
+    has_mtp: Callable[[Any], bool]
+    # engine features not built for the family yet, by the names refuse_unbuilt is asked
+    unbuilt: tuple[str, ...] = ()
+
+
+def _v4_rates(cfg: ModelConfig) -> tuple[int, ...]:
+    return tuple(sorted({cfg.compress_rate(k) for k in cfg.layer_types} - {0}))
+
+
+def _v41_fixed_cache_bytes(cfg: V41Config, step_cfg: StepConfig, dtype_bytes: int) -> int:
+    # the open-group tails are float32 whatever the compute dtype (model/family.py)
+    return step_cfg.max_num_seqs * memory_v41.v41_slot_bytes(cfg, step_cfg.spec_tokens)
+
+
+def _v41_activation_estimate(cfg: V41Config, step_cfg: StepConfig) -> int:
+    """As V4's (config/memory.py activation_estimate), with V4.1's terms: per token the mHC
+    streams, queries and output, the window and top-k entries gathered (f32, decoded from
+    their FP8 / FP4 codes), attention logits, the indexer's scores over every entry, the routed
+    experts and the Engram rows; per sampled row the sampler's vocabulary rows."""
+    t = max(step_cfg.token_buckets)
+    n = step_cfg.seq_bucket(t)
+    hd, keys = cfg.head_dim, cfg.sliding_window + cfg.index_topk
+    rates = [r for r in cfg.compress_ratios if r > 0] or [1]
+    engram = 0 if cfg.engram is None else cfg.engram.n_columns * cfg.engram.head_dim
+    per_token = (3 * cfg.hc_mult * cfg.hidden_size + 2 * cfg.num_heads * hd + keys * hd
+                 + cfg.num_heads * keys + cfg.index_n_heads * step_cfg.max_model_len // min(rates)
+                 + cfg.num_experts_per_tok * (3 * cfg.moe_intermediate_size + cfg.hidden_size)
+                 + engram) * _F32
+    return t * per_token + n * 3 * cfg.vocab_size * _F32
+
+
+def _v41_engram_shape(cfg: V41Config) -> tuple[int, int]:
+    return (0, 0) if cfg.engram is None else (len(cfg.engram.layer_ids), cfg.engram.n_columns)
+
+
+V4 = FamilyFacts(
+    name="DeepSeek-V4", config_type=ModelConfig, page_rates=_v4_rates,
+    page_bytes=memory.page_bytes, fixed_cache_bytes=memory.fixed_cache_bytes,
+    activation_estimate=memory.activation_estimate, engram_shape=lambda cfg: (0, 0),
+    has_mtp=lambda cfg: cfg.num_mtp_layers > 0)
+
+V41 = FamilyFacts(
+    name="DeepSeek-V4.1", config_type=V41Config,
+    page_rates=lambda cfg: tuple(sorted(set(cfg.compress_ratios) - {0})),
+    page_bytes=lambda cfg, page_size, dtype_bytes: memory_v41.v41_page_bytes(cfg, page_size),
+    fixed_cache_bytes=_v41_fixed_cache_bytes, activation_estimate=_v41_activation_estimate,
+    engram_shape=_v41_engram_shape, has_mtp=lambda cfg: False,
+    unbuilt=("speculative decoding", "prefix caching", "batch-invariant mode",
+             "a device mesh (parallel)", "several processes (distributed)"))
+
+FAMILIES = (V4, V41)
+
+
+def facts_of(cfg) -> FamilyFacts:
+    for family in FAMILIES:
+        if isinstance(cfg, family.config_type):
+            return family
+    raise TypeError(f"not a model config the engine serves: {type(cfg).__name__}")
+
+
+def refuse_unbuilt(cfg, asked: dict[str, bool]) -> None:
+    """asked: engine feature -> whether the options ask for it. Raises EngineConfigError for
+    the first one asked for that the model's family does not have yet."""
+    family = facts_of(cfg)
+    for feature in family.unbuilt:
+        if asked.get(feature):
+            raise EngineConfigError(f"{feature} is not supported for {family.name} yet "
+                                    f"(issue 36); turn it off to serve this model")
