@@ -52,8 +52,9 @@ def main() -> None:
     first = [rng.integers(2, cfg.vocab_size, n).tolist() for n in (30, 90, 60)]
     second = [rng.integers(2, cfg.vocab_size, n).tolist() for n in (50, 20)]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1)
+    # one token bucket: one compile per engine (test_parallel's runs say why)
     common = dict(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=64,
-                  show_progress=False, compilation_cache_dir=None)
+                  token_buckets=(64,), show_progress=False, compilation_cache_dir=None)
 
     def logprobs(outs):
         return [[float(next(iter(s.values())).logprob) for s in o.outputs[0].logprobs]

@@ -74,28 +74,19 @@ def test_bad_mesh_names_the_sizes(parallel, devices, message):
         EngineConfig(parallel=parallel).resolve(CFG, DeviceFacts(device_count=devices))
 
 
-def test_data_parallel_ranks_speculate_together():
-    """MTP speculation (up to 2 drafts) on dp 2 x ep 2: the ranks run the speculative step
-    together (each verifies its own rows' drafts) and give the single device's greedy tokens,
-    logprobs within 1e-5; drafts were verified on both."""
-    runs = run_meshes("configs/tiny/tiny-mixed.json:spec", ["2,2,1"])
-    single, ranked = runs["single"], runs["2,2,1"]
-    assert ranked["tokens"] == single["tokens"]
-    for ours, ref in zip(ranked["logprobs"], single["logprobs"], strict=True):
-        np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5)
-    assert ranked["drafted"] > 0 and single["drafted"] > 0
-
-
-def test_data_parallel_ranks_keep_their_own_prefix_caches():
-    """Prefix caching on (dp 2, ep 2): three prompts sharing a 192-token prefix, served twice.
-    The second pass reuses cached blocks on both ranks (each rank's own cache and snapshots)
-    and gives the single device's tokens and logprobs within 1e-5, as the first pass does."""
-    runs = run_meshes("configs/tiny/tiny-mixed.json:prefix", ["2,2,1"])
+def test_data_parallel_ranks_speculate_and_keep_their_own_prefix_caches():
+    """dp 2 x ep 2 with MTP speculation (up to 2 drafts) and prefix caching on: three prompts
+    sharing a 192-token prefix, served twice. The ranks run the speculative step together
+    (each verifies its own rows' drafts), the second pass reuses cached blocks on both ranks
+    (each rank's own cache and snapshots), and both passes give the single device's tokens,
+    logprobs within 1e-5. (One run for both features: each run costs minutes of compiles.)"""
+    runs = run_meshes("configs/tiny/tiny-mixed.json:prefix:spec", ["2,2,1"])
     single, ranked = runs["single"], runs["2,2,1"]
     assert ranked["requests_per_rank"] == [4, 2]        # both passes, round robin
     assert ranked["tokens"] == single["tokens"]
     for ours, ref in zip(ranked["logprobs"], single["logprobs"], strict=True):
         np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5)
+    assert ranked["drafted"] > 0 and single["drafted"] > 0
     # the second pass: every prompt found its prefix on its own rank
     assert ranked["prefix_hits"] >= 3 and single["prefix_hits"] >= 3
     assert ranked["prefix_hit_tokens"] >= 3 * 192 - 3 * 64

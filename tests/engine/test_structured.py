@@ -129,8 +129,10 @@ def test_bad_grammars_fail_alone(llm):
 def test_a_slow_grammar_delays_no_one_and_fails_alone(llm, monkeypatch):
     """A grammar still compiling at the time limit fails its request alone, and while it
     compiles (in the worker's child process) the engine keeps stepping the other requests:
-    no step of a concurrent request takes 100 ms longer than its steps usually do. The same
-    engine then compiles a valid grammar: the time-out poisoned nothing."""
+    no step waits for the compile (a step that did would last the 2 s time limit; the bound is
+    half of it, not a latency figure: one CI run on a loaded machine had a 0.45 s step, where
+    a bound of 100 ms over the median failed). The same engine then compiles a valid grammar:
+    the time-out poisoned nothing."""
     monkeypatch.setattr(grammar_worker, "compile_grammar", slow_compile)   # "slow": 60 s
     # the module's engine again, with another time limit (a host option: the steps are shared)
     llm = deepinfer_jax.LLM(llm.model, tokenizer=llm.tokenizer.path,
@@ -150,8 +152,7 @@ def test_a_slow_grammar_delays_no_one_and_fails_alone(llm, monkeypatch):
         engine.step()
     assert slow.finish_reason is FinishReason.ERROR and "did not compile" in str(slow.error)
     assert slow.generated == [] and len(free.generated) > 10
-    assert max(step_seconds) - statistics.median(step_seconds) < 0.1, (
-        max(step_seconds), statistics.median(step_seconds))
+    assert max(step_seconds) < 1.0, (max(step_seconds), statistics.median(step_seconds))
     [valid] = llm.generate(["p"], [constrained(regex="[0-9]{2}")], use_tqdm=False)
     assert valid.error is None and re.fullmatch("[0-9]{2}", valid.text)
 
