@@ -63,11 +63,16 @@ def fake_quant_fp4(x: jax.Array, block: int, e4m3_scales: bool = False) -> jax.A
     if x.shape[-1] % block:
         return x
     b = _blocks(x, block)
-    amax = jnp.abs(b).max(-1, keepdims=True)
-    if e4m3_scales:
-        scale = (jnp.maximum(amax, FP4_MAX * 2.0**-9) / FP4_MAX).astype(jnp.float8_e4m3fn)
-        scale = scale.astype(jnp.float32)
-    else:
-        scale = pow2_ceil(jnp.maximum(amax, FP4_MAX * 2.0**-126) * (1.0 / FP4_MAX))
+    scale = fp4_scales(b, e4m3_scales)
     q = round_e2m1(jnp.clip(b / scale, -FP4_MAX, FP4_MAX))
     return (q * scale).reshape(x.shape).astype(x.dtype)
+
+
+def fp4_scales(blocks: jax.Array, e4m3_scales: bool) -> jax.Array:
+    """f32[..., n_blocks, block] -> each block's scale f32[..., n_blocks, 1], already on its
+    grid (e4m3 or a power of two), so that its stored form round-trips exactly."""
+    amax = jnp.abs(blocks).max(-1, keepdims=True)
+    if e4m3_scales:
+        scale = (jnp.maximum(amax, FP4_MAX * 2.0**-9) / FP4_MAX).astype(jnp.float8_e4m3fn)
+        return scale.astype(jnp.float32)
+    return pow2_ceil(jnp.maximum(amax, FP4_MAX * 2.0**-126) * (1.0 / FP4_MAX))

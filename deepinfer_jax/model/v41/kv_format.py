@@ -19,7 +19,14 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from deepinfer_jax.model.v41.fake_quant import _FP4_GRID, FP4_MAX, FP8_MAX, pow2_ceil, round_e2m1
+from deepinfer_jax.model.v41.fake_quant import (
+    _FP4_GRID,
+    FP4_MAX,
+    FP8_MAX,
+    fp4_scales,
+    pow2_ceil,
+    round_e2m1,
+)
 
 Array = jax.Array
 
@@ -66,13 +73,8 @@ def decode_fp8(rows: Fp8Rows) -> Array:
 def encode_fp4(x: Array, block: int, e4m3_scales: bool) -> Fp4Rows:
     """[..., d] -> the codes of fake_quant.fake_quant_fp4(x, block, e4m3_scales)."""
     b = _blocks(x, x.shape[-1] // block)
-    amax = jnp.abs(b).max(-1, keepdims=True)
-    if e4m3_scales:
-        stored = (jnp.maximum(amax, FP4_MAX * 2.0**-9) / FP4_MAX).astype(jnp.float8_e4m3fn)
-        scale = stored.astype(jnp.float32)
-    else:
-        scale = pow2_ceil(jnp.maximum(amax, FP4_MAX * 2.0**-126) * (1.0 / FP4_MAX))
-        stored = _exponent(scale)
+    scale = fp4_scales(b, e4m3_scales)
+    stored = scale.astype(jnp.float8_e4m3fn) if e4m3_scales else _exponent(scale)
     q = round_e2m1(jnp.clip(b / scale, -FP4_MAX, FP4_MAX))
     index = jnp.argmax(jnp.abs(q)[..., None] == jnp.array(_FP4_GRID, jnp.float32), axis=-1)
     codes = (index | (jnp.signbit(q).astype(jnp.int32) << 3)).astype(jnp.uint8)
