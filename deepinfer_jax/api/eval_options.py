@@ -55,11 +55,9 @@ SPEC_ARGS = {"speculative_tokens": ("num_speculative_tokens", _int),
              "speculative_varlen": ("varlen", _bool),
              "speculative_verify_budget": ("verify_token_budget", _int)}
 LOAD_ARGS = {"pretrained": str, "dtype": _dtype, "weights": str, "tokenizer": _optional_str}
-# the backend's own: the seed of sampled generations (request i is seeded generation_seed + i),
-# where to write the run's manifest, and lm-eval's batch args (the engine batches by
-# max_num_seqs and its token budget, so these are accepted and recorded only)
-BACKEND_ARGS = {"generation_seed": _int, "manifest": _optional_str, "batch_size": str,
-                "max_batch_size": _optional_str, "device": _optional_str}
+# the backend's own: the seed of sampled generations (request i is seeded generation_seed + i)
+# and where to write the run's manifest
+BACKEND_ARGS = {"generation_seed": _int, "manifest": _optional_str}
 # the engine's defaults where a model arg gives none: the quick start's shapes
 DEFAULTS = {"max_num_seqs": 4, "max_model_len": 512, "max_num_batched_tokens": 32}
 

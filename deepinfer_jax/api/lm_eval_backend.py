@@ -27,12 +27,19 @@ from deepinfer_jax.api.eval_options import parse_model_args
 from deepinfer_jax.api.llm import DEFAULT_MODEL, LLM
 from deepinfer_jax.host.request import SamplingParams
 
+# lm-eval passes these to every model; the engine batches by its own options and runs where
+# jax does
+IGNORED_ARGS = ("batch_size", "max_batch_size", "device")
+
 
 @register_model("deepinfer-jax")
 class DeepInferLM(LM):
     def __init__(self, **model_args):
         super().__init__()
-        self.model_args = {k: v for k, v in model_args.items() if v is not None}
+        given = {k: v for k, v in model_args.items() if v is not None}
+        # kept apart in the manifest, so that a replay is not given them
+        self.ignored_args = {k: given.pop(k) for k in IGNORED_ARGS if k in given}
+        self.model_args = given
         self.args = parse_model_args(self.model_args)
         self.model_dir = self.args.pretrained or str(DEFAULT_MODEL)
         self.llm = LLM(self.model_dir, **self.args.llm_kwargs)
@@ -94,6 +101,7 @@ class DeepInferLM(LM):
         return {"manifest_version": run_manifest.MANIFEST_VERSION,
                 "model": run_manifest.model_facts(self.model_dir),
                 "model_args": self.model_args,
+                "ignored_model_args": self.ignored_args,
                 "engine_options": {k: _jsonable(v) for k, v in self.args.llm_kwargs.items()},
                 "step_config": repr(self.llm.step_config),
                 "seeds": {"engine_seed": self.args.engine.get("seed", 0),
