@@ -122,8 +122,12 @@ def differences(recorded: list[dict], replayed: list[dict]) -> list[str]:
 
 def _describe(old, new) -> str:
     if isinstance(old, dict) and isinstance(new, dict):
-        keys = [k for k in old if old.get(k) != new.get(k)]
         if old.get("token_ids") != new.get("token_ids"):
             return f"tokens {old.get('token_ids')} -> {new.get('token_ids')}"
-        return "differs in " + ", ".join(keys)
+        a, b = old.get("logprobs") or [], new.get("logprobs") or []
+        if a != b and len(a) == len(b):
+            moved = [abs(x - y) for x, y in zip(a, b, strict=True) if x != y]
+            return (f"same tokens; logprobs differ at {len(moved)} of {len(a)}, "
+                    f"by up to {max(moved):.3g}")
+        return "differs in " + ", ".join(k for k in old if old.get(k) != new.get(k))
     return f"{old!r} -> {new!r}"

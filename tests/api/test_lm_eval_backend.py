@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from deepinfer_jax.api import cli, eval_cli
+from deepinfer_jax.api import cli, eval_cli, manifest
 from deepinfer_jax.api.eval_options import parse_model_args
 from deepinfer_jax.api.llm import DEFAULT_MODEL
 from deepinfer_jax.api.model import load
@@ -161,3 +161,24 @@ def test_model_args_are_parsed_with_types():
         parse_model_args({"max_num_seqs": "eight"})
     with pytest.raises(ValueError, match="unknown model arg 'max_seqs'"):
         parse_model_args({"max_seqs": 2})
+
+
+def test_manifest_comparisons_name_what_changed(tmp_path):
+    (tmp_path / "a.bin").write_bytes(b"a")
+    (tmp_path / "b.bin").write_bytes(b"b")
+    recorded = manifest.file_hashes(tmp_path)
+    assert manifest.changed_files(recorded, tmp_path) == []
+    (tmp_path / "a.bin").write_bytes(b"A")
+    (tmp_path / "b.bin").unlink()
+    (tmp_path / "c.bin").write_bytes(b"c")
+    changed = manifest.changed_files(recorded, tmp_path)
+    assert [line.split(":")[0] for line in changed] == ["a.bin", "b.bin", "c.bin"]
+
+    def gen(tokens, logprobs):
+        return {"call": 0, "kind": "generate_until", "request": {"context": "x"},
+                "output": {"text": "", "token_ids": tokens, "logprobs": logprobs}}
+    old = [gen([1, 2], [-1.0, -2.0]), gen([3], [-0.5]), gen([4], [-0.25])]
+    new = [gen([1, 2], [-1.0, -2.0 - 2**-40]), gen([3, 5], [-0.5, -1.0]), gen([4], [-0.25])]
+    assert manifest.differences(old, new) == [
+        "request 0 (generate_until): same tokens; logprobs differ at 1 of 2, by up to 9.09e-13",
+        "request 1 (generate_until): tokens [3] -> [3, 5]"]
