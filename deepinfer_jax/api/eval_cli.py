@@ -34,7 +34,11 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from lm_eval.utils import simple_parse_args_string
+    try:
+        from lm_eval.utils import simple_parse_args_string
+    except ImportError:
+        raise SystemExit("deepinfer eval needs lm-evaluation-harness: pip install "
+                         "'deepinfer-jax[eval]' (or lm-eval)") from None
 
     overrides = simple_parse_args_string(args.model_args)
     if args.replay:
