@@ -1,6 +1,7 @@
 """The `deepinfer` command: `generate` a few prompts, `serve` the OpenAI API over HTTP, `bench`
-the engine's throughput, `plan` a model's device memory from its configuration, or `convert` a
-checkpoint once into a store that restores straight into a device mesh."""
+the engine's throughput, `plan` a model's device memory from its configuration, `convert` a
+checkpoint once into a store that restores straight into a device mesh, or `eval` lm-eval tasks
+with a replayable run manifest (api/eval_cli.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 
 import numpy as np
 
+from deepinfer_jax.api import eval_cli
 from deepinfer_jax.config.engine import QUICKSTART_SHAPES
 
 
@@ -315,6 +317,8 @@ def main(argv=None) -> int:
     c.add_argument("--weights", choices=["quantized", "bf16"], default="quantized",
                    help="keep FP8/FP4 weights quantized (default) or store them dequantized")
     c.set_defaults(func=convert)
+    eval_cli.add_parser(sub)
+    sub.choices["eval"].set_defaults(func=eval_cli.run)
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv        # anywhere, before or after the command
     args = ap.parse_args([a for a in argv if a != "--debug"])
