@@ -16,6 +16,9 @@ PYTEST_ARGS ?=
 # fixtures (compiled engines) are built once: a test mostly keeps one core busy (tracing is
 # Python; a tiny model's step runs on one thread), and CI's machine has two.
 PYTEST_WORKERS ?= 2
+# A worker that dies (a native crash) ends the run at once with the test it ran named: with a
+# replacement worker, pytest-xdist 3.8's file scheduler was seen to deadlock (the controller and
+# both workers idle, each waiting on the other: py-spy) until CI's 90 minutes ran out.
 
 export JAX_PLATFORMS ?= cpu
 export DEEPINFER_ORACLE_DIR := $(abspath $(ORACLE_DIR))
@@ -40,7 +43,8 @@ oracle: $(ORACLE_VENV)/.installed
 	$(ORACLE_VENV)/bin/python tests/oracle/build_quantized.py --out $(ORACLE_DIR)
 
 test: $(VENV)/.installed oracle
-	$(VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15 \
+	$(VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --max-worker-restart=0 \
+		--durations=15 \
 		$(PYTEST_ARGS)
 
 demo: $(VENV)/.installed

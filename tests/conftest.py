@@ -21,6 +21,13 @@ os.environ.setdefault("XDG_CACHE_HOME", str(REPO / ".cache" / "xdg"))
 # (a CI run here, in tests/kernels/test_sink_attention.py; an earlier run's hang in a test
 # not identified was likely the same).
 jax.config.update("jax_cpu_enable_async_dispatch", False)   # (before the CPU client exists)
+# jax's persistent compilation cache is off in the tests. An engine points it at its cache
+# directory with no minimum compile time (engine/compile.py), so after a worker's first engine
+# every small jit the tests compiled was serialized to disk too, and XLA's CPU client crashed
+# inside that serialization in CI runs (segfaults in compilation_cache.put_executable_and_time,
+# twice, one in a V4.1 test's plain jit). The engine's own step cache (compiled steps only,
+# shared by the test processes) stays on.
+jax.config.update("jax_enable_compilation_cache", False)
 # The CPU client's intra-op pool has a thread per core, and interpret mode blocks pool threads:
 # the kernel's thread_map callback waits on its simulated warpgroups, each a computation of its
 # own whose barrier waits can run on the pool too. On a 2-core machine both threads ended up
