@@ -25,9 +25,13 @@ jax.config.update("jax_cpu_enable_async_dispatch", False)   # (before the CPU cl
 # directory with no minimum compile time (engine/compile.py), so after a worker's first engine
 # every small jit the tests compiled was serialized to disk too, and XLA's CPU client crashed
 # inside that serialization in CI runs (segfaults in compilation_cache.put_executable_and_time,
-# twice, one in a V4.1 test's plain jit). The engine's own step cache (compiled steps only,
-# shared by the test processes) stays on.
+# twice, one in a V4.1 test's plain jit).
 jax.config.update("jax_enable_compilation_cache", False)
+# And the engine's step cache is off in the test processes (test_step_cache.py turns it on in
+# its own): the next clean-clone run lost a worker to a segfault inside the step cache's
+# serialization (jax.experimental.serialize_executable, on the main thread, every compile
+# done). Every crash seen was XLA's CPU client serializing an executable or compiling one.
+os.environ["DEEPINFER_STEP_CACHE"] = "0"
 # The CPU client's intra-op pool has a thread per core, and interpret mode blocks pool threads:
 # the kernel's thread_map callback waits on its simulated warpgroups, each a computation of its
 # own whose barrier waits can run on the pool too. On a 2-core machine both threads ended up

@@ -198,4 +198,5 @@ class EngineConfig:
                               and not step.hashes_tokens),
             launch_thread=self.launch_thread, seed=self.seed,
             grammar_compile_timeout_s=self.grammar_compile_timeout_s,
-            compile_threads=options.compile_threads(self.compile_threads, environ))
+            compile_threads=options.compile_threads(self.compile_threads, environ),
+            step_cache=options.flag("DEEPINFER_STEP_CACHE", environ) is not False)

@@ -14,3 +14,4 @@ class HostOptions:
     seed: int                            # draws the seeds of requests that give none
     grammar_compile_timeout_s: float
     compile_threads: int                 # step buckets compiled at once at start-up
+    step_cache: bool = True              # compiled CPU steps kept on disk (engine/step_cache.py)

@@ -178,8 +178,8 @@ def _compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
     # Mosaic GPU kernels included) has not been validated on the H200 yet, nor a step whose
     # collectives cross processes (parallel/distributed.py); there jax's persistent cache,
     # which the step cache turns off while it compiles, keeps a later start's compile short.
-    cache_dir = (host.compilation_cache_dir
-                 if jax.default_backend() == "cpu" and jax.process_count() == 1 else None)
+    cache_dir = (host.compilation_cache_dir if host.step_cache and jax.default_backend() == "cpu"
+                 and jax.process_count() == 1 else None)
     paths: dict = {}
     compiled: dict = {}
     if cache_dir:

@@ -116,7 +116,7 @@ MESHES = ("dp=2,ep=4", "ep=4,tp=2")
 @pytest.fixture(scope="module")
 def mesh_runs(checkpoint, store, tmp_path_factory):
     """Each mesh's engine from the store and from the checkpoint (tests/weights/
-    orbax_mesh_run.py); the two share their compiled steps through one step cache."""
+    orbax_mesh_run.py), in one process, so the two share their compiled steps."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, str(REPO / "tests/weights/orbax_mesh_run.py"),
