@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 import deepinfer_jax  # noqa: E402
 from deepinfer_jax import SamplingParams  # noqa: E402
 from deepinfer_jax.config.hf import read_model_config  # noqa: E402
-from tests.engine.parallel_run import ENGINE_OPTIONS, ONE_BUCKET, run  # noqa: E402
+from tests.engine.parallel_run import ENGINE_OPTIONS, run  # noqa: E402
 
 CONFIG = "configs/tiny/tiny-mixed.json"
 # jax.distributed's own bound on waiting for the other processes to join
@@ -47,8 +47,7 @@ def main() -> None:
         results[shape] = run(model, prompts, parallel, False, distributed=distributed)
     # a grammar compiles in the background, joining the batch at a step each process picks
     # for itself: refused (the last mesh's steps are compiled already, this engine reuses them)
-    llm = deepinfer_jax.LLM(model, parallel=parallel, distributed=distributed, **ENGINE_OPTIONS,
-                            **ONE_BUCKET)
+    llm = deepinfer_jax.LLM(model, parallel=parallel, distributed=distributed, **ENGINE_OPTIONS)
     refused = llm.generate([prompts[0]], SamplingParams(max_tokens=4, regex="[ab]+"),
                            use_tqdm=False)[0]
     results["constrained_error"] = str(refused.error)
