@@ -3,7 +3,17 @@ clients, clients that disconnect mid-stream, a soak, and the offline engine on t
 requests.
 
     python bench/serve_load.py [--requests 1000] [--concurrency 64] [--max-tokens 32] \
-        [--disconnects 100] [--soak-s 600] [--offline] -- [deepinfer serve options]
+        [--disconnects 100] [--soak-s 600] [--offline [--min-ratio 0.9]] \
+        [--prompt-ids LEN] -- [deepinfer serve options]
+
+On a GPU machine without weights or network, the 4-layer V4-Flash slice of bench/e2e.py with
+random weights (`--load-format dummy`, no tokenizer: token-id prompts), the server against
+`LLM.generate` on the same requests (bench/README.md has the command and its time):
+
+    python bench/serve_load.py --requests 512 --concurrency 64 --max-tokens 64 \
+        --prompt-ids 64 --disconnects 64 --offline --min-ratio 0.9 --name serve-load-gpu -- \
+        deepseek-v4-flash --load-format dummy --dummy-layers 4 --max-num-seqs 64 \
+        --max-model-len 256 --max-num-batched-tokens 1024 --token-buckets 64 1024
 
 It starts `deepinfer serve` on 127.0.0.1 (a free port) with the options after `--`, then:
 (1) `--requests` streamed completions from `--concurrency` clients at once (each asks for
@@ -13,8 +23,14 @@ count) and errors, TTFT and inter-chunk latency percentiles, output tok/s; (2)
 the requests running as /metrics reads them (0 expected); (3) with `--soak-s`, that long of
 the same load, the server's resident memory sampled, its growth after the first fifth;
 (4) with `--offline`, `LLM.generate` on the same requests in this process, once the server
-has stopped (its engine options parsed as `deepinfer serve` would). Every phase is bounded
-by `--max-seconds` in all. Exits 1 when a check fails.
+has stopped (its engine options parsed as `deepinfer serve` would), and the server's output
+tok/s over its; `--min-ratio` fails the run below that ratio. Every phase is bounded by
+`--max-seconds` in all. Exits 1 when a check fails.
+
+Prompts are `--input-words` random words, or with `--prompt-ids LEN` LEN random token ids
+below `--id-limit` (a model without a tokenizer: its completions have no text, so a chunk
+counts as a token's arrival whether or not it carries text, and the tokens are counted from
+the usage chunk).
 """
 
 from __future__ import annotations
@@ -46,9 +62,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def prompts(count: int, words: int, seed: int = 0) -> list[str]:
+def prompts(args, count: int, seed: int = 0) -> list[str] | list[list[int]]:
+    """`count` prompts: random words, or with args.prompt_ids that many random token ids."""
     rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(count)]
+    if args.prompt_ids:
+        return [[rng.randrange(2, args.id_limit) for _ in range(args.prompt_ids)]
+                for _ in range(count)]
+    return [" ".join(rng.choice(WORDS) for _ in range(args.input_words)) for _ in range(count)]
 
 
 def metrics(base: str) -> dict[str, float]:
@@ -83,7 +103,7 @@ class Load:
         self.model, self.max_tokens = model, max_tokens
         self.ttft, self.itl, self.errors, self.lost, self.tokens = [], [], [], 0, 0
 
-    async def one(self, prompt: str) -> None:
+    async def one(self, prompt: str | list[int]) -> None:
         start = time.perf_counter()
         last, usage = None, None
         try:
@@ -95,7 +115,7 @@ class Load:
                 now = time.perf_counter()
                 if chunk.usage is not None:
                     usage = chunk.usage
-                if chunk.choices and chunk.choices[0].text:
+                if chunk.choices:          # a token's arrival (text or not: see above)
                     if last is None:
                         self.ttft.append(now - start)
                     else:
@@ -109,7 +129,7 @@ class Load:
         else:
             self.tokens += usage.completion_tokens
 
-    async def run(self, texts: list[str], concurrency: int, until: float | None = None) -> None:
+    async def run(self, texts: list, concurrency: int, until: float | None = None) -> None:
         queue = list(reversed(texts))
 
         async def worker():
@@ -117,7 +137,7 @@ class Load:
                 await self.one(queue.pop())
         await asyncio.gather(*(worker() for _ in range(concurrency)))
 
-    async def disconnect(self, prompt: str) -> None:
+    async def disconnect(self, prompt: str | list[int]) -> None:
         """A client that reads two chunks of its stream and goes away."""
         try:
             stream = await self.client.completions.create(
@@ -125,7 +145,7 @@ class Load:
                 temperature=0, extra_body={"ignore_eos": True})
             seen = 0
             async for chunk in stream:
-                seen += bool(chunk.choices and chunk.choices[0].text)
+                seen += bool(chunk.choices)
                 if seen >= 2:
                     break
             await stream.close()
@@ -136,19 +156,21 @@ class Load:
 async def phases(args, base: str, model: str, pid: int, deadline: float) -> dict:
     result: dict = {}
     load = Load(base, model, args.max_tokens)
-    texts = prompts(args.requests, args.input_words)
+    texts = prompts(args, args.requests)
     start = time.perf_counter()
     await asyncio.wait_for(load.run(texts, args.concurrency), deadline - time.monotonic())
     wall = time.perf_counter() - start
     result["load"] = {
         "requests": args.requests, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+        "prompts": (f"{args.prompt_ids} random token ids" if args.prompt_ids
+                    else f"{args.input_words} random words"),
         "completed": args.requests - load.lost - len(load.errors), "lost": load.lost,
         "errors": len(load.errors), "error_samples": load.errors[:5], "seconds": round(wall, 2),
         "output_tok_per_s": round(load.tokens / wall, 1),
         **{f"ttft_p{q}_s": pct(load.ttft, q) for q in (50, 90, 99)},
         **{f"itl_p{q}_s": pct(load.itl, q) for q in (50, 90, 99)}}
     if args.disconnects:
-        gone = prompts(args.disconnects, args.input_words, seed=1)
+        gone = prompts(args, args.disconnects, seed=1)
         load.errors.clear()
         sem = asyncio.Semaphore(args.concurrency)
 
@@ -178,7 +200,7 @@ async def phases(args, base: str, model: str, pid: int, deadline: float) -> dict
             while time.monotonic() < until:
                 samples.append((time.monotonic(), rss_bytes(pid)))
                 await asyncio.sleep(5)
-        endless = prompts(10**6, args.input_words, seed=2)
+        endless = prompts(args, 10**6, seed=2)
         await asyncio.gather(soak.run(endless, args.concurrency, until), sample())
         warm_at = samples[0][0] + (samples[-1][0] - samples[0][0]) / 5
         warm = next(rss for t, rss in samples if t >= warm_at)
@@ -192,15 +214,18 @@ async def phases(args, base: str, model: str, pid: int, deadline: float) -> dict
     return result
 
 
-def offline(args, serve_args: list[str], texts: list[str]) -> dict:
+def offline(args, serve_args: list[str], texts: list) -> dict:
     from deepinfer_jax import SamplingParams
     from deepinfer_jax.api import cli
 
     ap = argparse.ArgumentParser()
+    ap.add_argument("model_path", nargs="?")       # `deepinfer serve MODEL`
     cli._engine_args(ap)
     engine_args, _ = ap.parse_known_args(serve_args)
+    engine_args.model = engine_args.model or engine_args.model_path
     llm = cli._make_llm(engine_args)
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    # the server's requests: greedy (temperature 0), exactly max_tokens each
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
     llm.generate(texts[:2], params, use_tqdm=False)           # warm-up
     start = time.perf_counter()
     outs = llm.generate(texts, params, use_tqdm=False)
@@ -217,9 +242,16 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--input-words", type=int, default=16)
+    ap.add_argument("--prompt-ids", type=int, metavar="LEN",
+                    help="prompts of LEN random token ids instead of words (a model without a "
+                         "tokenizer, e.g. --load-format dummy)")
+    ap.add_argument("--id-limit", type=int, default=500,
+                    help="with --prompt-ids: the ids lie in [2, N) (N <= the model's vocab)")
     ap.add_argument("--disconnects", type=int, default=100)
     ap.add_argument("--soak-s", type=float, default=0.0)
     ap.add_argument("--offline", action="store_true")
+    ap.add_argument("--min-ratio", type=float,
+                    help="with --offline: fail below this server / LLM.generate tok/s ratio")
     ap.add_argument("--max-seconds", type=float, default=1800)
     ap.add_argument("--start-timeout-s", type=float, default=900)
     ap.add_argument("--name", default="serve-load")
@@ -248,19 +280,22 @@ def main() -> int:
         server.send_signal(signal.SIGINT)
         server.wait(60)
     if args.offline:
-        result["offline"] = offline(args, serve_args, prompts(args.requests, args.input_words))
+        result["offline"] = offline(args, serve_args, prompts(args, args.requests))
         result["server_vs_offline"] = round(result["load"]["output_tok_per_s"]
                                             / result["offline"]["output_tok_per_s"], 3)
     result["serve_args"] = serve_args
-    failures = checks(result)
+    failures = checks(result, args.min_ratio)
     result["failures"] = failures
     print(json.dumps(result, indent=2))
     write_results(args.name, result, table(result))
     return 1 if failures else 0
 
 
-def checks(result: dict) -> list[str]:
+def checks(result: dict, min_ratio: float | None = None) -> list[str]:
     out = []
+    ratio = result.get("server_vs_offline")
+    if min_ratio is not None and ratio is not None and ratio < min_ratio:
+        out.append(f"server at {ratio}x LLM.generate's output tok/s (asked: >= {min_ratio}x)")
     load = result["load"]
     if load["lost"] or load["errors"]:
         out.append(f"{load['lost']} lost and {load['errors']} failed requests")
@@ -280,7 +315,8 @@ def table(result: dict) -> str:
     ms = lambda v: "-" if v is None else f"{1000 * v:.1f}"   # noqa: E731
     rows = ["| phase | figure |", "|---|---|",
             f"| load | {load['requests']} requests, {load['concurrency']} streaming clients, "
-            f"{load['max_tokens']} tokens each: {load['lost']} lost, {load['errors']} errors, "
+            f"{load['max_tokens']} tokens each, prompts of {load['prompts']}: "
+            f"{load['lost']} lost, {load['errors']} errors, "
             f"{load['output_tok_per_s']} output tok/s |",
             f"| TTFT p50 / p90 / p99 | {ms(load['ttft_p50_s'])} / {ms(load['ttft_p90_s'])} / "
             f"{ms(load['ttft_p99_s'])} ms |",

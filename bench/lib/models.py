@@ -7,22 +7,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from deepinfer_jax.config import slice as slices
 from deepinfer_jax.config.hf import read_model_config
-from deepinfer_jax.config.model import AttentionKind, MlpKind, ModelConfig
+from deepinfer_jax.config.model import ModelConfig
 
 REPO = Path(__file__).resolve().parents[2]
 V4_FLASH = REPO / "configs" / "deepseek-v4-flash.json"
 SMALL_CPU = REPO / "configs" / "bench" / "small-cpu.json"
-KINDS = [AttentionKind.CSA, AttentionKind.HCA]
 
 
 def slice_config(path: Path, layers: int) -> ModelConfig:
     """The config at `path` cut to `layers` layers (CSA, HCA, CSA, ...), MoE in each, no MTP
-    layers, unquantized."""
-    cfg = read_model_config(path)
-    kinds = tuple((KINDS * layers)[:layers])
-    return cfg.replace(num_layers=layers, layer_types=kinds, mlp_types=(MlpKind.MOE,) * layers,
-                       num_mtp_layers=0, quantization=None)
+    layers, unquantized (deepinfer_jax/config/slice.py: `deepinfer serve --load-format dummy
+    --dummy-layers N` builds the same)."""
+    return slices.slice_config(read_model_config(path), layers)
 
 
 def model_config(args) -> ModelConfig:

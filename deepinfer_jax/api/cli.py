@@ -22,6 +22,9 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
     # the quick start's shapes (one compile serves the CLI, LLM() and `make demo`)
     for name, value in QUICKSTART_SHAPES.items():
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=value)
+    ap.add_argument("--token-buckets", type=int, nargs="+", metavar="N",
+                    help="the tokens-per-step shapes compiled (default: powers of two from 16 "
+                         "up to --max-num-batched-tokens)")
     ap.add_argument("--num-pages", type=int)
     ap.add_argument("--gpu-memory-utilization", type=float,
                     help="share of a device's memory for weights, activations, cache (0.9)")
@@ -40,6 +43,13 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--weights", choices=["quantized", "bf16"], default="quantized",
                     help="keep a checkpoint's FP8/FP4 weights quantized (default) or "
                          "dequantize them at load")
+    ap.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                    help="dummy: random weights from the model's config alone (MODEL: a "
+                         "directory with config.json, a config.json, or a project config "
+                         "such as deepseek-v4-flash); no checkpoint is read")
+    ap.add_argument("--dummy-layers", type=int, metavar="N",
+                    help="with --load-format dummy: the config cut to N layers (CSA and HCA "
+                         "alternating, routed MoE in each, no MTP), as bench/e2e.py's slices")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="a request's numbers never depend on its batch")
     ap.add_argument("--speculative-tokens", type=int, metavar="K",
@@ -104,8 +114,16 @@ def _make_llm(args, **options):
     distributed = (None if args.coordinator_address is None else
                    {"coordinator_address": args.coordinator_address,
                     "num_processes": args.num_processes, "process_id": args.process_id})
-    return LLM(args.model, dtype=args.dtype, weights=args.weights, parallel=args.parallel,
-               distributed=distributed,
+    model = args.model
+    if args.load_format == "dummy" and model is not None:
+        model = _model_config_path(model)
+    elif args.dummy_layers is not None:
+        raise ValueError("--dummy-layers goes with --load-format dummy")
+    if args.token_buckets:
+        options["token_buckets"] = tuple(args.token_buckets)
+    return LLM(model, dtype=args.dtype, weights=args.weights, parallel=args.parallel,
+               distributed=distributed, load_format=args.load_format,
+               dummy_layers=args.dummy_layers,
                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages,
                gpu_memory_utilization=args.gpu_memory_utilization,
@@ -146,6 +164,7 @@ def serve(args) -> int:
 
     import uvicorn
 
+    from deepinfer_jax.api.dummy import model_directory
     from deepinfer_jax.api.llm import DEFAULT_MODEL
     from deepinfer_jax.api.server.app import build_app
 
@@ -162,7 +181,10 @@ def serve(args) -> int:
     llm = _make_llm(args, grammar_compile_timeout_s=args.grammar_compile_timeout_s,
                     max_logprobs=args.max_logprobs, show_progress=True)
     model_dir = Path(args.model) if args.model is not None else DEFAULT_MODEL
-    name = args.served_model_name or model_dir.name
+    if args.load_format == "dummy" and args.model is not None:
+        model_dir = _model_config_path(args.model)     # a directory or a config file
+    name = args.served_model_name or (model_dir.stem if model_dir.is_file() else model_dir.name)
+    model_dir = model_directory(model_dir)
     app = build_app(llm, name, model_dir)
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -24,6 +24,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from deepinfer_jax.api.deltas import RequestDeltas
+from deepinfer_jax.api.dummy import LOAD_FORMATS, dummy_model, model_directory
 from deepinfer_jax.api.model import Model, checkpoint_dtype, load
 from deepinfer_jax.api.v41_model import V41Model, load_v41
 from deepinfer_jax.config.engine import QUICKSTART_SHAPES, EngineConfig
@@ -82,16 +83,24 @@ DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "deepinfer-tiny
 class LLM:
     def __init__(self, model: str | Path | Model | None = None, *, dtype=None,
                  weights: str = "quantized", tokenizer: str | Path | None = None,
+                 load_format: str = "auto", dummy_layers: int | None = None,
                  **engine_options):
         """model: a checkpoint directory (DeepSeek-V4 or V4.1), a loaded `Model` / `V41Model`,
         or None for the shipped tiny model (with QUICKSTART_SHAPES where no shape is given).
         weights: "quantized" keeps a checkpoint's FP8/FP4 weights as stored, "bf16"
         dequantizes them at load (api/model.py's load).
+        load_format: "auto" reads the checkpoint; "dummy" builds random weights from the
+        model's config alone (a directory or a config.json; api/dummy.py), cut to
+        `dummy_layers` layers where given.
         engine_options: the fields of `EngineConfig` (max_num_seqs, max_model_len,
         max_num_batched_tokens, num_pages, gpu_memory_utilization, device_memory_gib,
         async_scheduling, batch_invariant, seed, ...). Where the device's memory is known
         (a GPU's, or stated), the page pool is planned from it (`memory_plan`) and a model
         that does not fit raises InsufficientMemoryError before anything compiles."""
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+        if dummy_layers is not None and load_format != "dummy":
+            raise ValueError("dummy_layers cuts a load_format='dummy' model's config")
         unknown = set(engine_options) - _ENGINE_OPTIONS
         if unknown:
             raise TypeError(f"unknown engine option(s) {sorted(unknown)}; "
@@ -108,6 +117,12 @@ class LLM:
         if isinstance(model, (Model, V41Model)):
             self.model, self.tokenizer, self.chat_template = model, None, None
             step_config = options.resolve(model.config, device)
+        elif isinstance(model, (str, Path)) and load_format == "dummy":
+            # random weights drawn on the device: no checkpoint, nothing to check before
+            self.model = dummy_model(model, dtype, weights, dummy_layers)
+            step_config = options.resolve(self.model.config, device)
+            self.tokenizer = TextTokenizer.from_model_dir(model_directory(model))
+            self.chat_template = chat_format(model_directory(model), self.tokenizer)
         elif isinstance(model, (str, Path)):
             # resolved from config.json before the weights: a converted store is restored
             # straight into the mesh (load's `mesh`)

@@ -1,0 +1,62 @@
+"""`load_format="dummy"` (vLLM's name): a model with random weights built from its config
+alone, no checkpoint read. A GPU machine without the weights (or without a network) can then
+serve and benchmark a model of the real dimensions:
+
+    deepinfer serve deepseek-v4-flash --load-format dummy --dummy-layers 4   # bench/e2e.py's slice
+    LLM("path/with/config.json", load_format="dummy")
+
+The weights are drawn on the device (weights.random_params) from a fixed seed: two processes
+given the same config, layers and dtype build the same model, so a server and an offline
+`LLM.generate` compare on the same numbers. The model's tokenizer is the config directory's
+tokenizer.json where there is one; a bare config has none, and then prompts are token ids and
+outputs have no text (api/server answers text prompts with a 400 that says so)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from deepinfer_jax.api.model import Model
+from deepinfer_jax.config.hf import read_served_model_config
+from deepinfer_jax.config.slice import slice_config
+from deepinfer_jax.weights import random_params
+
+LOAD_FORMATS = ("auto", "dummy")
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def config_file(path: str | Path) -> Path:
+    """A model directory's config.json, or the config file itself."""
+    path = Path(path)
+    return path / "config.json" if path.is_dir() else path
+
+
+def model_directory(path: str | Path) -> Path:
+    """Where a model's other files (tokenizer.json, chat template) would lie."""
+    path = Path(path)
+    return path if path.is_dir() else path.parent
+
+
+def dummy_model(path: str | Path, dtype=None, weights: str = "quantized",
+                layers: int | None = None, seed: int = 0) -> Model:
+    """Random weights for the config at `path` (a directory or a config.json file).
+    layers: cut the config to that many layers first (config/slice.py: CSA, HCA alternating,
+    routed MoE in each, no MTP, unquantized). dtype: the projections' dtype (None: the
+    config's `dtype` / `torch_dtype`, else bfloat16). weights: "quantized" draws a quantized
+    config's FP8 / FP4 tensors in the release's formats, "bf16" draws them in `dtype`."""
+    cfg = read_served_model_config(config_file(path))
+    if layers is not None:
+        cfg = slice_config(cfg, layers)
+    release_formats = weights == "quantized" and cfg.quantization is not None
+    if not release_formats:
+        cfg = cfg.replace(quantization=None)
+    dtype = _config_dtype(path) if dtype is None else dtype
+    return Model(config=cfg, params=random_params(cfg, seed, dtype, release_formats=release_formats))
+
+
+def _config_dtype(path: str | Path):
+    raw = json.loads(config_file(path).read_text())
+    name = str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16").removeprefix("torch.")
+    return _DTYPES.get(name, jnp.bfloat16)
