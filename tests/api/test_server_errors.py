@@ -160,3 +160,53 @@ def test_an_output_that_fails_mid_stream_ends_its_stream_with_an_error_event(ser
     out = served.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=10,
                                            temperature=0)
     assert out.choices[0].text == served.reference["greedy0"].outputs[0].text
+
+
+def test_a_grammar_that_times_out_is_a_400_naming_it_and_others_are_served(served, monkeypatch):
+    """A schema whose compile runs past the server's time limit (a stand-in compiler that takes
+    60 s on it, stopped at the 1 s limit in its child process: host/grammar_worker.py) answers
+    its request with a 400 naming response_format, while a request running at the same time
+    completes unharmed; the next constrained request then compiles in a fresh child."""
+    import json
+    import re
+    import time
+
+    from deepinfer_jax.host import grammar_worker
+    from deepinfer_jax.host.grammar import StructuredOutputs
+    from tests.host.slow_grammar import slow_compile
+
+    monkeypatch.setattr(grammar_worker, "compile_grammar", slow_compile)
+    engine = served.engine
+    structured = StructuredOutputs(served.llm.tokenizer.path, engine.cfg.vocab_size,
+                                   engine.cfg.eos_token_ids, compile_timeout_s=1.0)
+    monkeypatch.setattr(engine, "structured", structured)     # the engine thread is idle
+    slow_schema = {"type": "object", "properties": {"slow": {"type": "string"}}}
+    ref = served.reference["long"].outputs[0]
+    good = {}
+
+    def run_good():
+        stream = served.client.completions.create(
+            model=MODEL, prompt=PROMPTS[1], max_tokens=40, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})
+        good["text"] = "".join(c.text for chunk in stream for c in chunk.choices)
+
+    thread = threading.Thread(target=run_good)
+    try:
+        thread.start()
+        start = time.monotonic()
+        e = _bad(lambda: served.client.completions.create(
+            model=MODEL, prompt=PROMPTS[0], max_tokens=8, extra_body={"response_format": {
+                "type": "json_schema", "json_schema": {"name": "s", "schema": slow_schema}}}))
+        assert (e.body["param"], e.body["code"]) == ("response_format", "invalid_grammar")
+        assert "did not compile within 1.0 s" in e.body["message"]
+        assert time.monotonic() - start < 30              # stopped at its limit, not waited for
+        thread.join(60)
+        assert good["text"] == ref.text
+        out = served.client.completions.create(
+            model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+            extra_body={"guided_regex": "[0-9]{2}"})
+        assert re.fullmatch("[0-9]{2}", out.choices[0].text), json.dumps(out.model_dump())
+        assert served.app.state.engine.alive and not engine.has_unfinished()
+    finally:
+        thread.join(60)
+        structured.close()
