@@ -37,6 +37,14 @@ PYTEST = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
 V4_BATCH_INVARIANT = ["--v4-flash-layers", "2", "--prefill", "8192", "--decode-batch", "64",
                       "--buckets", "64", "256"]
 
+# bench/serve_load.py's GPU run (its docstring and bench/README.md say why these shapes)
+SERVE_LOAD = ["--requests", "1024", "--concurrency", "64", "--max-tokens", "64", "--prompt-ids",
+              "64", "--disconnects", "64", "--offline", "--min-ratio", "0.9",
+              "--start-timeout-s", "300", "--max-seconds", "180", "--name", "serve-load-gpu", "--",
+              "deepseek-v4-flash", "--load-format", "dummy", "--dummy-layers", "4",
+              "--max-num-seqs", "64", "--max-model-len", "256", "--max-num-batched-tokens",
+              "1024", "--token-buckets", "64", "128", "256", "1024"]
+
 
 @dataclasses.dataclass(frozen=True)
 class Run:
@@ -101,6 +109,9 @@ RUNS = {
                         (bench("prefix_cache.py", "--v4-flash-layers", "2", "--prefix", "16384",
                                "--chunk", "2048", "--buckets", "16", "128", "512", "2048",
                                "--repeats", "2"),)),
+    "serve-load": Run(540, "the OpenAI server at 64 concurrent streams on a 4-layer V4-Flash "
+                           "slice (random weights) against LLM.generate on the same requests",
+                      (bench("serve_load.py", *SERVE_LOAD),)),
     "step-profile": Run(480, "batch-1 decode (4 V4-Flash layers, 4k context) and an 8k prefill "
                              "step (2 layers): host vs device, kernels ranked",
                         (bench("step_profile.py", "--v4-flash-layers", "4", "--context", "4096",

@@ -10,10 +10,11 @@ On a GPU machine without weights or network, the 4-layer V4-Flash slice of bench
 random weights (`--load-format dummy`, no tokenizer: token-id prompts), the server against
 `LLM.generate` on the same requests (bench/README.md has the command and its time):
 
-    python bench/serve_load.py --requests 512 --concurrency 64 --max-tokens 64 \
-        --prompt-ids 64 --disconnects 64 --offline --min-ratio 0.9 --name serve-load-gpu -- \
-        deepseek-v4-flash --load-format dummy --dummy-layers 4 --max-num-seqs 64 \
-        --max-model-len 256 --max-num-batched-tokens 1024 --token-buckets 64 1024
+    python bench/serve_load.py --requests 1024 --concurrency 64 --max-tokens 64 \
+        --prompt-ids 64 --disconnects 64 --offline --min-ratio 0.9 --start-timeout-s 300 \
+        --max-seconds 180 --name serve-load-gpu -- deepseek-v4-flash --load-format dummy \
+        --dummy-layers 4 --max-num-seqs 64 --max-model-len 256 --max-num-batched-tokens 1024 \
+        --token-buckets 64 128 256 1024
 
 It starts `deepinfer serve` on 127.0.0.1 (a free port) with the options after `--`, then:
 (1) `--requests` streamed completions from `--concurrency` clients at once (each asks for
