@@ -215,6 +215,8 @@ def main() -> None:
                     help="with --quantized: the slice timed in bf16 and quantized first "
                          "(0: none)")
     ap.add_argument("--versus-batch", type=int, default=16)
+    ap.add_argument("--versus-only", action="store_true",
+                    help="with --quantized: the quantized vs bf16 comparison alone")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     args = ap.parse_args()
     engine_shapes = lambda: dict(  # noqa: E731
@@ -232,6 +234,11 @@ def main() -> None:
     print(ceilings, flush=True)
     versus = (quantized_versus_bf16(args, ceilings) if args.quantized and args.versus_layers
               else None)
+    if versus and args.versus_only:
+        write_results(args.name or f"e2e-versus-{jax.devices()[0].platform}",
+                      {"environment": environment(), "ceilings": ceilings,
+                       "quantized_vs_bf16": versus}, versus_table(versus))
+        return
 
     params = random_params(cfg, 0, jnp.bfloat16, release_formats=args.quantized)
     counts = weight_counts(params, cfg)

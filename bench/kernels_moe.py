@@ -258,7 +258,8 @@ def label(cfg) -> str:
     if isinstance(cfg, Fp4Config):
         where = "" if cfg.a_in_registers else " A via smem"
         return (f"ours fp4 {cfg.block_n}x{cfg.block_m}x{cfg.block_k}/"
-                f"{cfg.max_concurrent_steps}{where}")
+                f"{cfg.max_concurrent_steps}{where} {cfg.dequant}"
+                f"{' col' * cfg.column_scales}")
     if isinstance(cfg, tuple):
         return " + ".join(label(c) for c in cfg).replace(" + ours bf16", " +")
     kind = ("ws " if isinstance(cfg, WarpSpecializedConfig) else

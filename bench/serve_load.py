@@ -262,7 +262,8 @@ def main() -> int:
     server = subprocess.Popen(
         [sys.executable, "-m", "deepinfer_jax.api.cli", "serve", "--host", "127.0.0.1",
          "--port", str(port), "--served-model-name", "load", "--log-level", "warning",
-         *serve_args], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+         *serve_args], cwd=REPO, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])})
     try:
         up_by = time.monotonic() + args.start_timeout_s
         while True:

@@ -62,6 +62,7 @@ def _numpy_dtype(dtype) -> np.dtype:
 # chunks): well under a V4-Flash shard (3-4 GiB), so the loader's host footprint stays a
 # fraction of the largest shard whatever the stacks' size.
 STACK_CHUNK_BYTES = 256 << 20
+FP4_MAX_SCALE_BYTE = 128           # 2 ** 1: fp4_dequant.py's "bits" forms multiply by 2 ** (byte - 1)
 # Plain tensors at least this large go to the device as soon as read (the embedding and the
 # LM head, 1 GiB each at V4-Flash's vocabulary), not with the rest of their layer.
 PLACE_AT_ONCE_BYTES = 64 << 20
@@ -178,9 +179,9 @@ class CheckpointSource:
             for j, column in enumerate(names):
                 rows = slice(j * out_dim, (j + 1) * out_dim)
                 stored = self._stored(column[e], Role.LINEAR)
-                if stored is not None:
-                    self._read_fp4_into(column[e], stored, stack.packed[i, rows],
-                                        stack.scale[i, rows])
+                if stored is not None and self._read_fp4_into(
+                        column[e], stored, stack.packed[i, rows], stack.scale[i, rows]):
+                    self._check_fp4_kernel_range(stored.scale_name, stack.scale[i, rows])
         return self._stacked(make, fill, parts * out_dim * (in_dim // 2 + groups))
 
     def _stacked(self, make, fill, expert_bytes: int):
@@ -319,6 +320,14 @@ class CheckpointSource:
                                 f"positive")
             return None
         return scale
+
+    def _check_fp4_kernel_range(self, scale_name: str, scale: np.ndarray) -> None:
+        """Kept quantized, FP4 experts run on the kernels, whose dequantization
+        (pallas_kernels/grouped_gemm/fp4_dequant.py) is exact for scales up to 2."""
+        if np.any(scale > FP4_MAX_SCALE_BYTE):
+            self.invalid.append(f"{scale_name}: scales above 2 (E8M0 byte {int(scale.max())} > "
+                                f"{FP4_MAX_SCALE_BYTE}), beyond the FP4 kernels' range; "
+                                f"load with weights='bf16'")
 
     def _read_fp4_into(self, name: str, stored: _Stored, packed: np.ndarray,
                        scale: np.ndarray) -> bool:

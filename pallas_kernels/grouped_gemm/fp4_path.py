@@ -20,11 +20,21 @@ from pallas_kernels.grouped_gemm.mosaic_gpu_fp4 import Fp4Config, nibble_order, 
 KERNEL_DTYPES = (jnp.bfloat16,)
 
 
-def default_config(num_rows: int, interpret: bool = False) -> Fp4Config:
+def default_config(num_rows: int, interpret: bool = False, op: str = "gate_up",
+                   n_out: int = 128) -> Fp4Config:
     """Decode-sized batches: 16-token tiles (a hit expert usually has one or two rows);
-    prefill-sized: 64-token tiles, fewer re-reads and re-dequantizations of each expert."""
-    block_m = 16 if num_rows < 4096 else 64
-    return Fp4Config(block_m=block_m, a_in_registers=not interpret)
+    prefill-sized: 64-token tiles, fewer re-reads and re-dequantizations of each expert.
+    Compiled: the PTX dequantization, a group's scales read as a shared-memory row, 128-input
+    steps 4 deep (two or more programs share an SM); the down projection's output rows in
+    blocks of 128 (kernels-moe-fp4-sweep-gpu.md). Interpreted: the jnp form of the same bits."""
+    if num_rows >= 4096:
+        return Fp4Config(block_m=64, block_n=64, block_k=256, max_concurrent_steps=4,
+                         a_in_registers=not interpret, dequant="bits" if interpret else "bits_ptx",
+                         column_scales=True)
+    wide = op == "down" and n_out % 128 == 0
+    return Fp4Config(block_m=16, block_n=128 if wide else 64, block_k=128,
+                     max_concurrent_steps=4, a_in_registers=not interpret,
+                     dequant="bits" if interpret else "bits_ptx", column_scales=True)
 
 
 def _check(x: jax.Array, w: quantized.Fp4Blocks, n_out: int, config: Fp4Config) -> None:
@@ -48,7 +58,8 @@ def _from_kernel_form(out_t: jax.Array, tiles: layout.TileLayout, order=None) ->
 
 def grouped_matmul(lhs, w: quantized.Fp4Blocks, group_sizes, *, swiglu_limit, config, interpret):
     n_out = w.shape[-1] // (2 if swiglu_limit is not None else 1)
-    config = config or default_config(lhs.shape[0], interpret)
+    config = config or default_config(lhs.shape[0], interpret,
+                                      "gate_up" if swiglu_limit is not None else "down", n_out)
     _check(lhs, w, n_out, config)
     with kernel_mode(interpret):
         tiles = layout.tile_layout(group_sizes, lhs.shape[0], config.block_m)
@@ -64,7 +75,8 @@ def expert_mlp(x, w13, w2, group_sizes, swiglu_limit, *, configs, source_rows, o
         raise NotSupported("FP4 kernel: both expert weights FP4")
     rows = x.shape[0] if source_rows is None else source_rows.shape[0]
     dim, inter = x.shape[1], w2.shape[-2]
-    up_cfg, down_cfg = configs or (default_config(rows, interpret),) * 2
+    up_cfg, down_cfg = configs or (default_config(rows, interpret, "gate_up"),
+                                   default_config(rows, interpret, "down", w2.shape[-1]))
     if up_cfg.block_m != down_cfg.block_m:
         raise ValueError("the gate/up and down kernels must tile the same rows")
     _check(x, w13, inter, up_cfg)

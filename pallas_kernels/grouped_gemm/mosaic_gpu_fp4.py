@@ -6,11 +6,8 @@ transposed product out^T = W x^T: the weight rows are wgmma's M side (64 per ins
 tokens of one tile its N side (`block_m`, 8 to 256), and the packed bytes go from shared memory
 into registers, where they become wgmma's A operand:
 
-* a code c becomes the E4M3 byte ((c & 7) << 2) | ((c & 8) << 4), whose value is exactly
-  E2M1(c) * 2**-6 (E2M1's subnormal 0.5 lands on E4M3's subnormal range, also exact); the
-  E4M3 -> f16 -> f32 conversions are exact, the product with 64 * scale (a power of two) is
-  exact, and the bf16 rounding is that of `quantized.dequantize`, so the operand is bit for bit
-  the dequantized weight (scale bytes up to 248, i.e. scales below 2**121);
+* each code becomes its bf16 weight exactly, bit for bit `quantized.dequantize`'s (the
+  formulations, and their limits on scale bytes, are fp4_dequant.py's);
 * the low nibbles of a row's 16 bytes of one scale group are 16 even inputs, the high nibbles
   the 16 odd ones: the activations come in "nibble order" (`nibble_order`: in every group of
   32 inputs the even ones first, then the odd ones), so each half-group is one K=16 wgmma with
@@ -41,6 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.grouped_gemm import fp4_dequant
 from pallas_kernels.grouped_gemm.mosaic_gpu import epilogue
 
 GROUP = 32                 # inputs per scale byte
@@ -55,6 +53,8 @@ class Fp4Config:
     block_k: int = 256             # inputs per pipeline step
     max_concurrent_steps: int = 4
     a_in_registers: bool = True    # False: the dequantized operand goes through shared memory
+    dequant: str = "convert"       # fp4_dequant.FORMULATIONS ("bits_ptx": compiled only)
+    column_scales: bool = False    # a group's scales read as a shared-memory column
 
     def check(self, k: int, n_out: int) -> None:
         if self.block_m % 8 or not 8 <= self.block_m <= 256:
@@ -67,6 +67,8 @@ class Fp4Config:
             raise ValueError(f"K={k}: scale rows are staged in 16-byte pieces (K % 512)")
         if self.max_concurrent_steps < 2:
             raise ValueError("at least 2 pipeline steps")
+        if self.dequant not in fp4_dequant.FORMULATIONS:
+            raise ValueError(f"dequant: one of {fp4_dequant.FORMULATIONS} ({self})")
 
 
 def nibble_order(k: int) -> np.ndarray:
@@ -76,26 +78,14 @@ def nibble_order(k: int) -> np.ndarray:
     return (np.arange(0, k, GROUP)[:, None] + within[None, :]).reshape(-1)
 
 
-def _row_scales(chunk: jax.Array, index) -> jax.Array:
-    """[rows, 16] E8M0 bytes -> f32[rows], 64 * 2**(byte - 127) of column `index` (dynamic)."""
-    value = lax.bitcast_convert_type((chunk.astype(jnp.uint32) + 6) << 23, jnp.float32)
+def _row_factors(chunk: jax.Array, index, formulation: str) -> jax.Array:
+    """[rows, 16] E8M0 bytes -> [rows], the factor (fp4_dequant.scale_factor) of column `index`
+    (dynamic), picked in f32 by a masked row maximum (factors are positive)."""
+    value = fp4_dequant.scale_factor(chunk, formulation, jnp.float32)
     column = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, chunk.shape, 1),
                                plgpu.Layout.WGMMA)
-    return jnp.max(jnp.where(column == index, value, 0.0), axis=1)
-
-
-def _dequantized_halves(packed16: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """u16[rows, 16] packed bytes (one scale group) and f32[rows] (64 * scale) -> the bf16
-    weights of the group's 16 even and 16 odd inputs."""
-    scale = lax.broadcast_in_dim(scale, packed16.shape, (0,))
-
-    def value(e4m3_bits):
-        e4m3 = lax.bitcast_convert_type(e4m3_bits.astype(jnp.uint8), jnp.float8_e4m3fn)
-        return (e4m3.astype(jnp.float16).astype(jnp.float32) * scale).astype(jnp.bfloat16)
-
-    low = ((packed16 & 0x07) << 2) | ((packed16 & 0x08) << 4)
-    high = ((packed16 >> 2) & 0x1C) | (packed16 & 0x80)
-    return value(low), value(high)
+    picked = jnp.max(jnp.where(column == index, value, 0.0), axis=1)
+    return picked.astype(fp4_dequant.factor_dtype(formulation))
 
 
 def kernel_name(config: Fp4Config, k: int, n_out: int, swiglu: bool) -> str:
@@ -123,7 +113,10 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
     groups_per_step = bk // GROUP
     x_transforms = (plgpu.TilingTransform((8, X_SWIZZLE // 2)), plgpu.SwizzleTransform(X_SWIZZLE))
     a_transforms = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
-    scale4 = scale.reshape(*scale.shape[:2], chunks, CHUNK)    # [G, N, chunks, 16]
+    if config.column_scales:          # [G, chunks, 16, N]: a group's scales a contiguous row
+        scale4 = scale.reshape(*scale.shape[:2], chunks, CHUNK).transpose(0, 2, 3, 1)
+    else:
+        scale4 = scale.reshape(*scale.shape[:2], chunks, CHUNK)    # [G, N, chunks, 16]
 
     def body(tile_group_ref, x_ref, packed_ref, scale_ref, out_ref, scale_smem, scale_bars,
              staging=None):
@@ -135,7 +128,9 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
             for half in range(halves):
                 rows = pl.ds((col + half * (n_out // bn)) * bn, bn)
                 for c in range(chunks):
-                    plgpu.copy_gmem_to_smem(scale_ref.at[group, rows, c],
+                    source = (scale_ref.at[group, c, :, rows] if config.column_scales
+                              else scale_ref.at[group, rows, c])
+                    plgpu.copy_gmem_to_smem(source,
                                             scale_smem.at[half, c], scale_bars.at[half * chunks + c])
             for half in range(halves):
                 for c in range(chunks):
@@ -146,12 +141,19 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
                     (kk,) = index
                     first = kk * groups_per_step            # the step's first scale group
                     for half, (acc, w_smem) in enumerate(zip(accs, w_smems, strict=True)):
-                        w = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA).astype(jnp.uint16)
-                        chunk = plgpu.load(scale_smem.at[half, first // CHUNK],
-                                           layout=plgpu.Layout.WGMMA)
+                        w = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA)
+                        chunk_ref = scale_smem.at[half, first // CHUNK]
+                        if not config.column_scales:
+                            chunk = plgpu.load(chunk_ref, layout=plgpu.Layout.WGMMA)
                         for j in range(groups_per_step):
-                            row_scale = _row_scales(chunk, first % CHUNK + j)
-                            both = _dequantized_halves(w[:, 16 * j:16 * (j + 1)], row_scale)
+                            if config.column_scales:
+                                column = plgpu.load(chunk_ref.at[first % CHUNK + j], (),
+                                                    layout=plgpu.Layout.WGMMA.reduce(1))
+                                factor = fp4_dequant.scale_factor(column, config.dequant)
+                            else:
+                                factor = _row_factors(chunk, first % CHUNK + j, config.dequant)
+                            both = fp4_dequant.dequantize_group(w[:, 16 * j:16 * (j + 1)],
+                                                                factor, config.dequant)
                             for parity, a in enumerate(both):
                                 if staging is not None:
                                     slot = staging.at[parity]
@@ -183,7 +185,8 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
                                                              pl.ds(tile * bm, bm)])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    scratch = {"scale_smem": plgpu.SMEM((halves, chunks, bn, CHUNK), jnp.uint8),
+    scale_tile = (CHUNK, bn) if config.column_scales else (bn, CHUNK)
+    scratch = {"scale_smem": plgpu.SMEM((halves, chunks, *scale_tile), jnp.uint8),
                "scale_bars": plgpu.Barrier(num_barriers=halves * chunks)}
     if not config.a_in_registers:
         scratch["staging"] = plgpu.SMEM((2, bn, 16), jnp.bfloat16, transforms=a_transforms)

@@ -87,15 +87,22 @@ def test_kernel_matches_dequantize_and_reference(case, swiglu):
     close(api.grouped_matmul(lhs, w, sizes, swiglu_limit=swiglu, implementation=KERNEL), ref)
 
 
-def test_kernel_reads_every_nibble_and_scale_exactly():
+@pytest.mark.parametrize("dequant, column_scales", [("convert", False), ("bits", False),
+                                                    ("bits", True), ("bits_ptx", False),
+                                                    ("bits_ptx", True)])
+def test_kernel_reads_every_nibble_and_scale_exactly(dequant, column_scales):
     """Small-integer activations: every product and partial sum is exact in f32, so the
     kernel's output must equal the reference's bit for bit; a wrong nibble, sign, input
-    order or scale would show."""
+    order or scale would show, in each dequantization formulation (fp4_dequant.py)."""
+    if KERNEL == "interpret" and dequant == "bits_ptx":
+        pytest.skip("inline PTX runs only in a compiled kernel")
     rng = np.random.default_rng(3)
     lhs, sizes = rows(rng, SIZES["empty experts"], integers=True)
     w = fp4_weights(rng, len(SIZES["empty experts"]), N, K)
     ref = reference.grouped_matmul(lhs, quantized.dequantize(w), sizes)
-    out = api.grouped_matmul(lhs, w, sizes, implementation=KERNEL)
+    config = Fp4Config(a_in_registers=KERNEL != "interpret", dequant=dequant,
+                       column_scales=column_scales)
+    out = api.grouped_matmul(lhs, w, sizes, implementation=KERNEL, config=config)
     np.testing.assert_array_equal(bits(out), bits(ref))
 
 
@@ -127,11 +134,13 @@ def test_unfit_shapes_fall_through_to_the_reference():
         bits(api.grouped_matmul(lhs, quantized.dequantize(w), sizes)))
 
 
-@pytest.mark.parametrize("swiglu, k, n", [(10.0, 4096, 4096), (None, 2048, 4096)])
+@pytest.mark.parametrize("swiglu, k, n, dequant", [(10.0, 4096, 4096, "convert"),
+                                                   (None, 2048, 4096, "convert"),
+                                                   (10.0, 4096, 4096, "bits_ptx")])
 @pytest.mark.parametrize("block_m", [16, 64])
-def test_kernel_lowers_for_cuda_at_v4_flash_shapes(swiglu, k, n, block_m):
+def test_kernel_lowers_for_cuda_at_v4_flash_shapes(swiglu, k, n, dequant, block_m):
     """Mosaic's layout, register and shared-memory rules, checked at lowering (no GPU)."""
-    config = dataclasses_replace(fp4_path.default_config(100), block_m=block_m)
+    config = dataclasses_replace(fp4_path.default_config(100), block_m=block_m, dequant=dequant)
     fn = jax.jit(functools.partial(tiled_fp4_matmul_t, swiglu_limit=swiglu, config=config))
     with abstract_gpu():
         exported = jax.export.export(fn, platforms=["cuda"])(
