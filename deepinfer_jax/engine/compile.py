@@ -37,7 +37,7 @@ from deepinfer_jax.host.decision import ScheduleDecision
 from deepinfer_jax.host.plan_builder import build_plan
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.model.state import StateCache
-from deepinfer_jax.parallel.mesh import over_ranks, step_out_shardings
+from deepinfer_jax.parallel.mesh import mesh_context, over_ranks, step_out_shardings
 
 _cache_dir: str | None = None
 
@@ -222,6 +222,47 @@ def _plan_spec(plan_wire: Wire, state: StateCache, ranks: int) -> jax.ShapeDtype
                                 sharding=NamedSharding(mesh, PartitionSpec("dp")))
 
 
+def lower_step(params: ModelParams, state: StateCache, cfg: ModelConfig, step_cfg: StepConfig,
+               bucket: int, speculative: bool = False, truncation: bool | None = None
+               ) -> jax.stages.Lowered:
+    """One bucket's step traced and lowered as the engine compiles it, not compiled: for XLA's
+    cost analysis (`.cost_analysis()`) or the program's text. params and state may be abstract
+    (jax.ShapeDtypeStruct), their shardings on a device mesh or on an AbstractMesh
+    (parallel/mesh.py's abstract_mesh: a mesh this machine need not have), lowered then for
+    this machine's platform."""
+    plan_wire = Wire.of(build_plan(ScheduleDecision(()), bucket, step_cfg))
+    plan_spec = _plan_spec(plan_wire, state, step_cfg.compute.parallel.dp)
+    mesh = getattr(jax.tree.leaves(state)[0].sharding, "mesh", None)
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        with jax.sharding.use_abstract_mesh(mesh):
+            return _lower(params, state, cfg, step_cfg, speculative, truncation, plan_wire,
+                          plan_spec, platforms=(jax.default_backend(),))[0]
+    with mesh_context(mesh):
+        return _lower(params, state, cfg, step_cfg, speculative, truncation, plan_wire,
+                      plan_spec)[0]
+
+
+def _lower(params, state, cfg, step_cfg, speculative, truncation, plan_wire, plan_spec,
+           platforms=None) -> tuple[jax.stages.Lowered, Wire]:
+    """The step of one bucket and sampler variant on the wire, traced and lowered (the state
+    donated), and its output's wire."""
+    step_fn = functools.partial(spec_step if speculative else step, cfg=cfg, step_cfg=step_cfg,
+                                truncation=truncation)
+    output_wire = []            # the output's layout, read while the step is traced
+
+    def wired_step(params, state, buffer):
+        state, output = step_fn(params, state, plan_wire.unpack_device(buffer))
+        output_wire.append(Wire.of(output))
+        return state, output_wire[-1].pack_device(output)
+
+    program = over_ranks(wired_step, params) if step_cfg.compute.parallel.dp > 1 else wired_step
+    out_shardings = step_out_shardings(state)     # None: jit's own choice (None would replicate)
+    placement = {} if out_shardings is None else {"out_shardings": out_shardings}
+    traced = jax.jit(program, donate_argnums=(1,), **placement).trace(params, state, plan_spec)
+    lowered = traced.lower() if platforms is None else traced.lower(lowering_platforms=platforms)
+    return lowered, output_wire[-1]
+
+
 def _build(params, state, cfg, step_cfg, host, speculative, keys, plan_wires, plan_specs,
            options, paths) -> dict:
     """Trace, lower and compile `keys`' steps; each is written to the step cache (at `paths`)
@@ -233,25 +274,12 @@ def _build(params, state, cfg, step_cfg, host, speculative, keys, plan_wires, pl
     # default is one).
     lowered, wires = {}, {}
     kind = "speculative steps" if speculative else "steps"
-    out_shardings = step_out_shardings(state)     # None: jit's own choice (None would replicate)
-    placement = {} if out_shardings is None else {"out_shardings": out_shardings}
     for t, truncation in tqdm(keys, unit="step", disable=not host.show_progress,
                               desc=f"tracing {kind}"):
-        step_fn = functools.partial(spec_step if speculative else step, cfg=cfg, step_cfg=step_cfg,
-                                    truncation=truncation)
         plan_wire = plan_wires[t, truncation]
-        output_wire = []            # the output's layout, read while the step is traced
-
-        def wired_step(params, state, buffer, step_fn=step_fn, plan_wire=plan_wire,
-                       output_wire=output_wire):
-            state, output = step_fn(params, state, plan_wire.unpack_device(buffer))
-            output_wire.append(Wire.of(output))
-            return state, output_wire[-1].pack_device(output)
-
-        program = over_ranks(wired_step, params) if ranks > 1 else wired_step
-        lowered[t, truncation] = jax.jit(program, donate_argnums=(1,), **placement).lower(
-            params, state, plan_specs[t, truncation])
-        wires[t, truncation] = (plan_wire, output_wire[-1])
+        lowered[t, truncation], output_wire = _lower(params, state, cfg, step_cfg, speculative,
+                                                     truncation, plan_wire, plan_specs[t, truncation])
+        wires[t, truncation] = (plan_wire, output_wire)
     step_cache.stats.traced += len(keys)
     progress = tqdm(total=len(keys), unit="step", disable=not host.show_progress,
                     desc=f"compiling {kind}")

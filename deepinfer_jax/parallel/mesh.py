@@ -27,7 +27,7 @@ import contextlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.parallel import MESH_AXES, ParallelConfig
@@ -45,6 +45,15 @@ def make_mesh(parallel: ParallelConfig) -> Mesh | None:
         return None
     devices = np.asarray(jax.devices()[: parallel.size]).reshape(parallel.mesh_shape)
     return Mesh(devices, MESH_AXES)
+
+
+def abstract_mesh(parallel: ParallelConfig) -> AbstractMesh | None:
+    """make_mesh's axes and sizes without devices (None for one device): shardings on it let
+    a step be lowered for a mesh this machine does not have (engine/compile.py lower_step)."""
+    if parallel.size == 1:
+        return None
+    return AbstractMesh(parallel.mesh_shape, MESH_AXES,
+                        axis_types=(AxisType.Auto,) * len(MESH_AXES))   # as make_mesh's
 
 
 EXPERT_AXES = ("dp", "cp", "ep")
@@ -159,11 +168,24 @@ def step_out_shardings(state):
     return jax.tree.map(lambda x: x.sharding, state), NamedSharding(mesh, PartitionSpec())
 
 
-def abstract_state(cfg: ModelConfig, step_cfg: StepConfig, dtype, mesh: Mesh | None):
-    """placed_state's shapes, dtypes and shardings, without a byte of it."""
-    shapes = jax.eval_shape(lambda: placed_state(cfg, step_cfg, dtype, mesh))
+def abstract_state(cfg: ModelConfig, step_cfg: StepConfig, dtype,
+                   mesh: Mesh | AbstractMesh | None):
+    """placed_state's shapes, dtypes and shardings, without a byte of it (the mesh may be
+    abstract)."""
+    shapes = jax.eval_shape(lambda: placed_state(cfg, step_cfg, dtype, None))
     if mesh is None:
         return shapes
-    spec = PartitionSpec("dp") if step_cfg.compute.parallel.dp > 1 else PartitionSpec()
+    ranks = step_cfg.compute.parallel.dp
+    if ranks > 1:       # init_rank_states' stack, a rank's state each
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct((ranks, *x.shape), x.dtype), shapes)
+    spec = PartitionSpec("dp") if ranks > 1 else PartitionSpec()
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                        sharding=NamedSharding(mesh, spec)), shapes)
+
+
+def abstract_placed(params, mesh: Mesh | AbstractMesh | None):
+    """Abstract parameters (shapes and dtypes) with the shardings place_params gives them."""
+    if mesh is None:
+        return params
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        params, param_shardings(params, mesh))
