@@ -236,3 +236,19 @@ def test_quantized_tensor_that_disagrees_is_named_with_found_and_expected(
                           else quantised[name])
     with pytest.raises(CheckpointError, match=expected):
         load_params(write(tmp_path / "q", quantised), CFG, jnp.float32)
+
+
+def test_fp4_scales_beyond_the_kernels_range_refuse_the_quantized_load_only(tmp_path, tensors):
+    """FP4 experts kept quantized run on the kernels, exact for scales up to 2 (E8M0 byte
+    128); a larger scale is named at load, and the same checkpoint still loads dequantized."""
+    quantised, _ = quantize_checkpoint(tensors)
+    name = "layers.1.ffn.experts.2.w1.scale"
+    scale = np.asarray(quantised[name]).view(np.uint8).copy()
+    scale[0, 0] = 129                                          # 2 ** 2
+    quantised[name] = scale.view(quantised[name].dtype)
+    write(tmp_path / "q", quantised)
+    with pytest.raises(CheckpointError, match=r"layers\.1\.ffn\.experts\.2\.w1\.scale: scales "
+                                              r"above 2 \(E8M0 byte 129 > 128\)"):
+        load_params(tmp_path / "q", CFG, jnp.float32)
+    plain = load_params(tmp_path / "q", CFG, jnp.float32, keep_quantized=False)
+    assert not isinstance(plain.layers[1].moe.experts.w13, Fp4Blocks)
