@@ -90,7 +90,7 @@ MODULE_OF = {"pytest-xdist": "xdist", "pytest-timeout": "pytest_timeout", "orbax
 
 def test_every_declared_package_is_used():
     """pyproject.toml declares only what the project uses: each dependency is imported by
-    the library, its tests or its tools, or listed above with how it is used."""
+    the library, its tests, its tools or its notebooks, or listed above with how it is used."""
     import ast
     import re
     import tomllib
@@ -98,14 +98,21 @@ def test_every_declared_package_is_used():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     declared = project["dependencies"] + project["optional-dependencies"]["test"]
     names = {re.match(r"[A-Za-z0-9_.-]+", spec).group(0).lower() for spec in declared}
+    import json
+
+    sources = [path.read_text()
+               for folder in ("deepinfer_jax", "pallas_kernels", "ascend_backend", "tests", "tools")
+               for path in (ROOT / folder).rglob("*.py")]
+    for notebook in (ROOT / "notebooks").glob("*.ipynb"):        # their code cells
+        sources += ["".join(cell["source"]) for cell in json.loads(notebook.read_text())["cells"]
+                    if cell["cell_type"] == "code"]
     imported = set()
-    for folder in ("deepinfer_jax", "pallas_kernels", "ascend_backend", "tests", "tools"):
-        for path in (ROOT / folder).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.Import):
-                    imported |= {alias.name.split(".")[0] for alias in node.names}
-                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                    imported.add(node.module.split(".")[0])
+    for source in sources:
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                imported.add(node.module.split(".")[0])
     unused = {name for name in names - set(USED_WITHOUT_IMPORT)
               if MODULE_OF.get(name, name.replace("-", "_")) not in imported}
     assert unused == set(), f"declared but never imported: {sorted(unused)}"
