@@ -136,6 +136,8 @@ def test_72_hours_entries_expire_on_time_and_not_before(tmp_path):
         if clock.t == 50 * HOUR:
             assert_same(store.get(4), entry(4))
             last_use[4] = clock.t
+        stats = store.stats()
+        assert stats.host.bytes <= 3 * 1024 and stats.disk.bytes <= 1 << 20
         for key, used in last_use.items():
             alive = clock.t < used + DEFAULT_RETENTION_S
             assert (key in store) == alive, (key, clock.t / HOUR)
@@ -210,7 +212,7 @@ def test_a_writer_killed_before_its_rename_leaves_no_corrupt_entry(tmp_path):
     assert any(f.endswith(TEMP_SUFFIX) for f in files(tmp_path))   # killed mid-write
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
-    store = TierStore(KVTierConfig(disk_dir=str(tmp_path), disk_bytes=3 << 20), Clock())
+    store = TierStore(KVTierConfig(disk_dir=str(tmp_path), disk_bytes=3 << 20))   # real clock, as the writer
     assert sorted(store.disk.keys()) == [0, 1, 2, 3, 4] and 5 not in store
     assert files(tmp_path) == sorted(file_name(k) for k in range(5))   # the temp file is gone
     for key in range(5):
@@ -227,7 +229,7 @@ def test_a_writer_killed_at_any_point_leaves_a_consistent_index(tmp_path, commit
         proc.stdout.readline()
     proc.send_signal(signal.SIGKILL)               # somewhere in a later put: write, rename, evict
     proc.wait(timeout=10)
-    store = TierStore(KVTierConfig(disk_dir=str(tmp_path), disk_bytes=3 << 20), Clock())
+    store = TierStore(KVTierConfig(disk_dir=str(tmp_path), disk_bytes=3 << 20))   # real clock, as the writer
     keys = store.disk.keys()
     assert keys and max(keys) >= committed - 1
     assert sorted(files(tmp_path)) == sorted(file_name(k) for k in keys)
