@@ -117,10 +117,10 @@ class EngineConfig:
         if tiers.enabled and not self.enable_prefix_caching:
             raise EngineConfigError("KV tiers keep prefix-cache blocks: they need "
                                     "enable_prefix_caching=True")
-        if tiers.enabled:
-            # host/kv_tiers/ exists; the engine does not yet copy evicted blocks into it
-            # (issue 40): refused rather than silently ignored
-            raise EngineConfigError("KV tiers below the device are not used by the engine yet")
+        if tiers.enabled and self.parallel.size > 1:
+            # the tier copies are compiled for one device's state (ranks keep one prefix cache
+            # and snapshot pool each)
+            raise EngineConfigError("KV tiers are not supported over a device mesh yet")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise EngineConfigError(f"gpu_memory_utilization must be in (0, 1], got "
                                     f"{self.gpu_memory_utilization}")

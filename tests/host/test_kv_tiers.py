@@ -248,16 +248,19 @@ def test_config_is_validated_and_off_by_default():
     assert TierStore.from_config(KVTierConfig()) is None
 
 
-def test_engine_options_validate_and_refuse_until_wired(tmp_path):
+def test_engine_options_validate(tmp_path):
     from deepinfer_jax.config.engine import EngineConfig
-    assert EngineConfig().kv_tiers == KVTierConfig()
+    assert EngineConfig().kv_tiers == KVTierConfig()          # off by default
     with pytest.raises(EngineConfigError, match="enable_prefix_caching"):
         EngineConfig(kv_host_tier_bytes=1 << 20)
-    with pytest.raises(EngineConfigError, match="not used by the engine yet"):
-        EngineConfig(enable_prefix_caching=True, kv_disk_tier_dir=str(tmp_path),
-                     kv_disk_tier_bytes=1 << 20)
+    with pytest.raises(EngineConfigError, match="device mesh"):
+        EngineConfig(enable_prefix_caching=True, kv_host_tier_bytes=1 << 20,
+                     parallel={"dp": 2})
     with pytest.raises(EngineConfigError):
         EngineConfig(kv_disk_tier_bytes=1 << 20)
+    cfg = EngineConfig(enable_prefix_caching=True, kv_disk_tier_dir=str(tmp_path),
+                       kv_disk_tier_bytes=1 << 20, kv_retention_s=60.0)
+    assert cfg.kv_tiers == KVTierConfig(0, str(tmp_path), 1 << 20, 60.0)
 
 
 def test_a_failing_disk_loses_the_entry_not_the_store(tmp_path, monkeypatch):
