@@ -21,6 +21,9 @@ class KVTierConfig:
     disk_dir: str | None = None      # the disk tier's directory (one store per directory)
     disk_bytes: int = 0              # disk tier budget, file sizes included (0: no disk tier)
     retention_s: float = DEFAULT_RETENTION_S
+    # what the cached blocks were computed by (the engine fills it: model config and shapes);
+    # an entry of another namespace in the same directory is never loaded
+    namespace: str = ""
 
     def __post_init__(self):
         if self.host_bytes < 0 or self.disk_bytes < 0:

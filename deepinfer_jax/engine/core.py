@@ -155,7 +155,7 @@ class EngineCore:
         # slot snapshots of the prefix cache, and the KV tiers below the device (None: off)
         self.snapshots = (SnapshotCopies(self.state, step_cfg) if step_cfg.enable_prefix_caching
                           else None)
-        self.tiers = TierCopies.of(host.kv_tiers, self.state, self.snapshots, step_cfg)
+        self.tiers = TierCopies.of(host.kv_tiers, cfg, self.state, self.snapshots, step_cfg)
         ranks = step_cfg.compute.parallel.dp
         self.scheduler = (RankedScheduler(step_cfg, cfg.eos_token_ids, ranks) if ranks > 1 else
                           Scheduler(step_cfg, cfg.eos_token_ids, self.tiers and self.tiers.store))

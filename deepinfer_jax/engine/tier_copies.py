@@ -4,6 +4,9 @@ output has been read (their copies were started to the host with it, so nothing 
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+
 import jax
 import numpy as np
 
@@ -28,12 +31,21 @@ class TierCopies:
         self._num_page_arrays = len(page_pools(state))
 
     @classmethod
-    def of(cls, config: KVTierConfig | None, state: StateCache,
+    def of(cls, config: KVTierConfig | None, model: object, state: StateCache,
            snapshots: SnapshotCopies | None, step_cfg: StepConfig) -> TierCopies | None:
         """The tiers' copies, or None where no tier is configured (EngineConfig refuses tiers
-        without prefix caching, so `snapshots` is there whenever a tier is)."""
-        store = TierStore.from_config(config)
-        return None if store is None else cls(state, snapshots, step_cfg, store)
+        without prefix caching, so `snapshots` is there whenever a tier is). Entries are
+        namespaced by the model's config and the copied arrays' shapes and dtypes: a
+        directory another model wrote serves this one nothing. (Two checkpoints of one
+        config share a namespace: give each its own directory.)"""
+        if config is None or not config.enabled:
+            return None
+        shapes = [(a.shape, str(a.dtype)) for a in
+                  jax.tree.leaves((page_pools(state), snapshots.pool))]
+        digest = hashlib.blake2b(repr((model, step_cfg.page_size, shapes)).encode(),
+                                 digest_size=16).hexdigest()
+        store = TierStore(dataclasses.replace(config, namespace=digest))
+        return cls(state, snapshots, step_cfg, store)
 
     def run(self, state: StateCache, ops: tuple, spilled: Spilled) -> StateCache:
         """`state` after `ops`, in order (the snapshot pool is updated in place); the spilled

@@ -16,9 +16,10 @@ from deepinfer_jax.host.prefix_cache import PrefixCache, SnapshotAllocator, exte
 BS = 4
 
 
-def setup(num_pages=3):
+def setup(num_pages=3, namespace="model-a"):
     cache = PrefixCache(PageAllocator(num_pages), SnapshotAllocator(2), BS)
-    return cache, TierBlocks(TierStore(KVTierConfig(host_bytes=1 << 20)), cache)
+    store = TierStore(KVTierConfig(host_bytes=1 << 20, namespace=namespace))
+    return cache, TierBlocks(store, cache)
 
 
 def cache_chain(cache, tokens):
@@ -74,6 +75,24 @@ def test_a_load_that_needs_room_spills_first():
     assert kinds == ["TierSpill", "TierLoad", "TierSpill", "TierLoad"]
     assert ops[0].page == ops[1].page and ops[2].page == ops[3].page
     assert len(held) == 2
+
+
+def test_another_models_blocks_are_not_loaded(tmp_path):
+    def on_disk(namespace):
+        cache = PrefixCache(PageAllocator(3), SnapshotAllocator(2), BS)
+        store = TierStore(KVTierConfig(disk_dir=str(tmp_path), disk_bytes=1 << 20,
+                                       namespace=namespace))
+        return cache, TierBlocks(store, cache)
+
+    cache, tiers = on_disk("model-a")
+    tokens = list(range(8))
+    keys = cache_chain(cache, tokens)
+    cache.evict(3)
+    spill_to_store(tiers, tiers.take_ops())
+    _, other = on_disk("model-b")                    # the same directory, another model
+    assert other.bring_in(tokens + [1], keys) == [] and other.take_ops() == ()
+    _, same = on_disk("model-a")                     # the same model, restarted
+    assert len(same.bring_in(tokens + [1], keys)) == 2
 
 
 def test_other_tokens_or_parent_are_not_loaded():

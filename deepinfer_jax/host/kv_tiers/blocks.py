@@ -28,7 +28,8 @@ class TierBlocks:
     def _spill(self, block: CachedBlock) -> None:
         self._ops.append(TierSpill(block.key, block.page, block.snapshot, {
             "tokens": list(block.tokens), "parent": block.parent, "next": block.snapshot_next,
-            "has_snapshot": block.snapshot is not None}))
+            "has_snapshot": block.snapshot is not None,
+            "namespace": self.store.config.namespace}))
 
     def take_ops(self) -> tuple[TierSpill | TierLoad, ...]:
         ops, self._ops = tuple(self._ops), []
@@ -54,9 +55,11 @@ class TierBlocks:
     def _load(self, key: int, parent: int | None, tokens: tuple[int, ...]
               ) -> CachedBlock | None:
         entry = self.store.get(key)
-        # the key is a hash: the tokens and the parent settle that it is this block
+        # the key is a hash of tokens alone: the tokens and the parent settle that it is this
+        # block, the namespace that this model and these shapes computed it
         if (entry is None or tuple(entry.info["tokens"]) != tokens
-                or entry.info["parent"] != parent):
+                or entry.info["parent"] != parent
+                or entry.info.get("namespace") != self.store.config.namespace):
             return None
         pages = self.cache.pages
         if not pages.can_allocate(1):
