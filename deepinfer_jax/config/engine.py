@@ -17,6 +17,7 @@ from deepinfer_jax.config.distributed import DistributedConfig
 from deepinfer_jax.config.errors import EngineConfigError
 from deepinfer_jax.config.family import facts_of, refuse_unbuilt
 from deepinfer_jax.config.host import HostOptions
+from deepinfer_jax.config.kv_tiers import DEFAULT_RETENTION_S, KVTierConfig
 from deepinfer_jax.config.memory import MemoryLimits
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.parallel import ParallelConfig
@@ -82,6 +83,12 @@ class EngineConfig:
     distributed: dict | DistributedConfig | None = None
     enable_prefix_caching: bool = False
     num_prefix_snapshots: int | None = None   # snapshot pool (None: 4 per slot)
+    # Prefix-cache blocks kept below the device (config/kv_tiers.py; 0 bytes: no such tier):
+    # in host memory, then in files under kv_disk_tier_dir, each for kv_retention_s after last use
+    kv_host_tier_bytes: int = 0
+    kv_disk_tier_dir: str | None = None
+    kv_disk_tier_bytes: int = 0
+    kv_retention_s: float = DEFAULT_RETENTION_S
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens"):
@@ -106,6 +113,14 @@ class EngineConfig:
             object.__setattr__(self, "token_buckets", buckets)
         if self.num_prefix_snapshots is not None and self.num_prefix_snapshots < 1:
             raise EngineConfigError("num_prefix_snapshots must be >= 1")
+        tiers = self.kv_tiers     # validates the tier options
+        if tiers.enabled and not self.enable_prefix_caching:
+            raise EngineConfigError("KV tiers keep prefix-cache blocks: they need "
+                                    "enable_prefix_caching=True")
+        if tiers.enabled and self.parallel.size > 1:
+            # the tier copies are compiled for one device's state (ranks keep one prefix cache
+            # and snapshot pool each)
+            raise EngineConfigError("KV tiers are not supported over a device mesh yet")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise EngineConfigError(f"gpu_memory_utilization must be in (0, 1], got "
                                     f"{self.gpu_memory_utilization}")
@@ -176,6 +191,11 @@ class EngineConfig:
             raise EngineConfigError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
         return MemoryLimits(device_bytes, utilization, self.num_pages)
 
+    @property
+    def kv_tiers(self) -> KVTierConfig:
+        return KVTierConfig(host_bytes=self.kv_host_tier_bytes, disk_dir=self.kv_disk_tier_dir,
+                            disk_bytes=self.kv_disk_tier_bytes, retention_s=self.kv_retention_s)
+
     def model_len(self, model: ModelConfig) -> int:
         """max_model_len for this model: as given (at most the model's context), or the
         model's context capped at DEFAULT_MAX_MODEL_LEN."""
@@ -199,4 +219,5 @@ class EngineConfig:
             launch_thread=self.launch_thread, seed=self.seed,
             grammar_compile_timeout_s=self.grammar_compile_timeout_s,
             compile_threads=options.compile_threads(self.compile_threads, environ),
-            step_cache=options.flag("DEEPINFER_STEP_CACHE", environ) is not False)
+            step_cache=options.flag("DEEPINFER_STEP_CACHE", environ) is not False,
+            kv_tiers=self.kv_tiers if self.kv_tiers.enabled else None)

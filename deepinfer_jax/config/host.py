@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from deepinfer_jax.config.kv_tiers import KVTierConfig
+
 
 @dataclasses.dataclass(frozen=True)
 class HostOptions:
@@ -15,3 +17,4 @@ class HostOptions:
     grammar_compile_timeout_s: float
     compile_threads: int                 # step buckets compiled at once at start-up
     step_cache: bool = True              # compiled CPU steps kept on disk (engine/step_cache.py)
+    kv_tiers: KVTierConfig | None = None  # prefix-cache blocks below the device (None: off)

@@ -37,6 +37,7 @@ from deepinfer_jax.engine.engram_rows import EngramRows
 from deepinfer_jax.engine.launch import Launcher
 from deepinfer_jax.engine.memory_plan import check_compiled, engine_plan
 from deepinfer_jax.engine.snapshot_copies import SnapshotCopies
+from deepinfer_jax.engine.tier_copies import Spilled, TierCopies
 from deepinfer_jax.host.buckets import token_bucket
 from deepinfer_jax.host.decision import ScheduleDecision
 from deepinfer_jax.host.grammar import GrammarError, StructuredOutputs, grammar_spec
@@ -79,6 +80,7 @@ class InFlight:
     decision: ScheduleDecision
     output: Future[jax.Array]               # the step's output on the wire (compile.py)
     read: Callable[[jax.Array], StepOutput | SpecStepOutput]
+    spilled: Spilled = dataclasses.field(default_factory=list)   # for the KV tiers, once read
 
 
 class EngineCore:
@@ -150,12 +152,13 @@ class EngineCore:
                            if step_cfg.spec_tokens else None)
         if self.memory_plan is not None:
             check_compiled(self.memory_plan, self.steps, self.spec_steps)
-        ranks = step_cfg.compute.parallel.dp
-        self.scheduler = (RankedScheduler(step_cfg, cfg.eos_token_ids, ranks) if ranks > 1 else
-                          Scheduler(step_cfg, cfg.eos_token_ids))
-        # slot snapshots of the prefix cache
+        # slot snapshots of the prefix cache, and the KV tiers below the device (None: off)
         self.snapshots = (SnapshotCopies(self.state, step_cfg) if step_cfg.enable_prefix_caching
                           else None)
+        self.tiers = TierCopies.of(host.kv_tiers, cfg, self.state, self.snapshots, step_cfg)
+        ranks = step_cfg.compute.parallel.dp
+        self.scheduler = (RankedScheduler(step_cfg, cfg.eos_token_ids, ranks) if ranks > 1 else
+                          Scheduler(step_cfg, cfg.eos_token_ids, self.tiers and self.tiers.store))
         self._seeds = np.random.default_rng(host.seed)
         self._arrivals = itertools.count()
         self._in_flight: collections.deque[InFlight] = collections.deque()
@@ -319,8 +322,11 @@ class EngineCore:
         steps = self.spec_steps if decision.speculative else self.steps
         compiled = steps.select(bucket, decision.truncating_sampler)
         restores, saves = decision.restores, decision.saves
+        tier_ops, spilled = getattr(decision, "tier_ops", ()), []
 
         def device_calls() -> jax.Array:     # on the launcher's thread
+            if tier_ops:     # first: a spilled page may be loaded into, a loaded one restored
+                self.state = self.tiers.run(self.state, tier_ops, spilled)
             if restores:
                 self.state = self.snapshots.restore(self.state, restores)
             self.state, output = compiled(self.params, self.state, plan)
@@ -332,7 +338,7 @@ class EngineCore:
         output = self._launcher.submit(device_calls)
         self.stats.steps += 1
         self.stats.tokens += decision.num_tokens
-        return InFlight(decision, output, compiled.read)
+        return InFlight(decision, output, compiled.read, spilled)
 
     def _plan(self, decision: ScheduleDecision, bucket: int) -> BatchPlan:
         plan = build_plan(decision, bucket, self.step_cfg)
@@ -357,6 +363,8 @@ class EngineCore:
         waited = time.perf_counter() - waited
         self.stats.wait_seconds += waited
         self.stats.host_seconds -= waited      # step() adds the whole call
+        if flight.spilled:       # filled by the launcher before the output's future is done
+            self.tiers.put(flight.spilled)
         touched = self.scheduler.postprocess(flight.decision, out)
         now = time.time()
         for req in touched:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from deepinfer_jax.host.kv_tiers.entry import TierEntry
 from deepinfer_jax.host.request import Request
 
 
@@ -52,11 +53,33 @@ class SnapshotSave:
 
 
 @dataclasses.dataclass(frozen=True)
+class TierSpill:
+    """Before the step: copy an evicted block's page (and snapshot) out for the KV tiers; its
+    page and snapshot are free on the host already, so this runs before anything reuses them."""
+
+    key: int
+    page: int
+    snapshot: int | None
+    info: dict          # tokens, parent key, the token after (host/kv_tiers/blocks.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class TierLoad:
+    """Before the step: write a block set from the KV tiers into a page (and a snapshot)."""
+
+    page: int
+    snapshot: int | None      # None: the entry's snapshot is not loaded (no free one)
+    entry: TierEntry
+
+
+@dataclasses.dataclass(frozen=True)
 class ScheduleDecision:
     seqs: tuple[ScheduledSeq, ...]
     speculative: bool = False     # run the speculative step (verify drafts, draft with MTP)
     restores: tuple[Restore, ...] = ()
     saves: tuple[SnapshotSave, ...] = ()
+    # KV tier copies, in the order the host made them (a page can be spilled and loaded again)
+    tier_ops: tuple[TierSpill | TierLoad, ...] = ()
     # some row samples with top-k / top-p / min-p: the step needs the sampler that sorts the
     # vocabulary (where the step does not decide that on the device)
     truncating_sampler: bool = False

@@ -15,7 +15,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-from deepinfer_jax.host.decision import ScheduledSeq, SnapshotSave
+from deepinfer_jax.host.decision import ScheduledSeq, SnapshotSave, TierLoad, TierSpill
+from deepinfer_jax.host.kv_tiers.blocks import TierBlocks
+from deepinfer_jax.host.kv_tiers.store import TierStore
 from deepinfer_jax.host.pages import PageAllocator, pages_needed
 from deepinfer_jax.host.prefix_cache import (
     Match,
@@ -40,11 +42,15 @@ class PendingBlock:
 
 class KVCacheManager:
     def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = False,
-                 num_snapshots: int = 0, snapshots_need_next_token: bool = False):
+                 num_snapshots: int = 0, snapshots_need_next_token: bool = False,
+                 tier_store: TierStore | None = None):
         self.page_size = page_size
         self.pages = PageAllocator(num_pages)
         self.prefix_cache = (PrefixCache(self.pages, SnapshotAllocator(num_snapshots), page_size,
                                          snapshots_need_next_token) if prefix_caching else None)
+        # the KV tiers below the device (host/kv_tiers/): evicted blocks go there, and come back
+        self.tiers = (TierBlocks(tier_store, self.prefix_cache)
+                      if tier_store is not None and self.prefix_cache is not None else None)
         self._pending: list[PendingBlock] = []
 
     @property
@@ -93,10 +99,12 @@ class KVCacheManager:
             return None
         extend_block_keys(req.block_keys, req.known_tokens, self.page_size)
         usable = req.tokens[: req.num_tokens - 1]
-        match = self.prefix_cache.lookup(usable, req.block_keys[: len(usable) // self.page_size],
-                                         following=req.known_tokens)
+        keys = req.block_keys[: len(usable) // self.page_size]
+        held = self.tiers.bring_in(usable, keys) if self.tiers is not None else []
+        match = self.prefix_cache.lookup(usable, keys, following=req.known_tokens)
         for page in match.pages:
             self.pages.share(page)
+        self.pages.free(held)
         req.pages, req.num_computed = list(match.pages), match.num_tokens
         return match
 
@@ -162,6 +170,10 @@ class KVCacheManager:
                 if block.snapshot is not None:
                     self.prefix_cache.snapshots.free(block.snapshot)
         self._pending = waiting
+
+    def take_tier_ops(self) -> tuple[TierSpill | TierLoad, ...]:
+        """The tier copies made since the last call, for the next launched step."""
+        return () if self.tiers is None else self.tiers.take_ops()
 
     def prefix_stats(self) -> PrefixCacheStats | None:
         """The prefix cache's counters now, or None without prefix caching."""

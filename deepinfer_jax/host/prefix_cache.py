@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 
 from deepinfer_jax.host.pages import PageAllocator
 
@@ -95,6 +96,8 @@ class PrefixCache:
         self.pages, self.snapshots, self.block_size = pages, snapshots, block_size
         self.snapshots_need_next_token = snapshots_need_next_token   # MTP speculation on
         self.blocks: dict[int, CachedBlock] = {}
+        # told of each block evicted, before its page and snapshot are freed (the KV tiers)
+        self.on_evict: Callable[[CachedBlock], None] | None = None
         self._clock = itertools.count()
         self.stats = PrefixCacheStats()
 
@@ -186,6 +189,8 @@ class PrefixCache:
                 self._drop(child)
         if block.parent in self.blocks:
             self.blocks[block.parent].children.discard(key)
+        if self.on_evict is not None:
+            self.on_evict(block)
         self.pages.free([block.page])
         if block.snapshot is not None:
             self.snapshots.free(block.snapshot)

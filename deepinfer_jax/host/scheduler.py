@@ -45,20 +45,23 @@ from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.contract import SpecStepOutput, StepOutput
 from deepinfer_jax.host.decision import Restore, ScheduleDecision, ScheduledSeq
 from deepinfer_jax.host.kv_cache import KVCacheManager
+from deepinfer_jax.host.kv_tiers.store import TierStore
 from deepinfer_jax.host.output_checks import end_of_output
 from deepinfer_jax.host.pages import pages_needed
 from deepinfer_jax.host.request import PLACEHOLDER, FinishReason, Request, RequestStatus, TokenLogprobs
 
 
 class Scheduler:
-    def __init__(self, step_cfg: StepConfig, eos_token_ids: tuple[int, ...]):
+    def __init__(self, step_cfg: StepConfig, eos_token_ids: tuple[int, ...],
+                 tier_store: TierStore | None = None):
         self.step_cfg = step_cfg
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.kv_cache = KVCacheManager(step_cfg.num_pages, step_cfg.page_size, step_cfg.enable_prefix_caching,
                                        step_cfg.num_snapshots,
-                                       snapshots_need_next_token=step_cfg.speculative is not None)
+                                       snapshots_need_next_token=step_cfg.speculative is not None,
+                                       tier_store=tier_store)
         self._free_slots = list(range(step_cfg.max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
 
@@ -99,7 +102,9 @@ class Scheduler:
         saves = self.kv_cache.snapshot_saves(seqs)     # before the counts advance
         if not speculative:
             self._book_launch(seqs)
-        return ScheduleDecision(seqs, speculative, tuple(restores), saves,
+        # tier copies wait for a step that launches (one without rows launches nothing)
+        tier_ops = self.kv_cache.take_tier_ops() if seqs else ()
+        return ScheduleDecision(seqs, speculative, tuple(restores), saves, tier_ops=tier_ops,
                                 truncating_sampler=any(s.request.params.truncates for s in seqs))
 
     def postprocess(self, decision: ScheduleDecision, output: StepOutput | SpecStepOutput

@@ -1,0 +1,73 @@
+"""Copies between the device caches and the KV tiers: one page of compressed rows (every
+layer's `rows` and `index_keys`) and one snapshot of the pool, out or in.
+
+Pure functions of fixed shapes, compiled once at start-up (engine/tier_copies.py); the page
+and snapshot ids are arrays, so one program serves every copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_jax.device.snapshots import SlotRings
+from deepinfer_jax.model.state import StateCache
+
+
+def page_pools(state: StateCache) -> tuple[jax.Array, ...]:
+    """The paged arrays, in a fixed order: per layer, rows then index keys (where present)."""
+    return tuple(a for ls in state.layers for a in (ls.rows, ls.index_keys) if a is not None)
+
+
+def _rows_per_page(pool: jax.Array, num_pages: int) -> int:
+    return pool.shape[0] // num_pages
+
+
+def gather_page(state: StateCache, page: jax.Array, num_pages: int) -> tuple[jax.Array, ...]:
+    """Each paged array's rows of `page` ([rows_per_page, d] each)."""
+    return tuple(jax.lax.dynamic_slice_in_dim(a, page * _rows_per_page(a, num_pages),
+                                              _rows_per_page(a, num_pages))
+                 for a in page_pools(state))
+
+
+def scatter_page(state: StateCache, page: jax.Array, rows: tuple[jax.Array, ...],
+                 num_pages: int) -> StateCache:
+    """`state` with `rows` (as gather_page returns them) written into `page`."""
+    it = iter(rows)
+
+    def put(a):
+        if a is None:
+            return None
+        return jax.lax.dynamic_update_slice_in_dim(a, next(it), page * _rows_per_page(a, num_pages),
+                                                   0)
+
+    layers = tuple(dataclasses.replace(ls, rows=put(ls.rows), index_keys=put(ls.index_keys))
+                   for ls in state.layers)
+    return dataclasses.replace(state, layers=layers)
+
+
+def gather_snapshot(pool: SlotRings, snapshot: jax.Array) -> tuple[jax.Array, ...]:
+    return tuple(p[snapshot] for p in jax.tree.leaves(pool))
+
+
+def scatter_snapshot(pool: SlotRings, snapshot: jax.Array, rings: tuple[jax.Array, ...]
+                     ) -> SlotRings:
+    leaves, tree = jax.tree.flatten(pool)
+    return jax.tree.unflatten(tree, [p.at[snapshot].set(r) for p, r in
+                                     zip(leaves, rings, strict=True)])
+
+
+def compile_tier_copies(state: StateCache, pool: SlotRings, num_pages: int):
+    """(gather_page, scatter_page, gather_snapshot, scatter_snapshot), compiled; the scatters
+    donate what they write into."""
+    index = jax.ShapeDtypeStruct((), jnp.int32)
+    page_rows = jax.eval_shape(lambda s: gather_page(s, 0, num_pages), state)
+    rings = jax.eval_shape(lambda p: gather_snapshot(p, 0), pool)
+    return (
+        jax.jit(gather_page, static_argnums=2).lower(state, index, num_pages).compile(),
+        jax.jit(scatter_page, static_argnums=3, donate_argnums=0).lower(
+            state, index, page_rows, num_pages).compile(),
+        jax.jit(gather_snapshot).lower(pool, index).compile(),
+        jax.jit(scatter_snapshot, donate_argnums=0).lower(pool, index, rings).compile())

@@ -1,0 +1,80 @@
+"""The KV tiers' device side: runs a decision's TierSpills and TierLoads (host/decision.py)
+in order before the step, and puts the spilled block sets in the TierStore once the step's
+output has been read (their copies were started to the host with it, so nothing waits)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import jax
+import numpy as np
+
+from deepinfer_jax.config.kv_tiers import KVTierConfig
+from deepinfer_jax.config.step import StepConfig
+from deepinfer_jax.device.snapshots import SlotRings
+from deepinfer_jax.device.tier_copies import compile_tier_copies, page_pools
+from deepinfer_jax.engine.snapshot_copies import SnapshotCopies
+from deepinfer_jax.host.decision import TierLoad, TierSpill
+from deepinfer_jax.host.kv_tiers import TierEntry, TierStore
+from deepinfer_jax.model.state import StateCache
+
+Spilled = list[tuple[TierSpill, tuple[jax.Array, ...]]]
+
+
+class TierCopies:
+    def __init__(self, state: StateCache, snapshots: SnapshotCopies, step_cfg: StepConfig,
+                 store: TierStore):
+        self.snapshots, self.store = snapshots, store
+        (self._gather_page, self._scatter_page, self._gather_snapshot,
+         self._scatter_snapshot) = compile_tier_copies(state, snapshots.pool, step_cfg.num_pages)
+        self._num_page_arrays = len(page_pools(state))
+
+    @classmethod
+    def of(cls, config: KVTierConfig | None, model: object, state: StateCache,
+           snapshots: SnapshotCopies | None, step_cfg: StepConfig) -> TierCopies | None:
+        """The tiers' copies, or None where no tier is configured (EngineConfig refuses tiers
+        without prefix caching, so `snapshots` is there whenever a tier is). Entries are
+        namespaced by the model's config and the copied arrays' shapes and dtypes: a
+        directory another model wrote serves this one nothing. (Two checkpoints of one
+        config share a namespace: give each its own directory.)"""
+        if config is None or not config.enabled:
+            return None
+        shapes = [(a.shape, str(a.dtype)) for a in
+                  jax.tree.leaves((page_pools(state), snapshots.pool))]
+        digest = hashlib.blake2b(repr((model, step_cfg.page_size, shapes)).encode(),
+                                 digest_size=16).hexdigest()
+        store = TierStore(dataclasses.replace(config, namespace=digest))
+        return cls(state, snapshots, step_cfg, store)
+
+    def run(self, state: StateCache, ops: tuple, spilled: Spilled) -> StateCache:
+        """`state` after `ops`, in order (the snapshot pool is updated in place); the spilled
+        block sets' device arrays are appended to `spilled`, copying to the host."""
+        for op in ops:
+            if isinstance(op, TierSpill):
+                arrays = self._gather_page(state, _index(op.page))
+                if op.snapshot is not None:
+                    arrays += self._gather_snapshot(self.snapshots.pool, _index(op.snapshot))
+                for a in arrays:
+                    a.copy_to_host_async()
+                spilled.append((op, arrays))
+            else:
+                state = self._load(state, op)
+        return state
+
+    def _load(self, state: StateCache, op: TierLoad) -> StateCache:
+        # explicit transfers: the loop may run under jax.transfer_guard("disallow")
+        arrays, n = jax.device_put(tuple(op.entry.arrays)), self._num_page_arrays
+        state = self._scatter_page(state, _index(op.page), arrays[:n])
+        if op.snapshot is not None:
+            pool: SlotRings = self.snapshots.pool
+            self.snapshots.pool = self._scatter_snapshot(pool, _index(op.snapshot), arrays[n:])
+        return state
+
+    def put(self, spilled: Spilled) -> None:
+        for op, arrays in spilled:
+            self.store.put(TierEntry(op.key, tuple(jax.device_get(arrays)), op.info))
+
+
+def _index(i: int) -> jax.Array:
+    return jax.device_put(np.int32(i))

@@ -1,0 +1,77 @@
+"""TierBlocks: the prefix cache's traffic with the KV tiers (host side, no jax).
+
+Blocks the device prefix cache evicts become TierSpills (their page and snapshot are copied
+out before the step that may reuse them, then put in the TierStore). At admission, the
+blocks of a request's prefix that the device cache lacks and the tiers hold come back:
+each gets a page (and a free snapshot if it had one), enters the device cache, and becomes
+a TierLoad written before the step. Spills and loads form one ordered list, run on the
+device in the order they were made, since a page spilled can be reallocated to a load in
+the same step (and a block loaded can be evicted again before its load ran).
+
+Only free snapshots are loaded into, never one taken from a cached block: a restore of this
+same step may still read that one, and it runs after the loads.
+"""
+
+from __future__ import annotations
+
+from deepinfer_jax.host.decision import TierLoad, TierSpill
+from deepinfer_jax.host.kv_tiers.store import TierStore
+from deepinfer_jax.host.prefix_cache import CachedBlock, PrefixCache
+
+
+class TierBlocks:
+    def __init__(self, store: TierStore, cache: PrefixCache):
+        self.store, self.cache = store, cache
+        self._ops: list[TierSpill | TierLoad] = []
+        cache.on_evict = self._spill
+
+    def _spill(self, block: CachedBlock) -> None:
+        self._ops.append(TierSpill(block.key, block.page, block.snapshot, {
+            "tokens": list(block.tokens), "parent": block.parent, "next": block.snapshot_next,
+            "has_snapshot": block.snapshot is not None,
+            "namespace": self.store.config.namespace}))
+
+    def take_ops(self) -> tuple[TierSpill | TierLoad, ...]:
+        ops, self._ops = tuple(self._ops), []
+        return ops
+
+    def bring_in(self, tokens: list[int], keys: list[int]) -> list[int]:
+        """Load the blocks of `keys` (over `tokens`) that follow the device cache's match
+        from the tiers, while each stays a chain from the start. Returns the pages of the
+        chain with one extra reference each (so that making room for the next block cannot
+        evict them), which the caller frees after its lookup."""
+        bs, held = self.cache.block_size, []
+        for i, key in enumerate(keys):
+            block_tokens = tuple(tokens[i * bs: (i + 1) * bs])
+            block = self.cache.get(key)
+            if block is None:
+                block = self._load(key, keys[i - 1] if i else None, block_tokens)
+            if block is None or block.tokens != block_tokens:
+                break
+            self.cache.pages.share(block.page)
+            held.append(block.page)
+        return held
+
+    def _load(self, key: int, parent: int | None, tokens: tuple[int, ...]
+              ) -> CachedBlock | None:
+        entry = self.store.get(key)
+        # the key is a hash of tokens alone: the tokens and the parent settle that it is this
+        # block, the namespace that this model and these shapes computed it
+        if (entry is None or tuple(entry.info["tokens"]) != tokens
+                or entry.info["parent"] != parent
+                or entry.info.get("namespace") != self.store.config.namespace):
+            return None
+        pages = self.cache.pages
+        if not pages.can_allocate(1):
+            self.cache.evict(1)
+        if not pages.can_allocate(1):
+            return None
+        page = pages.allocate(1)[0]
+        snapshot = self.cache.snapshots.allocate() if entry.info["has_snapshot"] else None
+        self.cache.insert(key, parent, tokens, page, snapshot,
+                          entry.info["next"] if snapshot is not None else None)
+        block = self.cache.get(key)
+        if block is None or block.page != page:     # not taken (its parent is gone)
+            return None
+        self._ops.append(TierLoad(page, block.snapshot, entry))
+        return block
