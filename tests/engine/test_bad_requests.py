@@ -61,9 +61,10 @@ def test_max_tokens_that_fit_exactly_are_served(llm):
 
 
 @pytest.fixture(scope="module")
-def text_llm(tmp_path_factory, model, llm):
-    """The shared engine's model and shapes (so its compiled steps) with a small byte-level
-    BPE tokenizer that fits the model's 512-token vocabulary."""
+def text_llm(tmp_path_factory, model):
+    """The shared engine's model and shapes with a small byte-level BPE tokenizer that fits
+    the model's 512-token vocabulary. (Whether it reuses `llm`'s compiled steps depends on
+    tests/conftest.py's per-file release of the memo; test_engine_api.py tests the sharing.)"""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -71,9 +72,7 @@ def text_llm(tmp_path_factory, model, llm):
         vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     directory = tmp_path_factory.mktemp("tokenizer")
     tok.save(str(directory / "tokenizer.json"))
-    text = deepinfer_jax.LLM(model, tokenizer=directory, **ENGINE)
-    assert text.engine.steps is llm.engine.steps
-    return text
+    return deepinfer_jax.LLM(model, tokenizer=directory, **ENGINE)
 
 
 def test_lone_surrogate_in_a_prompt_fails_alone(text_llm, workload):
