@@ -16,7 +16,7 @@ import pytest
 from deepinfer_jax.api.dummy import dummy_model
 from deepinfer_jax.config.model import AttentionKind, MlpKind
 from tests.api.conftest import REPO_ROOT, free_port
-from tests.api.test_server_lifecycle import _wait_until
+from tests.api.server_process import connect_when_up
 
 CONFIG = REPO_ROOT / "configs" / "tiny" / "tiny-mixed.json"
 
@@ -41,16 +41,7 @@ def test_deepinfer_serve_a_dummy_model_without_a_tokenizer():
          "--token-buckets", "16"],
         cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                               max_retries=0, timeout=60)
-
-        def up():
-            assert process.poll() is None, process.stdout.read()
-            try:
-                return client.models.list().data
-            except openai.APIConnectionError:
-                return None
-        [model] = _wait_until(up, timeout_s=240)
+        client, [model] = connect_when_up(process, port, timeout_s=240, request_timeout_s=60)
         assert model.id == "tiny-mixed"           # the config file's name
         request = dict(model="tiny-mixed", prompt=[5, 17, 42, 9], max_tokens=7, temperature=0,
                        extra_body={"ignore_eos": True})

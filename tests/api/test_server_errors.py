@@ -45,17 +45,19 @@ def _bad(call) -> openai.BadRequestError:
     return e
 
 
+def _stream_long_into(served, good: dict) -> None:
+    """A 40-token streamed completion running beside the bad requests: its text in good."""
+    stream = served.client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=40, temperature=0, stream=True,
+        extra_body={"ignore_eos": True})
+    good["text"] = "".join(c.text for chunk in stream for c in chunk.choices)
+
+
 def test_bad_requests_name_their_parameter_while_a_good_one_runs(served):
     ref = served.reference["long"].outputs[0]
     good = {}
 
-    def run_good():
-        stream = served.client.completions.create(
-            model=MODEL, prompt=PROMPTS[1], max_tokens=40, temperature=0, stream=True,
-            extra_body={"ignore_eos": True})
-        good["text"] = "".join(c.text for chunk in stream for c in chunk.choices)
-
-    thread = threading.Thread(target=run_good)
+    thread = threading.Thread(target=_stream_long_into, args=(served, good))
     thread.start()
     for fields, param, code in COMPLETION_CASES:
         request = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0) | fields
@@ -184,13 +186,7 @@ def test_a_grammar_that_times_out_is_a_400_naming_it_and_others_are_served(serve
     ref = served.reference["long"].outputs[0]
     good = {}
 
-    def run_good():
-        stream = served.client.completions.create(
-            model=MODEL, prompt=PROMPTS[1], max_tokens=40, temperature=0, stream=True,
-            extra_body={"ignore_eos": True})
-        good["text"] = "".join(c.text for chunk in stream for c in chunk.choices)
-
-    thread = threading.Thread(target=run_good)
+    thread = threading.Thread(target=_stream_long_into, args=(served, good))
     try:
         thread.start()
         start = time.monotonic()

@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
@@ -17,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.api.conftest import MODEL, PROMPTS, REPO_ROOT, free_port
+from tests.api.server_process import connect_when_up, wait_until
 
 
 def _metrics(base_url: str) -> dict[tuple[str, tuple], float]:
@@ -28,16 +28,6 @@ def _metrics(base_url: str) -> dict[tuple[str, tuple], float]:
 
 def _value(metrics, name: str, **labels) -> float:
     return metrics.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
-def _wait_until(condition, timeout_s: float = 10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("timed out")
 
 
 def _long_request(**extra) -> dict:
@@ -55,7 +45,7 @@ def test_a_stream_closed_mid_way_frees_its_pages_at_once(served):
     assert _value(during, "deepinfer_num_requests_running") == 1
     assert _value(during, "deepinfer_cache_pages_used") > 0
     stream.close()
-    after = _wait_until(lambda: (m := _metrics(served.base_url)) and _value(
+    after = wait_until(lambda: (m := _metrics(served.base_url)) and _value(
         m, "deepinfer_requests_aborted_total") > _value(before, "deepinfer_requests_aborted_total")
         and m)
     assert _value(after, "deepinfer_cache_pages_used") == 0
@@ -81,7 +71,7 @@ def test_a_client_that_times_out_aborts_its_request(served):
         raise AssertionError("400 tokens came back within a second")
     except (TimeoutError, socket.timeout, urllib.error.URLError):
         pass
-    after = _wait_until(lambda: (m := _metrics(served.base_url)) and _value(
+    after = wait_until(lambda: (m := _metrics(served.base_url)) and _value(
         m, "deepinfer_requests_aborted_total") > before and m)
     assert _value(after, "deepinfer_cache_pages_used") == 0
     assert not served.engine.has_unfinished()
@@ -136,16 +126,7 @@ def test_deepinfer_serve_from_the_command_line():
          "--served-model-name", "tiny", "--log-level", "warning", "--batch-invariant"],
         cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                               max_retries=0, timeout=30)
-
-        def up():
-            assert process.poll() is None, process.stdout.read()
-            try:
-                return client.models.list().data
-            except openai.APIConnectionError:
-                return None
-        [model] = _wait_until(up, timeout_s=120)
+        client, [model] = connect_when_up(process, port, timeout_s=120, request_timeout_s=30)
         assert model.id == "tiny"
         out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4)
         assert out.usage.completion_tokens == 4 and out.choices[0].text
