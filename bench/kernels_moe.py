@@ -83,7 +83,7 @@ def fp4_blocks(key, experts: int, n: int, k: int, fan_in: int) -> quantized.Fp4B
     center = 127 - 2 - int(round(0.5 * (fan_in.bit_length() - 1)))
     return quantized.Fp4Blocks(
         jax.random.randint(codes, (experts, n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8),
-        jax.random.randint(scales, (experts, n, k // 32), center - 1, center + 2,
+        jax.random.randint(scales, (experts, k // 32, n), center - 1, center + 2,
                            jnp.int32).astype(jnp.uint8))
 
 
@@ -259,7 +259,7 @@ def label(cfg) -> str:
         where = "" if cfg.a_in_registers else " A via smem"
         return (f"ours fp4 {cfg.block_n}x{cfg.block_m}x{cfg.block_k}/"
                 f"{cfg.max_concurrent_steps}{where} {cfg.dequant}"
-                f"{' col' * cfg.column_scales}")
+                f"{' overlap' * cfg.overlap_steps}")
     if isinstance(cfg, tuple):
         return " + ".join(label(c) for c in cfg).replace(" + ours bf16", " +")
     kind = ("ws " if isinstance(cfg, WarpSpecializedConfig) else

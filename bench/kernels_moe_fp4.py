@@ -28,23 +28,13 @@ def fp4_sweeps(prefill_too: bool = True) -> tuple[dict, dict]:
     """FP4 kernel configs timed beside its defaults (mosaic_gpu_fp4.Fp4Config: tokens per tile
     x weight rows per program x K step / pipeline depth, and the dequantization's formulation,
     fp4_dequant.py)."""
-    def c(m, n, k, stages, column=True):
-        return Fp4Config(m, n, k, stages, dequant="bits_ptx", column_scales=column)
-    decode = [c(16, 64, 256, 4), c(16, 64, 128, 6), c(16, 64, 128, 4), c(16, 64, 128, 4, False),
-              c(16, 64, 512, 3), c(16, 128, 128, 4)]
+    def c(m, n, k, stages, overlap=False):
+        return Fp4Config(m, n, k, stages, dequant="bits_ptx", overlap_steps=overlap)
+    decode = [c(16, 64, 256, 4), c(16, 64, 128, 6), c(16, 64, 128, 4), c(16, 64, 128, 4, True),
+              c(16, 64, 128, 6, True), c(16, 128, 128, 4)]
     prefill = [c(64, 64, 256, 4), c(128, 64, 128, 4)]
     return ({"gate_up": prefill, "down": prefill} if prefill_too else {},
             {"gate_up": decode, "down": decode})
-
-
-def scale_transpose_ms(experts) -> dict[str, float]:
-    """What the column-scale configs pay per call for their [G, K/32, N] scale layout, made in
-    the wrapper until the loader stores it."""
-    from bench.lib.timing import timing
-    out = {}
-    for op, w in (("gate_up", experts.w13_fp4), ("down", experts.w2_fp4)):
-        out[op] = timing(jax.jit(lambda s: s.transpose(0, 2, 1)), w.scale).row()["ms"]
-    return out
 
 
 def main() -> None:
@@ -57,8 +47,6 @@ def main() -> None:
     ceilings = measure_ceilings()
     print(ceilings, flush=True)
     experts = make_experts(shapes)
-    transpose = scale_transpose_ms(experts)
-    print("scale transpose ms:", transpose, flush=True)
     prefill_sweep, decode_sweep = ({}, {}) if args.no_sweep else fp4_sweeps(not args.decode_sweep_only)
     results = []
     for tokens in shapes.decode_tokens:
@@ -67,7 +55,7 @@ def main() -> None:
         print(table(results, ceilings), flush=True)
     results += moe_case("prefill", shapes.prefill_tokens, shapes, experts, impl, None, {},
                         prefill_sweep, only_ours=True)
-    text = table(results, ceilings) + f"\n\nScale transpose per call (column configs): {transpose} ms"
+    text = table(results, ceilings)
     print(text)
     note = (f"\n\nShapes: {dataclasses.asdict(shapes)}; bf16 activations; FP4 = E2M1 codes "
             "packed two a byte with an E8M0 scale per 32 inputs (quantized.Fp4Blocks); bf16 = the "

@@ -8,8 +8,10 @@ them so (about 4x fewer bytes than bf16 for the experts); the GEMMs dequantize a
   transposes both once at load time (a byte copy, no rounding) and decodes the scales
   (exact: E8M0 is a power of two).
 * `Fp4Blocks`: E2M1 codes packed two per byte along the input axis (low nibble = even input
-  index), `[out, in/2]` as stored, with one E8M0 scale byte per 32 inputs of a row,
-  `[out, in/32]`; routed experts stack them `[E, out, in/2]`.
+  index), `[out, in/2]` as stored, with one E8M0 scale byte per 32 inputs of a row, kept
+  group-major `[in/32, out]` (the checkpoint's `[out, in/32]` transposed once at load, so a
+  scale group's bytes for consecutive output rows are contiguous: the FP4 kernel reads each
+  as one shared-memory row); routed experts stack them `[E, out, in/2]`, `[E, in/32, out]`.
 
 `dequantize` is the plain-jnp meaning of both: the CPU path's first step and the kernels'
 test oracle.
@@ -43,7 +45,7 @@ class Fp8Blocks(NamedTuple):
 
 class Fp4Blocks(NamedTuple):
     packed: jax.Array   # u8[..., N, K/2]   two E2M1 codes a byte, low nibble = even k
-    scale: jax.Array    # u8[..., N, K/32]  E8M0 bits: 2 ** (byte - 127)
+    scale: jax.Array    # u8[..., K/32, N]  E8M0 bits: 2 ** (byte - 127), group-major
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -90,8 +92,10 @@ def fp8_from_checkpoint(codes: np.ndarray, scale: np.ndarray) -> Fp8Blocks:
 
 
 def fp4_from_checkpoint(packed: np.ndarray, scale: np.ndarray) -> Fp4Blocks:
-    """Stored packed E2M1 [..., out, in/2] (int8 or uint8) and scales [..., out, in/32]."""
-    return Fp4Blocks(np.ascontiguousarray(packed).view(np.uint8), e8m0_bits(scale))
+    """Stored packed E2M1 [..., out, in/2] (int8 or uint8) and scales [..., out, in/32] ->
+    Fp4Blocks (the scales transposed to [..., in/32, out]; numpy arrays)."""
+    return Fp4Blocks(np.ascontiguousarray(packed).view(np.uint8),
+                     np.ascontiguousarray(np.swapaxes(e8m0_bits(scale), -1, -2)))
 
 
 # ---- the meaning (jnp) ------------------------------------------------------------------
@@ -109,10 +113,9 @@ def fp4_codes(packed: jax.Array) -> jax.Array:
 
 
 def _fp4_dequantize(w: Fp4Blocks, dtype) -> jax.Array:
-    values = jnp.asarray(FP4_VALUES)[fp4_codes(w.packed)]                 # f32[..., N, K]
+    values = jnp.swapaxes(jnp.asarray(FP4_VALUES)[fp4_codes(w.packed)], -1, -2)  # f32[..., K, N]
     scale = jax.lax.bitcast_convert_type(w.scale.astype(jnp.uint32) << 23, jnp.float32)
-    values = values * jnp.repeat(scale, FP4_GROUP, axis=-1)
-    return jnp.swapaxes(values, -1, -2).astype(dtype)                    # [..., K, N]
+    return (values * jnp.repeat(scale, FP4_GROUP, axis=-2)).astype(dtype)
 
 
 def dequantize(w, dtype=jnp.bfloat16) -> jax.Array:

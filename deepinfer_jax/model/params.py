@@ -8,8 +8,8 @@ Layout conventions (why they differ from the checkpoint):
 * `wo_a` is stored per output group `[G, H*hd/G, o_lora]`.
 * Projections the release stores quantized may be kept so (pallas_kernels/quantized.py):
   `Fp8Blocks` in the same [in, out] layout (attention, indexer wq_b, shared experts, MTP
-  e_proj/h_proj), `Fp4Blocks` for the routed experts (as stored: w13 [E, 2I, D/2] packed with
-  scales [E, 2I, D/32], w2 [E, D, I/2] with [E, D, I/32]). The shapes below are the
+  e_proj/h_proj), `Fp4Blocks` for the routed experts (codes as stored: w13 [E, 2I, D/2]
+  packed with scales [E, D/32, 2I], w2 [E, D, I/2] with [E, I/32, D]). The shapes below are the
   dequantized ones (`.shape` of either form gives them).
 * Norm weights, mHC parameters, sinks, compressor position biases (`ape`) and the router
   selection bias stay float32 whatever the compute dtype, as in the reference.

@@ -182,11 +182,11 @@ def _checked(names, got, want, problems: list[str]):
 
 def _checked_quantized(names, got, want, problems: list[str]):
     """A stored FP8 / FP4 weight: its dequantized shape must be the config's (an FP4 weight's
-    scales one per FP4_GROUP inputs of a row)."""
+    scales one per FP4_GROUP inputs of a row, group-major)."""
     ok = tuple(got.shape) == tuple(want.shape)
     if isinstance(got, Fp4Blocks):
         *lead, n, half = got.packed.shape
-        ok = ok and tuple(got.scale.shape) == (*lead, n, 2 * half // FP4_GROUP)
+        ok = ok and tuple(got.scale.shape) == (*lead, 2 * half // FP4_GROUP, n)
     if not ok:
         parts = ", ".join(f"{field} {list(part.shape)}" for field, part in zip(got._fields, got))
         problems.append(f"{_dotted(names)}: stored {type(got).__name__} ({parts}) of shape "

@@ -57,7 +57,7 @@ class RandomSource:
         packed = jax.random.bits(self._key(names[0][0] + "#fp4"), (n, rows, in_dim // 2),
                                  jnp.uint8)
         exponent = round(np.log2(in_dim ** -0.5 / 2.93))
-        scale = jnp.full((n, rows, in_dim // quantized.FP4_GROUP), 127 + exponent, jnp.uint8)
+        scale = jnp.full((n, in_dim // quantized.FP4_GROUP, rows), 127 + exponent, jnp.uint8)
         return quantized.Fp4Blocks(packed, scale)
 
     def tensor(self, name: str, shape: tuple[int, ...], role: Role) -> jax.Array:

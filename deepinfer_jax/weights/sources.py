@@ -173,15 +173,18 @@ class CheckpointSource:
 
         def make(count):
             return quantized.Fp4Blocks(np.zeros((count, parts * out_dim, in_dim // 2), np.uint8),
-                                       np.zeros((count, parts * out_dim, groups), np.uint8))
+                                       np.zeros((count, groups, parts * out_dim), np.uint8))
+
+        row_scales = np.zeros((out_dim, groups), np.uint8)    # as stored; kept group-major
 
         def fill(e, i, stack):
             for j, column in enumerate(names):
                 rows = slice(j * out_dim, (j + 1) * out_dim)
                 stored = self._stored(column[e], Role.LINEAR)
                 if stored is not None and self._read_fp4_into(
-                        column[e], stored, stack.packed[i, rows], stack.scale[i, rows]):
-                    self._check_fp4_kernel_range(stored.scale_name, stack.scale[i, rows])
+                        column[e], stored, stack.packed[i, rows], row_scales):
+                    self._check_fp4_kernel_range(stored.scale_name, row_scales)
+                    stack.scale[i, :, rows] = row_scales.T
         return self._stacked(make, fill, parts * out_dim * (in_dim // 2 + groups))
 
     def _stacked(self, make, fill, expert_bytes: int):

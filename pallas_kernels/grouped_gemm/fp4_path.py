@@ -24,17 +24,16 @@ def default_config(num_rows: int, interpret: bool = False, op: str = "gate_up",
                    n_out: int = 128) -> Fp4Config:
     """Decode-sized batches: 16-token tiles (a hit expert usually has one or two rows);
     prefill-sized: 64-token tiles, fewer re-reads and re-dequantizations of each expert.
-    Compiled: the PTX dequantization, a group's scales read as a shared-memory row, 128-input
-    steps 4 deep (two or more programs share an SM); the down projection's output rows in
-    blocks of 128 (kernels-moe-fp4-sweep-gpu.md). Interpreted: the jnp form of the same bits."""
+    Compiled: the PTX dequantization, 128-input steps 4 deep (two or more programs share an
+    SM); the down projection's output rows in blocks of 128 (kernels-moe-fp4-sweep-gpu.md).
+    Interpreted: the jnp form of the same bits."""
     if num_rows >= 4096:
         return Fp4Config(block_m=64, block_n=64, block_k=256, max_concurrent_steps=4,
-                         a_in_registers=not interpret, dequant="bits" if interpret else "bits_ptx",
-                         column_scales=True)
+                         a_in_registers=not interpret, dequant="bits" if interpret else "bits_ptx")
     wide = op == "down" and n_out % 128 == 0
     return Fp4Config(block_m=16, block_n=128 if wide else 64, block_k=128,
                      max_concurrent_steps=4, a_in_registers=not interpret,
-                     dequant="bits" if interpret else "bits_ptx", column_scales=True)
+                     dequant="bits" if interpret else "bits_ptx")
 
 
 def _check(x: jax.Array, w: quantized.Fp4Blocks, n_out: int, config: Fp4Config) -> None:

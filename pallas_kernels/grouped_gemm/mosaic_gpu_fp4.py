@@ -1,7 +1,7 @@
 """The grouped GEMM on FP4 weights as a Mosaic GPU kernel (SM90), dequantizing as it reads.
 
 Weights stay as stored (`quantized.Fp4Blocks`: E2M1 codes packed two a byte along K, `[G, N,
-K/2]`, one E8M0 scale byte per 32 inputs of a row, `[G, N, K/32]`), so the kernel computes the
+K/2]`, one E8M0 scale byte per 32 inputs of a row, group-major `[G, K/32, N]`), so the kernel computes the
 transposed product out^T = W x^T: the weight rows are wgmma's M side (64 per instruction), the
 tokens of one tile its N side (`block_m`, 8 to 256), and the packed bytes go from shared memory
 into registers, where they become wgmma's A operand:
@@ -12,9 +12,9 @@ into registers, where they become wgmma's A operand:
   the 16 odd ones: the activations come in "nibble order" (`nibble_order`: in every group of
   32 inputs the even ones first, then the odd ones), so each half-group is one K=16 wgmma with
   one scale per row;
-* a row's scale for a group is picked from a [rows, 16] register tile of the group's 16-group
-  chunk (staged in shared memory once per program) by a masked row maximum, then broadcast
-  along the row.
+* the scales of a program's rows are staged in shared memory once per program, 16 groups a
+  piece ([16, rows]: group-major, as Fp4Blocks keeps them); a group's scales are one
+  shared-memory row, loaded along the weight rows and broadcast along K.
 
 Interpret mode (the CPU) has no register-A wgmma: there (`Fp4Config.a_in_registers=False`) the
 same bf16 operand is staged in shared memory first, which the compiled kernel can also do.
@@ -54,7 +54,9 @@ class Fp4Config:
     max_concurrent_steps: int = 4
     a_in_registers: bool = True    # False: the dequantized operand goes through shared memory
     dequant: str = "convert"       # fp4_dequant.FORMULATIONS ("bits_ptx": compiled only)
-    column_scales: bool = False    # a group's scales read as a shared-memory column
+    # A step's wgmmas left running while the next step dequantizes (its shared-memory slots
+    # then released one step later): the tensor cores' tail overlaps the next step's ALU work.
+    overlap_steps: bool = False
 
     def check(self, k: int, n_out: int) -> None:
         if self.block_m % 8 or not 8 <= self.block_m <= 256:
@@ -65,8 +67,11 @@ class Fp4Config:
             raise ValueError(f"block_k a multiple of 32 dividing 512 and K={k} ({self})")
         if k % (CHUNK * GROUP):
             raise ValueError(f"K={k}: scale rows are staged in 16-byte pieces (K % 512)")
-        if self.max_concurrent_steps < 2:
-            raise ValueError("at least 2 pipeline steps")
+        if self.max_concurrent_steps < 2 + self.overlap_steps:
+            raise ValueError(f"at least {2 + self.overlap_steps} pipeline steps ({self})")
+        if self.overlap_steps and not self.a_in_registers:
+            raise ValueError("overlap_steps needs the A operand in registers (the staging "
+                             "slots are rewritten every group)")
         if self.dequant not in fp4_dequant.FORMULATIONS:
             raise ValueError(f"dequant: one of {fp4_dequant.FORMULATIONS} ({self})")
 
@@ -78,21 +83,11 @@ def nibble_order(k: int) -> np.ndarray:
     return (np.arange(0, k, GROUP)[:, None] + within[None, :]).reshape(-1)
 
 
-def _row_factors(chunk: jax.Array, index, formulation: str) -> jax.Array:
-    """[rows, 16] E8M0 bytes -> [rows], the factor (fp4_dequant.scale_factor) of column `index`
-    (dynamic), picked in f32 by a masked row maximum (factors are positive)."""
-    value = fp4_dequant.scale_factor(chunk, formulation, jnp.float32)
-    column = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, chunk.shape, 1),
-                               plgpu.Layout.WGMMA)
-    picked = jnp.max(jnp.where(column == index, value, 0.0), axis=1)
-    return picked.astype(fp4_dequant.factor_dtype(formulation))
-
-
 def kernel_name(config: Fp4Config, k: int, n_out: int, swiglu: bool) -> str:
     c = config
     return "_".join(["grouped_gemm_fp4", f"{c.block_n}x{c.block_m}x{c.block_k}",
                      f"k{k}", f"n{n_out}"] + ["swiglu"] * swiglu
-                    + ["smem_a"] * (not c.a_in_registers))
+                    + ["smem_a"] * (not c.a_in_registers) + ["overlap"] * c.overlap_steps)
 
 
 @functools.partial(jax.jit, static_argnames=("swiglu_limit", "config", "out_dtype"))
@@ -100,7 +95,7 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
                        tile_group: jax.Array, *, swiglu_limit: float | None = None,
                        config: Fp4Config = Fp4Config(), out_dtype=jnp.bfloat16) -> jax.Array:
     """x_t bf16[K, T * block_m] (columns = tiled rows, K in `nibble_order`; tile t belongs to
-    group tile_group[t], -1: unused), packed u8[G, N, K/2], scale u8[G, N, K/32] ->
+    group tile_group[t], -1: unused), packed u8[G, N, K/2], scale u8[G, K/32, N] ->
     out_t [N_out, T * block_m] (N_out = N, or N/2 with the SwiGLU epilogue: rows [0, N/2) of
     the weight are the gate, the rest the up projection). Unused tiles' columns stay unwritten."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
@@ -111,12 +106,10 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
     config.check(k, n_out)
     steps, chunks = k // bk, k // (GROUP * CHUNK)
     groups_per_step = bk // GROUP
+    wgmmas_per_step = halves * groups_per_step * 2
     x_transforms = (plgpu.TilingTransform((8, X_SWIZZLE // 2)), plgpu.SwizzleTransform(X_SWIZZLE))
     a_transforms = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
-    if config.column_scales:          # [G, chunks, 16, N]: a group's scales a contiguous row
-        scale4 = scale.reshape(*scale.shape[:2], chunks, CHUNK).transpose(0, 2, 3, 1)
-    else:
-        scale4 = scale.reshape(*scale.shape[:2], chunks, CHUNK)    # [G, N, chunks, 16]
+    scale4 = scale.reshape(scale.shape[0], chunks, CHUNK, n)        # [G, chunks, 16, N]
 
     def body(tile_group_ref, x_ref, packed_ref, scale_ref, out_ref, scale_smem, scale_bars,
              staging=None):
@@ -128,9 +121,7 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
             for half in range(halves):
                 rows = pl.ds((col + half * (n_out // bn)) * bn, bn)
                 for c in range(chunks):
-                    source = (scale_ref.at[group, c, :, rows] if config.column_scales
-                              else scale_ref.at[group, rows, c])
-                    plgpu.copy_gmem_to_smem(source,
+                    plgpu.copy_gmem_to_smem(scale_ref.at[group, c, :, rows],
                                             scale_smem.at[half, c], scale_bars.at[half * chunks + c])
             for half in range(halves):
                 for c in range(chunks):
@@ -143,15 +134,10 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
                     for half, (acc, w_smem) in enumerate(zip(accs, w_smems, strict=True)):
                         w = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA)
                         chunk_ref = scale_smem.at[half, first // CHUNK]
-                        if not config.column_scales:
-                            chunk = plgpu.load(chunk_ref, layout=plgpu.Layout.WGMMA)
                         for j in range(groups_per_step):
-                            if config.column_scales:
-                                column = plgpu.load(chunk_ref.at[first % CHUNK + j], (),
-                                                    layout=plgpu.Layout.WGMMA.reduce(1))
-                                factor = fp4_dequant.scale_factor(column, config.dequant)
-                            else:
-                                factor = _row_factors(chunk, first % CHUNK + j, config.dequant)
+                            column = plgpu.load(chunk_ref.at[first % CHUNK + j], (),
+                                                layout=plgpu.Layout.WGMMA.reduce(1))
+                            factor = fp4_dequant.scale_factor(column, config.dequant)
                             both = fp4_dequant.dequantize_group(w[:, 16 * j:16 * (j + 1)],
                                                                 factor, config.dequant)
                             for parity, a in enumerate(both):
@@ -163,12 +149,16 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
                                 plgpu.wgmma(acc, a, x_smem.at[pl.ds(GROUP * j + 16 * parity, 16)])
                             if staging is not None:
                                 plgpu.wgmma_wait(0)     # the slots are rewritten next group
-                        plgpu.wgmma_wait(0)
+                    # every wgmma commits its own group: with overlap, wait for the previous
+                    # step's (whose slots the pipeline frees after this step), not this one's
+                    plgpu.wgmma_wait(wgmmas_per_step if config.overlap_steps else 0)
 
-                specs = [plgpu.BlockSpec((bk, bm), lambda kk: (kk, tile), transforms=x_transforms)]
+                delay = int(config.overlap_steps)
+                specs = [plgpu.BlockSpec((bk, bm), lambda kk: (kk, tile), transforms=x_transforms,
+                                         delay_release=delay)]
                 specs += [plgpu.BlockSpec((bn, bk // 2), functools.partial(
-                    lambda kk, half: (col + half * (n_out // bn), kk), half=half))
-                    for half in range(halves)]
+                    lambda kk, half: (col + half * (n_out // bn), kk), half=half),
+                    delay_release=delay) for half in range(halves)]
                 plgpu.emit_pipeline(step, grid=(steps,), in_specs=specs,
                                     max_concurrent_steps=config.max_concurrent_steps)(
                     x_ref, *[packed_ref.at[group]] * halves)
@@ -185,8 +175,7 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
                                                              pl.ds(tile * bm, bm)])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    scale_tile = (CHUNK, bn) if config.column_scales else (bn, CHUNK)
-    scratch = {"scale_smem": plgpu.SMEM((halves, chunks, *scale_tile), jnp.uint8),
+    scratch = {"scale_smem": plgpu.SMEM((halves, chunks, CHUNK, bn), jnp.uint8),
                "scale_bars": plgpu.Barrier(num_barriers=halves * chunks)}
     if not config.a_in_registers:
         scratch["staging"] = plgpu.SMEM((2, bn, 16), jnp.bfloat16, transforms=a_transforms)

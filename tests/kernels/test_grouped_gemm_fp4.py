@@ -31,7 +31,7 @@ def fp4_weights(rng, groups: int, n: int, k: int) -> quantized.Fp4Blocks:
     """Random codes (every nibble value, subnormal 0.5 and -0 included) and scales 2**-9..2**0."""
     return quantized.Fp4Blocks(
         jnp.asarray(rng.integers(0, 256, (groups, n, k // 2)), jnp.uint8),
-        jnp.asarray(rng.integers(118, 128, (groups, n, k // 32)), jnp.uint8))
+        jnp.asarray(rng.integers(118, 128, (groups, k // 32, n)), jnp.uint8))
 
 
 def rows(rng, sizes, k: int = K, integers: bool = False):
@@ -87,10 +87,9 @@ def test_kernel_matches_dequantize_and_reference(case, swiglu):
     close(api.grouped_matmul(lhs, w, sizes, swiglu_limit=swiglu, implementation=KERNEL), ref)
 
 
-@pytest.mark.parametrize("dequant, column_scales", [("convert", False), ("bits", False),
-                                                    ("bits", True), ("bits_ptx", False),
-                                                    ("bits_ptx", True)])
-def test_kernel_reads_every_nibble_and_scale_exactly(dequant, column_scales):
+@pytest.mark.parametrize("dequant, overlap", [("convert", False), ("bits", False),
+                                             ("bits_ptx", False), ("bits_ptx", True)])
+def test_kernel_reads_every_nibble_and_scale_exactly(dequant, overlap):
     """Small-integer activations: every product and partial sum is exact in f32, so the
     kernel's output must equal the reference's bit for bit; a wrong nibble, sign, input
     order or scale would show, in each dequantization formulation (fp4_dequant.py)."""
@@ -101,7 +100,7 @@ def test_kernel_reads_every_nibble_and_scale_exactly(dequant, column_scales):
     w = fp4_weights(rng, len(SIZES["empty experts"]), N, K)
     ref = reference.grouped_matmul(lhs, quantized.dequantize(w), sizes)
     config = Fp4Config(a_in_registers=KERNEL != "interpret", dequant=dequant,
-                       column_scales=column_scales)
+                       overlap_steps=overlap)
     out = api.grouped_matmul(lhs, w, sizes, implementation=KERNEL, config=config)
     np.testing.assert_array_equal(bits(out), bits(ref))
 
@@ -134,19 +133,21 @@ def test_unfit_shapes_fall_through_to_the_reference():
         bits(api.grouped_matmul(lhs, quantized.dequantize(w), sizes)))
 
 
-@pytest.mark.parametrize("swiglu, k, n, dequant", [(10.0, 4096, 4096, "convert"),
-                                                   (None, 2048, 4096, "convert"),
-                                                   (10.0, 4096, 4096, "bits_ptx")])
+@pytest.mark.parametrize("swiglu, k, n, dequant, overlap", [(10.0, 4096, 4096, "convert", False),
+                                                            (None, 2048, 4096, "convert", False),
+                                                            (10.0, 4096, 4096, "bits_ptx", False),
+                                                            (None, 2048, 4096, "bits_ptx", True)])
 @pytest.mark.parametrize("block_m", [16, 64])
-def test_kernel_lowers_for_cuda_at_v4_flash_shapes(swiglu, k, n, dequant, block_m):
+def test_kernel_lowers_for_cuda_at_v4_flash_shapes(swiglu, k, n, dequant, overlap, block_m):
     """Mosaic's layout, register and shared-memory rules, checked at lowering (no GPU)."""
-    config = dataclasses_replace(fp4_path.default_config(100), block_m=block_m, dequant=dequant)
+    config = dataclasses_replace(fp4_path.default_config(100), block_m=block_m, dequant=dequant,
+                                 overlap_steps=overlap)
     fn = jax.jit(functools.partial(tiled_fp4_matmul_t, swiglu_limit=swiglu, config=config))
     with abstract_gpu():
         exported = jax.export.export(fn, platforms=["cuda"])(
             jax.ShapeDtypeStruct((k, 400 * block_m), jnp.bfloat16),
             jax.ShapeDtypeStruct((256, n, k // 2), jnp.uint8),
-            jax.ShapeDtypeStruct((256, n, k // 32), jnp.uint8),
+            jax.ShapeDtypeStruct((256, k // 32, n), jnp.uint8),
             jax.ShapeDtypeStruct((400,), jnp.int32))
     assert "mosaic_gpu" in exported.mlir_module()
 

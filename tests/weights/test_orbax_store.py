@@ -91,7 +91,7 @@ def test_cli_converts_with_the_files_beside_the_weights(checkpoint, tmp_path, ca
 @pytest.mark.parametrize("change, message", [
     ({"vocab_size": 640}, r"embed: stored float32\[512, 64\], the config's float32\[640, 64\]"),
     ({"moe_intermediate_size": 48},
-     r"layers\.1\.moe\.experts\.w13: stored Fp4Blocks \(packed \[8, 64, 32\], scale \[8, 64, 2\]\) "
+     r"layers\.1\.moe\.experts\.w13: stored Fp4Blocks \(packed \[8, 64, 32\], scale \[8, 2, 64\]\) "
      r"of shape \[8, 64, 64\], the config's \[8, 64, 96\]"),
     ({"num_nextn_predict_layers": 0}, r"mtp\.0\.e_proj\.codes: unexpected"),
 ])
