@@ -13,8 +13,6 @@ import dataclasses
 import sys
 from pathlib import Path
 
-import jax
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
