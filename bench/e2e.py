@@ -218,11 +218,15 @@ def main() -> None:
     ap.add_argument("--versus-only", action="store_true",
                     help="with --quantized: the quantized vs bf16 comparison alone")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--token-buckets", type=int, nargs="+", default=None,
+                    help="the step's token buckets (default: 16 64 256 1024 and the prefill "
+                         "lengths); a deep slice compiles each, so fewer start sooner")
     args = ap.parse_args()
+    buckets = set(args.token_buckets or (16, 64, 256, 1024)) | {max(args.prefill)}
     engine_shapes = lambda: dict(  # noqa: E731
         max_num_seqs=max(args.batches), max_model_len=max(max(args.prefill), args.context) + 64,
         max_num_batched_tokens=max(args.prefill), enable_prefix_caching=True,
-        token_buckets=tuple(sorted({16, 64, 256, 1024, max(args.prefill)} | set(args.prefill))),
+        token_buckets=tuple(sorted(buckets | set(args.prefill))),
         gpu_memory_utilization=args.gpu_memory_utilization)
     if args.layers == 0:
         args.layers = deepest_slice(args, engine_shapes())
@@ -240,10 +244,16 @@ def main() -> None:
                        "quantized_vs_bf16": versus}, versus_table(versus))
         return
 
-    params = random_params(cfg, 0, jnp.bfloat16, release_formats=args.quantized)
+    start = time.perf_counter()
+    params = jax.block_until_ready(random_params(cfg, 0, jnp.bfloat16,
+                                                 release_formats=args.quantized))
+    startup = {"random_weights_s": time.perf_counter() - start}
     counts = weight_counts(params, cfg)
+    start = time.perf_counter()
     llm = LLM(Model(cfg, params), **engine_shapes(),
               compilation_cache_dir=str(REPO / ".cache" / "xla-bench"))
+    startup["engine_s"] = time.perf_counter() - start      # the memory probe and every bucket
+    print("start-up:", startup, flush=True)
     plan = llm.engine.memory_plan
     if plan is not None:
         print(plan.format(), flush=True)
@@ -287,7 +297,11 @@ def main() -> None:
         text += "\n\n" + versus_table(versus)
     print(text)
     name = args.name or f"e2e-{jax.devices()[0].platform}"
+    text += (f"\n\nStart-up: random weights {startup['random_weights_s']:.0f} s, the engine "
+             f"(memory probe and {len(engine_shapes()['token_buckets'])} buckets compiled) "
+             f"{startup['engine_s']:.0f} s.")
     write_results(name, {"environment": env, "ceilings": ceilings, "weights": counts,
+                         "startup": startup,
                          "rows": rows, "peer": peer, "quantized_vs_bf16": versus}, text)
 
 
