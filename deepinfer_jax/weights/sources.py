@@ -193,18 +193,15 @@ class CheckpointSource:
         host buffers (a pytree of [count, ...] arrays), fill(expert, index in chunk, buffers)."""
         n = self.n_experts
         chunk = max(1, STACK_CHUNK_BYTES // max(1, expert_bytes))
-        if chunk >= n:
-            buffers = make(n)
-            for e in range(n):
-                fill(e, e, buffers)
-            return self.place(buffers)
-        stack = pieces.Pieces(jax.tree.map(
+        stack = None if chunk >= n else pieces.Pieces(jax.tree.map(
             lambda a: jax.ShapeDtypeStruct((n, *a.shape[1:]), a.dtype), make(0)))
         for first in range(0, n, chunk):
             count = min(chunk, n - first)
             buffers = make(count)
             for i in range(count):
                 fill(first + i, i, buffers)
+            if stack is None:                   # the whole stack in one piece
+                return self.place(buffers)
             stack.write(buffers, first)
             del buffers
         return stack.result()
