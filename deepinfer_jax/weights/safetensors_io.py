@@ -3,7 +3,8 @@
 The `safetensors` package's numpy backend cannot represent F8_E4M3 or F8_E8M0 (numpy has no
 such dtypes), so this module implements the documented format directly (8-byte little-endian
 header size, a JSON header, then the raw little-endian data) on top of `ml_dtypes`, and reads
-tensors through a memory map so that a large checkpoint is never copied whole.
+tensors (or runs of their rows) straight into buffers the caller owns, no memory map, so that
+a large checkpoint is never copied whole.
 """
 
 from __future__ import annotations
@@ -118,6 +119,21 @@ class SafetensorsFile:
         if not out.flags.c_contiguous or out.nbytes != size:
             raise ValueError(f"{key}: a contiguous buffer of {size} bytes is needed, got "
                              f"{out.nbytes} bytes")
+        self._read(key, offset, out)
+
+    def read_rows_into(self, key: str, first: int, out: np.ndarray) -> None:
+        """Rows first ... first + len(out) - 1 (along the first axis) of tensor `key` into
+        `out` (C-contiguous, of those rows' byte size; any dtype view)."""
+        dtype, shape, offset, size = self._entry(key)
+        row = dtype.itemsize * math.prod(shape[1:])
+        if (not out.flags.c_contiguous or out.nbytes % max(row, 1) or first < 0
+                or (first * row + out.nbytes) > size):
+            raise ValueError(f"{key}: {out.nbytes} contiguous bytes from row {first} do not lie "
+                             f"in its {size} bytes of {row}-byte rows")
+        self._read(key, offset + first * row, out)
+
+    def _read(self, key: str, offset: int, out: np.ndarray) -> None:
+        size = out.nbytes
         view = memoryview(out.reshape(-1).view(np.uint8))
         with open(self.path, "rb") as f:
             f.seek(offset)
@@ -201,3 +217,6 @@ class Checkpoint:
 
     def read_into(self, key: str, out: np.ndarray) -> None:
         self._where[key].read_into(key, out)
+
+    def read_rows_into(self, key: str, first: int, out: np.ndarray) -> None:
+        self._where[key].read_rows_into(key, first, out)

@@ -4,6 +4,8 @@ the config (weights/random_source.py draws random weights instead)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import re
 
 import jax
@@ -12,9 +14,9 @@ import ml_dtypes
 import numpy as np
 
 from deepinfer_jax.config.model import ModelConfig
-from deepinfer_jax.weights import quant
+from deepinfer_jax.weights import pieces, quant
 from deepinfer_jax.weights.builder import Role
-from deepinfer_jax.weights.safetensors_io import Checkpoint
+from deepinfer_jax.weights.safetensors_io import DTYPES, Checkpoint
 from pallas_kernels import quantized
 
 _F32_ROLES = {Role.NORM, Role.MIX, Role.ZEROS, Role.ONES}
@@ -58,13 +60,13 @@ def _numpy_dtype(dtype) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(dtype)
 
 
-# Host memory a routed-expert stack is read in before it goes to the device (experts.py's
-# chunks): well under a V4-Flash shard (3-4 GiB), so the loader's host footprint stays a
-# fraction of the largest shard whatever the stacks' size.
+# Host memory a routed-expert stack or a large plain tensor is read in, a piece at a time,
+# before each piece goes to the device (pieces.py): well under a V4-Flash shard (3-4 GiB), so
+# the loader's host footprint stays a fraction of the largest shard whatever the tensors' size.
 STACK_CHUNK_BYTES = 256 << 20
 FP4_MAX_SCALE_BYTE = 128           # 2 ** 1: fp4_dequant.py's "bits" forms multiply by 2 ** (byte - 1)
-# Plain tensors at least this large go to the device as soon as read (the embedding and the
-# LM head, 1 GiB each at V4-Flash's vocabulary), not with the rest of their layer.
+# Plain tensors at least this large go to the device as they are read, in row pieces (the
+# embedding and the LM head, 1 GiB each at V4-Flash's vocabulary), not with their layer.
 PLACE_AT_ONCE_BYTES = 64 << 20
 
 
@@ -104,17 +106,19 @@ class CheckpointSource:
         stored = self._stored(name, role)
         if stored is None:
             return np.zeros(shape, self._dtype(role))
+        if self._in_pieces(stored, shape, role):
+            return self._placed_rows(name, stored, shape, role, transpose=False)
         return self._plain(name, stored, shape, role)
 
     def projection(self, name: str, shape: tuple[int, int], released_fp8: bool):
         stored = self._stored(name, Role.LINEAR)
         if stored is None:
             return np.zeros(shape[::-1], self.dtype)
+        if self._in_pieces(stored, shape, Role.LINEAR):    # transposed on the device
+            return self._placed_rows(name, stored, shape, Role.LINEAR, transpose=True)
         if stored.scale_key is None or not self.keep_quantized:
-            array = self._plain(name, stored, shape, Role.LINEAR)
-            if array.nbytes >= PLACE_AT_ONCE_BYTES:      # transposed on the device, not here
-                return self.place(array).T
-            return array.T
+            array = self._plain(name, stored, shape, Role.LINEAR)       # dequantized here
+            return self.place(array).T if array.nbytes >= PLACE_AT_ONCE_BYTES else array.T
         if stored.kind != "F8_E4M3":
             self.invalid.append(f"{name}: a quantized dense projection must be F8_E4M3, found "
                                 f"{stored.kind}")
@@ -126,9 +130,9 @@ class CheckpointSource:
 
     def experts(self, names: list[list[str]], shape: tuple[int, int]):
         """Expert e's tensors names[j][e] joined along out and stacked, read straight into
-        host buffers of a few experts at a time (STACK_CHUNK_BYTES), each chunk placed on the
-        device before the next is read and the chunks joined there: the host never holds a
-        whole stack (2 GiB of FP4 codes for one V4-Flash layer's gate and up)."""
+        host buffers of a few experts at a time (STACK_CHUNK_BYTES), each chunk written into
+        the stack on the device as the next is read (pieces.py): the host never holds a whole
+        stack (2 GiB of FP4 codes for one V4-Flash layer's gate and up)."""
         out_dim, in_dim = shape
         parts = len(names)
         kind = self._quantized_kind(names[0][0])
@@ -190,18 +194,20 @@ class CheckpointSource:
     def _stacked(self, make, fill, expert_bytes: int):
         """The n_experts stack, built STACK_CHUNK_BYTES of experts at a time: make(count) ->
         host buffers (a pytree of [count, ...] arrays), fill(expert, index in chunk, buffers)."""
+        n = self.n_experts
         chunk = max(1, STACK_CHUNK_BYTES // max(1, expert_bytes))
-        pieces = []
-        for first in range(0, self.n_experts, chunk):
-            count = min(chunk, self.n_experts - first)
+        stack = None if chunk >= n else pieces.Pieces(jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct((n, *a.shape[1:]), a.dtype), make(0)))
+        for first in range(0, n, chunk):
+            count = min(chunk, n - first)
             buffers = make(count)
             for i in range(count):
                 fill(first + i, i, buffers)
-            pieces.append(self.place(buffers))
+            if stack is None:                   # the whole stack in one piece
+                return self.place(buffers)
+            stack.write(buffers, first)
             del buffers
-        if len(pieces) == 1:
-            return pieces[0]
-        return jax.tree.map(lambda *xs: jnp.concatenate(xs), *pieces)
+        return stack.result()
 
     def finish(self) -> None:
         unexpected = sorted(set(self.by_name) - self.used)
@@ -280,6 +286,34 @@ class CheckpointSource:
             what = "all NaN" if np.isnan(array).all() else f"{bad} of {array.size} values NaN or inf"
             self.invalid.append(f"{name}: {what} (expected finite weights)")
         return array.astype(self._dtype(role), copy=False)
+
+    def _in_pieces(self, stored: _Stored, shape: tuple[int, ...], role: Role) -> bool:
+        return (stored.scale_key is None and role is not Role.TABLE and len(shape) == 2
+                and math.prod(shape) * self._dtype(role).itemsize >= PLACE_AT_ONCE_BYTES)
+
+    def _placed_rows(self, name: str, stored: _Stored, shape: tuple[int, int], role: Role,
+                     transpose: bool):
+        """A large plain [rows, cols] tensor read STACK_CHUNK_BYTES of rows at a time, each
+        piece checked, cast and written into its device array ([cols, rows] if transpose)."""
+        found, dtype = self.ckpt.shape(stored.key), self._dtype(role)
+        if found != tuple(shape):
+            self.misshaped.append(f"{name}: found shape {found}, expected {tuple(shape)}")
+            return np.zeros(shape[::-1] if transpose else shape, dtype)
+        bad, nan = [], []
+
+        def check(piece):
+            if not _all_finite(piece):
+                bad.append(piece.size - np.count_nonzero(np.isfinite(piece)))
+                nan.append(np.count_nonzero(np.isnan(piece)))
+
+        whole = pieces.place_rows(functools.partial(self.ckpt.read_rows_into, stored.key), shape,
+                                  DTYPES[stored.kind], dtype, transpose, check,
+                                  STACK_CHUNK_BYTES)
+        if bad:
+            size = math.prod(shape)
+            what = "all NaN" if sum(nan) == size else f"{sum(bad)} of {size} values NaN or inf"
+            self.invalid.append(f"{name}: {what} (expected finite weights)")
+        return whole
 
     def _dequantized(self, name: str, stored: _Stored, shape) -> np.ndarray | None:
         if stored.kind == "F8_E4M3":

@@ -31,17 +31,24 @@ def test_hash_table_stored_as_floats_is_named(tmp_path, tensors):  # noqa: F811
         load_params(write(tmp_path / "ckpt", broken), CFG, np.float32)
 
 
+@pytest.mark.parametrize("in_pieces", [False, True])
 @pytest.mark.parametrize("poison, expected", [
     (lambda w: np.full_like(w, np.nan), "all NaN"),
     (lambda w: np.where(np.arange(w.size).reshape(w.shape) == 5, np.inf, w), "1 of"),
 ])
-def test_non_finite_weights_are_named(tmp_path, tensors, poison, expected):  # noqa: F811
+def test_non_finite_weights_are_named(tmp_path, tensors, poison, expected, in_pieces,  # noqa: F811
+                                      monkeypatch):
+    """in_pieces: the 2-D tensors read in row pieces (as large ones are), counted over all."""
+    if in_pieces:
+        from deepinfer_jax.weights import sources
+        monkeypatch.setattr(sources, "PLACE_AT_ONCE_BYTES", 1)
+        monkeypatch.setattr(sources, "STACK_CHUNK_BYTES", 4096)
     norm = "layers.2.attn_norm.weight"
-    broken = {**tensors, WEIGHT: poison(tensors[WEIGHT]), norm: poison(tensors[norm])}
+    broken = {**tensors, **{name: poison(tensors[name]) for name in (WEIGHT, norm, "embed.weight")}}
     with pytest.raises(CheckpointError) as err:
         load_params(write(tmp_path / "ckpt", broken), CFG, np.float32)
     message = str(err.value)
-    for name in (WEIGHT, norm):
+    for name in (WEIGHT, norm, "embed.weight"):
         assert f"{name}: {expected}" in message and "expected finite weights" in message
 
 

@@ -200,10 +200,14 @@ def test_load_copies_nothing_it_does_not_need(tmp_path):
     assert deepinfer_jax.load(d).config == CFG
 
 
-def test_expert_stacks_read_in_chunks_equal_whole_stacks(tmp_path, tensors, monkeypatch):
-    """The loader reads a routed-expert stack a few experts at a time (placing each chunk,
-    joining them on the device); chunks of 3 experts (a partial last chunk) give the same
-    parameters as one whole stack, FP4, FP8-dense and plain."""
+@pytest.mark.parametrize("plain_in_pieces", [False, True])
+def test_expert_stacks_read_in_chunks_equal_whole_stacks(tmp_path, tensors, monkeypatch,
+                                                         plain_in_pieces):
+    """The loader reads a routed-expert stack a few experts at a time (each chunk written
+    into the stack on the device); chunks of 3 experts (a partial last chunk) give the same
+    parameters as one whole stack, FP4, FP8-dense and plain. plain_in_pieces: every plain 2-D
+    tensor is read in row pieces too (as the embedding and LM head are at full size), the
+    projections transposed on the device, the last piece partial."""
     from deepinfer_jax.weights import sources
 
     quantised, _ = quantize_checkpoint(tensors)
@@ -212,6 +216,9 @@ def test_expert_stacks_read_in_chunks_equal_whole_stacks(tmp_path, tensors, monk
     plain_whole = load_params(tmp_path / "q", CFG, jnp.float32, keep_quantized=False)
     per_expert = CFG.moe_intermediate_size * 2 * (CFG.hidden_size // 2 + CFG.hidden_size // 32)
     monkeypatch.setattr(sources, "STACK_CHUNK_BYTES", 3 * per_expert)
+    if plain_in_pieces:
+        monkeypatch.setattr(sources, "PLACE_AT_ONCE_BYTES", 1)
+        assert CFG.vocab_size % (3 * per_expert // (CFG.hidden_size * 4))
     chunked = load_params(tmp_path / "q", CFG, jnp.float32)
     assert CFG.n_routed_experts % 3
     assert_same_params(chunked, whole)
