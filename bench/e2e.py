@@ -229,9 +229,9 @@ def main() -> None:
     ap.add_argument("--versus-only", action="store_true",
                     help="with --quantized: the quantized vs bf16 comparison alone")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    ap.add_argument("--fp4-overlap", action="store_true",
-                    help="a candidate default timed: the FP4 kernel's overlap_steps "
-                         "(pallas_kernels/grouped_gemm/mosaic_gpu_fp4.py) on in every config")
+    ap.add_argument("--fp4-config", nargs="*", default=[], metavar="FIELD=INT",
+                    help="candidate defaults timed: Fp4Config fields (pallas_kernels/"
+                         "grouped_gemm/mosaic_gpu_fp4.py) set in the compiled configs")
     ap.add_argument("--token-buckets", type=int, nargs="+", default=None,
                     help="the step's token buckets (default: 16 64 256 1024 and the prefill "
                          "lengths); a deep slice compiles each, so fewer start sooner")
@@ -242,8 +242,8 @@ def main() -> None:
         max_num_batched_tokens=max(args.prefill), enable_prefix_caching=True,
         token_buckets=tuple(sorted(buckets | set(args.prefill))),
         gpu_memory_utilization=args.gpu_memory_utilization)
-    if args.fp4_overlap:
-        overlap_fp4_steps()
+    if args.fp4_config:
+        override_fp4_defaults(dict(item.split("=") for item in args.fp4_config))
     if args.layers == 0:
         args.layers = deepest_slice(args, engine_shapes())
 
@@ -257,9 +257,9 @@ def main() -> None:
     if versus and args.versus_only:
         write_results(args.name or f"e2e-versus-{jax.devices()[0].platform}",
                       {"environment": environment(), "ceilings": ceilings,
-                       "fp4_overlap": args.fp4_overlap, "quantized_vs_bf16": versus},
-                      versus_table(versus) + ("\n\nFP4 kernel: overlap_steps on (--fp4-overlap)."
-                                              if args.fp4_overlap else ""))
+                       "fp4_config": args.fp4_config, "quantized_vs_bf16": versus},
+                      versus_table(versus) + (f"\n\nFP4 kernel configs with {args.fp4_config} "
+                                              f"(--fp4-config)." if args.fp4_config else ""))
         return
 
     start = time.perf_counter()
@@ -327,17 +327,18 @@ def main() -> None:
                          "rows": rows, "peer": peer, "quantized_vs_bf16": versus}, text)
 
 
-def overlap_fp4_steps() -> None:
-    """The FP4 kernel's defaults with overlap_steps on (before anything compiles)."""
+def override_fp4_defaults(fields: dict[str, str]) -> None:
+    """The FP4 kernel's compiled default configs with `fields` set (before anything compiles)."""
     import dataclasses
 
     from pallas_kernels.grouped_gemm import fp4_path
     plain = fp4_path.default_config
+    changes = {name: int(value) for name, value in fields.items()}
 
-    def with_overlap(*args, **kwargs):
+    def changed(*args, **kwargs):
         config = plain(*args, **kwargs)
-        return dataclasses.replace(config, overlap_steps=config.a_in_registers)
-    fp4_path.default_config = with_overlap
+        return dataclasses.replace(config, **changes) if config.a_in_registers else config
+    fp4_path.default_config = changed
 
 
 # --- depth ------------------------------------------------------------------------------------

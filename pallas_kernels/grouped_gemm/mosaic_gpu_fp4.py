@@ -54,9 +54,10 @@ class Fp4Config:
     max_concurrent_steps: int = 4
     a_in_registers: bool = True    # False: the dequantized operand goes through shared memory
     dequant: str = "convert"       # fp4_dequant.FORMULATIONS ("bits_ptx": compiled only)
-    # A step's wgmmas left running while the next step dequantizes (its shared-memory slots
-    # then released one step later): the tensor cores' tail overlaps the next step's ALU work.
-    overlap_steps: bool = False
+    # Independent accumulators per weight half, each K16 wgmma i going to chain i % k_chains,
+    # summed in chain order at the end: at 16-token tiles a wgmma does little work, and one
+    # chain of them waits out every wgmma's latency in turn.
+    k_chains: int = 1
 
     def check(self, k: int, n_out: int) -> None:
         if self.block_m % 8 or not 8 <= self.block_m <= 256:
@@ -67,11 +68,10 @@ class Fp4Config:
             raise ValueError(f"block_k a multiple of 32 dividing 512 and K={k} ({self})")
         if k % (CHUNK * GROUP):
             raise ValueError(f"K={k}: scale rows are staged in 16-byte pieces (K % 512)")
-        if self.max_concurrent_steps < 2 + self.overlap_steps:
-            raise ValueError(f"at least {2 + self.overlap_steps} pipeline steps ({self})")
-        if self.overlap_steps and not self.a_in_registers:
-            raise ValueError("overlap_steps needs the A operand in registers (the staging "
-                             "slots are rewritten every group)")
+        if self.max_concurrent_steps < 2:
+            raise ValueError("at least 2 pipeline steps")
+        if self.k_chains not in (1, 2, 4):
+            raise ValueError(f"k_chains: 1, 2 or 4 ({self})")
         if self.dequant not in fp4_dequant.FORMULATIONS:
             raise ValueError(f"dequant: one of {fp4_dequant.FORMULATIONS} ({self})")
 
@@ -87,7 +87,8 @@ def kernel_name(config: Fp4Config, k: int, n_out: int, swiglu: bool) -> str:
     c = config
     return "_".join(["grouped_gemm_fp4", f"{c.block_n}x{c.block_m}x{c.block_k}",
                      f"k{k}", f"n{n_out}"] + ["swiglu"] * swiglu
-                    + ["smem_a"] * (not c.a_in_registers) + ["overlap"] * c.overlap_steps)
+                    + ["smem_a"] * (not c.a_in_registers)
+                    + [f"chains{c.k_chains}"] * (c.k_chains > 1))
 
 
 @functools.partial(jax.jit, static_argnames=("swiglu_limit", "config", "out_dtype"))
@@ -106,7 +107,6 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
     config.check(k, n_out)
     steps, chunks = k // bk, k // (GROUP * CHUNK)
     groups_per_step = bk // GROUP
-    wgmmas_per_step = halves * groups_per_step * 2
     x_transforms = (plgpu.TilingTransform((8, X_SWIZZLE // 2)), plgpu.SwizzleTransform(X_SWIZZLE))
     a_transforms = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
     scale4 = scale.reshape(scale.shape[0], chunks, CHUNK, n)        # [G, chunks, 16, N]
@@ -127,11 +127,15 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
                 for c in range(chunks):
                     plgpu.barrier_wait(scale_bars.at[half * chunks + c])
 
-            def accumulate(*accs):
+            chains = config.k_chains
+
+            def accumulate(*flat_accs):
+                accs = [flat_accs[h * chains:(h + 1) * chains] for h in range(halves)]
+
                 def step(index, x_smem, *w_smems):
                     (kk,) = index
                     first = kk * groups_per_step            # the step's first scale group
-                    for half, (acc, w_smem) in enumerate(zip(accs, w_smems, strict=True)):
+                    for half, (chain_accs, w_smem) in enumerate(zip(accs, w_smems, strict=True)):
                         w = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA)
                         chunk_ref = scale_smem.at[half, first // CHUNK]
                         for j in range(groups_per_step):
@@ -146,26 +150,25 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
                                     slot[...] = a
                                     plgpu.commit_smem()
                                     a = slot
+                                acc = chain_accs[(2 * j + parity) % chains]
                                 plgpu.wgmma(acc, a, x_smem.at[pl.ds(GROUP * j + 16 * parity, 16)])
                             if staging is not None:
                                 plgpu.wgmma_wait(0)     # the slots are rewritten next group
-                    # every wgmma commits its own group: with overlap, wait for the previous
-                    # step's (whose slots the pipeline frees after this step), not this one's
-                    plgpu.wgmma_wait(wgmmas_per_step if config.overlap_steps else 0)
+                    plgpu.wgmma_wait(0)     # the step's slots are released when it returns
 
-                delay = int(config.overlap_steps)
-                specs = [plgpu.BlockSpec((bk, bm), lambda kk: (kk, tile), transforms=x_transforms,
-                                         delay_release=delay)]
+                specs = [plgpu.BlockSpec((bk, bm), lambda kk: (kk, tile), transforms=x_transforms)]
                 specs += [plgpu.BlockSpec((bn, bk // 2), functools.partial(
-                    lambda kk, half: (col + half * (n_out // bn), kk), half=half),
-                    delay_release=delay) for half in range(halves)]
+                    lambda kk, half: (col + half * (n_out // bn), kk), half=half))
+                    for half in range(halves)]
                 plgpu.emit_pipeline(step, grid=(steps,), in_specs=specs,
                                     max_concurrent_steps=config.max_concurrent_steps)(
                     x_ref, *[packed_ref.at[group]] * halves)
-                return tuple(acc[...] for acc in accs)
+                return tuple(functools.reduce(lambda total, acc: total + acc[...], chain[1:],
+                                              chain[0][...]) for chain in accs)
 
             result = epilogue(pl.run_scoped(accumulate, *[plgpu.ACC((bn, bm))
-                                                          for _ in range(halves)]), swiglu_limit)
+                                                          for _ in range(halves * chains)]),
+                              swiglu_limit)
 
             @functools.partial(pl.run_scoped, out_smem=plgpu.SMEM((bn, bm), out_dtype))
             def store(out_smem):
