@@ -25,14 +25,19 @@ mov.b32 $1, $3;
 }"""
 
 
+CANDIDATES = {"default": {}, "chains2": {"k_chains": 2}, "chains4": {"k_chains": 4},
+              "pipelined": {"scales_in_pipeline": 1},
+              "chains4 pipelined": {"k_chains": 4, "scales_in_pipeline": 1}}
+
+
 def configs(rows, op, n_out):
     base = fp4_path.default_config(rows, False, op, n_out)
     rep = dataclasses.replace
-    out = {"default": base, "chains2": rep(base, k_chains=2), "chains4": rep(base, k_chains=4)}
+    out = {name: rep(base, **fields) for name, fields in CANDIDATES.items()}
     if op == "gate_up":
-        out["n128 chains4"] = rep(base, block_n=128, k_chains=4)
+        out["n128 chains4 pipelined"] = rep(base, block_n=128, k_chains=4, scales_in_pipeline=True)
     else:
-        out["n64 chains4"] = rep(base, block_n=64, k_chains=4)
+        out["n64 chains4 pipelined"] = rep(base, block_n=64, k_chains=4, scales_in_pipeline=True)
     return out
 
 
@@ -101,13 +106,13 @@ def main():
         rows = [r for r in results if r["tokens"] == 16 and r["config"] == config]
         return sum(r["ms"] for r in rows) if len(rows) == 2 and all("ms" in r for r in rows) else None
 
-    times = {c: total(c) for c in ("default", "chains2", "chains4")}
+    times = {c: total(c) for c in CANDIDATES}
     print("decode 16 gate_up + down ms:", times)
     ok = [c for c, t in times.items() if t is not None]
     best = min(ok, key=times.get) if ok else "default"
-    flag = "" if best == "default" or times[best] > 0.97 * (times["default"] or 1e9) else \
-        f"k_chains={best[-1]}"
-    print("chosen:", flag or "default")
+    flag = ("" if best == "default" or times[best] > 0.97 * (times["default"] or 1e9) else
+            " ".join(f"{k}={v}" for k, v in CANDIDATES[best].items()))
+    print("chosen:", best, flag)
     (out_dir / "fp4_flag").write_text(flag)
 
 if __name__ == "__main__":

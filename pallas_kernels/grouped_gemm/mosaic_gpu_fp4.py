@@ -58,6 +58,10 @@ class Fp4Config:
     # summed in chain order at the end: at 16-token tiles a wgmma does little work, and one
     # chain of them waits out every wgmma's latency in turn.
     k_chains: int = 1
+    # Each step's scales fetched by the K pipeline with its codes ([K/32 per step, rows]),
+    # instead of a program's whole scale rows staged before its first step: no serial
+    # round trip ahead of the pipeline, and less shared memory a program.
+    scales_in_pipeline: bool = False
 
     def check(self, k: int, n_out: int) -> None:
         if self.block_m % 8 or not 8 <= self.block_m <= 256:
@@ -87,7 +91,7 @@ def kernel_name(config: Fp4Config, k: int, n_out: int, swiglu: bool) -> str:
     c = config
     return "_".join(["grouped_gemm_fp4", f"{c.block_n}x{c.block_m}x{c.block_k}",
                      f"k{k}", f"n{n_out}"] + ["swiglu"] * swiglu
-                    + ["smem_a"] * (not c.a_in_registers)
+                    + ["smem_a"] * (not c.a_in_registers) + ["pipelined_scales"] * c.scales_in_pipeline
                     + [f"chains{c.k_chains}"] * (c.k_chains > 1))
 
 
@@ -109,21 +113,26 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
     groups_per_step = bk // GROUP
     x_transforms = (plgpu.TilingTransform((8, X_SWIZZLE // 2)), plgpu.SwizzleTransform(X_SWIZZLE))
     a_transforms = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
-    scale4 = scale.reshape(scale.shape[0], chunks, CHUNK, n)        # [G, chunks, 16, N]
+    pipelined = config.scales_in_pipeline
+    if not pipelined:
+        scale = scale.reshape(scale.shape[0], chunks, CHUNK, n)      # [G, chunks, 16, N]
 
-    def body(tile_group_ref, x_ref, packed_ref, scale_ref, out_ref, scale_smem, scale_bars,
-             staging=None):
+    def body(tile_group_ref, x_ref, packed_ref, scale_ref, out_ref, scale_smem=None,
+             scale_bars=None, staging=None):
         tile, col = lax.axis_index("tile"), lax.axis_index("col")
         group = tile_group_ref[tile]
 
+        def weight_rows(half):            # the block of weight rows a half reads, in blocks
+            return col + half * (n_out // bn)
+
         @pl.when(group >= 0)
         def _():
-            for half in range(halves):
+            for half in range(halves * (not pipelined)):
                 rows = pl.ds((col + half * (n_out // bn)) * bn, bn)
                 for c in range(chunks):
                     plgpu.copy_gmem_to_smem(scale_ref.at[group, c, :, rows],
                                             scale_smem.at[half, c], scale_bars.at[half * chunks + c])
-            for half in range(halves):
+            for half in range(halves * (not pipelined)):
                 for c in range(chunks):
                     plgpu.barrier_wait(scale_bars.at[half * chunks + c])
 
@@ -132,14 +141,18 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
             def accumulate(*flat_accs):
                 accs = [flat_accs[h * chains:(h + 1) * chains] for h in range(halves)]
 
-                def step(index, x_smem, *w_smems):
+                def step(index, x_smem, *smems):
                     (kk,) = index
                     first = kk * groups_per_step            # the step's first scale group
-                    for half, (chain_accs, w_smem) in enumerate(zip(accs, w_smems, strict=True)):
-                        w = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA)
-                        chunk_ref = scale_smem.at[half, first // CHUNK]
+                    for half, chain_accs in enumerate(accs):
+                        w = plgpu.load(smems[half], layout=plgpu.Layout.WGMMA)
+                        if pipelined:                       # [groups_per_step, bn]
+                            chunk_ref, row = smems[halves + half], 0
+                        else:                               # [16, bn], from the step's first
+                            chunk_ref = scale_smem.at[half, first // CHUNK]
+                            row = first % CHUNK
                         for j in range(groups_per_step):
-                            column = plgpu.load(chunk_ref.at[first % CHUNK + j], (),
+                            column = plgpu.load(chunk_ref.at[row + j], (),
                                                 layout=plgpu.Layout.WGMMA.reduce(1))
                             factor = fp4_dequant.scale_factor(column, config.dequant)
                             both = fp4_dequant.dequantize_group(w[:, 16 * j:16 * (j + 1)],
@@ -158,11 +171,16 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
 
                 specs = [plgpu.BlockSpec((bk, bm), lambda kk: (kk, tile), transforms=x_transforms)]
                 specs += [plgpu.BlockSpec((bn, bk // 2), functools.partial(
-                    lambda kk, half: (col + half * (n_out // bn), kk), half=half))
+                    lambda kk, half: (weight_rows(half), kk), half=half))
                     for half in range(halves)]
+                inputs = [x_ref, *[packed_ref.at[group]] * halves]
+                if pipelined:
+                    specs += [plgpu.BlockSpec((groups_per_step, bn), functools.partial(
+                        lambda kk, half: (kk, weight_rows(half)), half=half))
+                        for half in range(halves)]
+                    inputs += [scale_ref.at[group]] * halves
                 plgpu.emit_pipeline(step, grid=(steps,), in_specs=specs,
-                                    max_concurrent_steps=config.max_concurrent_steps)(
-                    x_ref, *[packed_ref.at[group]] * halves)
+                                    max_concurrent_steps=config.max_concurrent_steps)(*inputs)
                 return tuple(functools.reduce(lambda total, acc: total + acc[...], chain[1:],
                                               chain[0][...]) for chain in accs)
 
@@ -178,12 +196,13 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
                                                              pl.ds(tile * bm, bm)])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    scratch = {"scale_smem": plgpu.SMEM((halves, chunks, CHUNK, bn), jnp.uint8),
-               "scale_bars": plgpu.Barrier(num_barriers=halves * chunks)}
+    scratch = {} if pipelined else {
+        "scale_smem": plgpu.SMEM((halves, chunks, CHUNK, bn), jnp.uint8),
+        "scale_bars": plgpu.Barrier(num_barriers=halves * chunks)}
     if not config.a_in_registers:
         scratch["staging"] = plgpu.SMEM((2, bn, 16), jnp.bfloat16, transforms=a_transforms)
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((n_out, cols), out_dtype),
         scratch_types=scratch, grid=(cols // bm, n_out // bn), grid_names=("tile", "col"),
         kernel_name=kernel_name(config, k, n_out, swiglu_limit is not None))
-    return kernel(tile_group, x_t, packed, scale4)
+    return kernel(tile_group, x_t, packed, scale)

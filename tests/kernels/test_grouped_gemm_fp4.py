@@ -87,9 +87,10 @@ def test_kernel_matches_dequantize_and_reference(case, swiglu):
     close(api.grouped_matmul(lhs, w, sizes, swiglu_limit=swiglu, implementation=KERNEL), ref)
 
 
-@pytest.mark.parametrize("dequant, chains", [("convert", 1), ("bits", 1), ("bits", 4),
-                                            ("bits_ptx", 1), ("bits_ptx", 2), ("bits_ptx", 4)])
-def test_kernel_reads_every_nibble_and_scale_exactly(dequant, chains):
+@pytest.mark.parametrize("dequant, chains, pipelined", [
+    ("convert", 1, False), ("bits", 1, False), ("bits", 4, True), ("bits_ptx", 1, False),
+    ("bits_ptx", 2, False), ("bits_ptx", 4, False), ("bits_ptx", 1, True), ("bits_ptx", 4, True)])
+def test_kernel_reads_every_nibble_and_scale_exactly(dequant, chains, pipelined):
     """Small-integer activations: every product and partial sum is exact in f32, so the
     kernel's output must equal the reference's bit for bit; a wrong nibble, sign, input
     order or scale would show, in each dequantization formulation (fp4_dequant.py)."""
@@ -99,7 +100,8 @@ def test_kernel_reads_every_nibble_and_scale_exactly(dequant, chains):
     lhs, sizes = rows(rng, SIZES["empty experts"], integers=True)
     w = fp4_weights(rng, len(SIZES["empty experts"]), N, K)
     ref = reference.grouped_matmul(lhs, quantized.dequantize(w), sizes)
-    config = Fp4Config(a_in_registers=KERNEL != "interpret", dequant=dequant, k_chains=chains)
+    config = Fp4Config(a_in_registers=KERNEL != "interpret", dequant=dequant, k_chains=chains,
+                       scales_in_pipeline=pipelined)
     out = api.grouped_matmul(lhs, w, sizes, implementation=KERNEL, config=config)
     np.testing.assert_array_equal(bits(out), bits(ref))
 
@@ -132,16 +134,16 @@ def test_unfit_shapes_fall_through_to_the_reference():
         bits(api.grouped_matmul(lhs, quantized.dequantize(w), sizes)))
 
 
-@pytest.mark.parametrize("swiglu, k, n, dequant, chains", [(10.0, 4096, 4096, "convert", 1),
-                                                           (None, 2048, 4096, "convert", 1),
-                                                           (10.0, 4096, 4096, "bits_ptx", 1),
-                                                           (10.0, 4096, 4096, "bits_ptx", 4),
-                                                           (None, 2048, 4096, "bits_ptx", 2)])
+@pytest.mark.parametrize("swiglu, k, n, dequant, chains, pipelined", [
+    (10.0, 4096, 4096, "convert", 1, False), (None, 2048, 4096, "convert", 1, False),
+    (10.0, 4096, 4096, "bits_ptx", 1, False), (10.0, 4096, 4096, "bits_ptx", 4, True),
+    (None, 2048, 4096, "bits_ptx", 2, True)])
 @pytest.mark.parametrize("block_m", [16, 64])
-def test_kernel_lowers_for_cuda_at_v4_flash_shapes(swiglu, k, n, dequant, chains, block_m):
+def test_kernel_lowers_for_cuda_at_v4_flash_shapes(swiglu, k, n, dequant, chains, pipelined,
+                                                    block_m):
     """Mosaic's layout, register and shared-memory rules, checked at lowering (no GPU)."""
     config = dataclasses_replace(fp4_path.default_config(100), block_m=block_m, dequant=dequant,
-                                 k_chains=chains)
+                                 k_chains=chains, scales_in_pipeline=pipelined)
     fn = jax.jit(functools.partial(tiled_fp4_matmul_t, swiglu_limit=swiglu, config=config))
     with abstract_gpu():
         exported = jax.export.export(fn, platforms=["cuda"])(
