@@ -25,8 +25,8 @@ TOKENS = list(range(100, 108))                   # two blocks
 
 
 def spilled_chain(store_config, gate=None):
-    """A prefix cache and TierBlocks with a worker, whose store holds TOKENS' two blocks (put
-    there by a first cache's evictions); `gate` holds the worker's reads until set."""
+    """A prefix cache and TierBlocks with a worker, whose store holds TOKENS' two blocks (as a
+    first cache's evictions put them there); `gate` holds the worker's reads until set."""
     cache = PrefixCache(PageAllocator(3), SnapshotAllocator(2), BS)
     store = TierStore(store_config)
     keys = []
@@ -36,11 +36,14 @@ def spilled_chain(store_config, gate=None):
                 "next": None, "has_snapshot": False, "namespace": store_config.namespace}
         store.put(TierEntry(key, (np.full(3, i, np.int16),), info))
 
-    def stage(entry):
-        assert gate is None or gate.wait(30)
-        return entry
+    if gate is not None:                       # the worker's reads wait for the gate
+        lookup = store.lookup
 
-    worker = TierWorker(store, stage)
+        def held(key):
+            assert gate.wait(30)
+            return lookup(key)
+        store.lookup = held
+    worker = TierWorker(store)
     return cache, TierBlocks(store, cache, worker), keys
 
 
@@ -79,13 +82,15 @@ def test_host_memory_blocks_load_at_once():
 
 
 def test_a_read_that_misses_ends_the_chain(on_disk):
-    cache, tiers, keys = spilled_chain(on_disk)
+    gate = threading.Event()                   # the first look finds the read still going
+    cache, tiers, keys = spilled_chain(on_disk, gate)
     directory = on_disk.disk_dir
     for name in os.listdir(directory):                 # both files altered on disk
         with open(os.path.join(directory, name), "r+b") as f:
             f.seek(-1, os.SEEK_END)
             f.write(b"\xff")
     assert tiers.bring_in(TOKENS + [1], keys) is None
+    gate.set()
     tiers.worker.drain()
     assert tiers.bring_in(TOKENS + [1], keys) == [] and tiers.take_ops() == ()
     counters = tiers.worker.stats()["disk"].counters
@@ -93,9 +98,12 @@ def test_a_read_that_misses_ends_the_chain(on_disk):
 
 
 def test_an_aborted_requests_reads_are_dropped(on_disk):
-    _, tiers, keys = spilled_chain(on_disk)
+    gate = threading.Event()
+    _, tiers, keys = spilled_chain(on_disk, gate)
     assert tiers.bring_in(TOKENS + [1], keys) is None
+    gate.set()
     tiers.worker.drain()
+    assert tiers.worker.status(keys[0]) == STAGED
     tiers.forget(keys)
     assert all(tiers.worker.status(k) is None for k in keys)
 

@@ -60,6 +60,7 @@ class TierBlocks:
                 break
             self.cache.pages.share(block.page)
             held.append(block.page)
+        self.forget(keys)         # read ahead for a block past where the chain broke: unused
         return held
 
     def _prefetched(self, keys: list[int]) -> bool:
