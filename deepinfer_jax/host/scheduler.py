@@ -13,6 +13,8 @@ Policy per step, under a token budget (`max_num_batched_tokens`):
    Reserving the whole need rather than estimating it (SGLang's new-token ratio) makes a
    batch without shared prefix pages or drafts never preempt, so it is never slower than its
    requests one by one; a request that stops early only gives its reservation back early.
+   A request whose prefix continues in blocks the disk KV tier is still reading is passed
+   over, keeping its place, until they are in (host/kv_tiers/prefetch.py).
 A running request that needs a page when none is free preempts the newest running request
 (possibly itself): its slot and pages are freed and it goes back to the front of the queue,
 keeping its generated tokens, to be recomputed later. Nothing is lost. With admission as
