@@ -3,7 +3,10 @@ prefetch latency as a histogram and quantiles (api/server/metrics.py), from a re
 
 from __future__ import annotations
 
+import urllib.request
+
 import numpy as np
+import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from deepinfer_jax.api.server.metrics import ServerMetrics
@@ -40,3 +43,25 @@ def test_tier_counters_and_latency_reach_the_scrape(tmp_path):
     assert value("prefetch_latency_quantile_seconds", tier="disk", quantile="0.5") > 0
     assert value("prefetch_latency_seconds_count", tier="host") == 1
     worker.close()
+
+
+def test_a_served_engine_with_tiers_reports_them(tmp_path):
+    """The engine thread hands the tiers' reports to the collector: a server whose LLM has a
+    host and a disk tier shows both in /metrics (nothing evicted yet: zeros)."""
+    from deepinfer_jax.api.llm import LLM
+    from tests.api.conftest import MODEL, running_server
+
+    llm = LLM(max_num_seqs=2, batch_invariant=True, enable_prefix_caching=True,
+              kv_host_tier_bytes=1 << 26, kv_disk_tier_dir=str(tmp_path),
+              kv_disk_tier_bytes=1 << 26)
+    with running_server(llm) as (_, base_url):
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0,
+                               timeout=30)
+        client.completions.create(model=MODEL, prompt="Hello there", max_tokens=2)
+        with urllib.request.urlopen(base_url + "/metrics", timeout=10) as response:
+            text = response.read().decode()
+    found = {(s.name, s.labels.get("tier")) for f in text_string_to_metric_families(text)
+             for s in f.samples}
+    for tier in ("host", "disk"):
+        assert ("deepinfer_kv_tier_hits_total", tier) in found
+        assert ("deepinfer_kv_tier_prefetch_latency_seconds_count", tier) in found
