@@ -1,5 +1,6 @@
 """Prefix caching: time to first token with a long cached prefix vs cold, the tokens actually
-computed, and what the cache holds per token vs a full per-layer KV cache.
+computed, and what the cache holds per token vs a full per-layer KV cache; the same prefix
+served from each KV tier below the device (host memory, disk).
 
     python bench/prefix_cache.py                                   # CPU: 2k cached tokens
     python bench/prefix_cache.py --v4-flash-layers 4 --prefix 16384 --chunk 2048   # GPU
@@ -7,7 +8,12 @@ computed, and what the cache holds per token vs a full per-layer KV cache.
 Cold: a prompt of `prefix + suffix` tokens that shares nothing with the cache. Warm: the same
 length, after a request made of the prefix alone (untimed) left it in the cache. Both run in
 one engine with prefix caching on; an engine with caching off runs the cold prompt too, to
-show what the bookkeeping costs (runs interleaved). Bytes per token: the cached pages
+show what the bookkeeping costs (runs interleaved). Host tier / disk tier: an engine with only
+that tier below its device cache; after the prefix is cached, every cached block is evicted
+from the device (untimed: copied out, written, and for the disk tier dropped from the OS page
+cache with posix_fadvise), so the timed request reads it back from that tier (prefetched,
+checksummed, copied to the device). Each row's source is asserted from the counters: the
+prefix's blocks were hits of that tier, and its tokens were not computed. Bytes per token: the cached pages
 (compressed rows and indexer keys) plus the slot snapshots the cache keeps for the prefix, vs
 a cache that keeps every layer's K=V row of every token; also computed for the full
 DeepSeek-V4-Flash config (shapes only).
@@ -16,7 +22,9 @@ DeepSeek-V4-Flash config (shapes only).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -84,6 +92,52 @@ def first_token(llm: LLM, prompt: list[int]) -> dict:
     return row
 
 
+def evict_to_tier(llm: LLM, new) -> None:
+    """Every cached block out of the device cache and into the engine's tier: evicted, copied
+    out by the next step (a short request's), and put by the tiers' worker."""
+    cache = llm.engine.scheduler.kv_cache.prefix_cache
+    cache.evict(cache.pages.num_free + cache.num_idle_blocks())
+    llm.generate([new(8)], FIRST_TOKEN, use_tqdm=False)
+    llm.engine.tiers.drain()
+    assert cache.current_stats().cached_blocks == 0
+
+
+def drop_page_cache(directory: str) -> None:
+    """The tier files out of the OS page cache (they are clean: written and fsynced), so the
+    disk row reads the device, not memory, where the file system honours the advice."""
+    for name in os.listdir(directory):
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def tier_first_token(llm: LLM, prompt: list[int], prefix: int, tier: str) -> dict:
+    """First token of `prompt`, whose `prefix` tokens are in `tier` only; checked from the
+    counters to have come from there."""
+    before = llm.kv_tier_stats[tier].counters.hits
+    row = first_token(llm, prompt)
+    llm.engine.tiers.drain()
+    report = llm.kv_tier_stats[tier]
+    blocks = prefix // llm.step_config.page_size
+    row.update(served_from=f"{tier} tier", tier_hits=report.counters.hits - before,
+               prefetch_p50_s=report.prefetch_latency.p50_s,
+               prefetch_p99_s=report.prefetch_latency.p99_s)
+    assert row["tier_hits"] >= blocks, (tier, row)
+    assert row["hit_tokens"] >= blocks * llm.step_config.page_size, (tier, row)
+    return row
+
+
+def tier_round(llm: LLM, new, args, tier: str, directory: str | None) -> dict:
+    prefix = new(args.prefix)
+    llm.generate([prefix], FIRST_TOKEN, use_tqdm=False)                     # caches it
+    evict_to_tier(llm, new)
+    if directory is not None:
+        drop_page_cache(directory)
+    return tier_first_token(llm, prefix + new(args.suffix), args.prefix, tier)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", type=Path, default=SMALL_CPU)
@@ -94,6 +148,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--buckets", type=int, nargs="+", default=None,
                     help="token buckets to compile (default: powers of two up to --chunk)")
+    ap.add_argument("--tiers", nargs="*", default=["host", "disk"], choices=["host", "disk"],
+                    help="KV tiers to serve the prefix from too (none: device cache only)")
+    ap.add_argument("--tier-dir", default=None, help="the disk tier's directory (default: a "
+                    "temporary one; the disk under test is the one it lies on)")
     args = ap.parse_args()
     cfg = model_config(args)
     model = Model(cfg, random_params(cfg, 0, jnp.bfloat16))
@@ -106,18 +164,35 @@ def main() -> None:
     runs = {"cold": [], "warm": [], "caching off": []}
     llm = LLM(model, enable_prefix_caching=True, **options)
     plain = LLM(model, **options)
-    for engine in (llm, plain):
+    scratch = tempfile.TemporaryDirectory(prefix="kv-tier-bench-", dir=args.tier_dir)
+    tier_options = {"host": dict(kv_host_tier_bytes=1 << 34),
+                    "disk": dict(kv_disk_tier_dir=scratch.name, kv_disk_tier_bytes=1 << 40)}
+    tiers = {tier: LLM(model, enable_prefix_caching=True, **tier_options[tier], **options)
+             for tier in args.tiers}
+    for engine in (llm, plain, *tiers.values()):
         engine.generate([new(args.chunk + 8)], FIRST_TOKEN, use_tqdm=False)      # warm-up
+    for tier, engine in tiers.items():      # and a first trip through the tier, untimed
+        tier_round(engine, new, args, tier, scratch.name if tier == "disk" else None)
+        runs[f"{tier} tier"] = []
     for _ in range(args.repeats):          # interleaved, so that drifts hit every run alike
         runs["caching off"].append(first_token(plain, new(args.prefix + args.suffix)))
         runs["cold"].append(first_token(llm, new(args.prefix + args.suffix)))
+        assert runs["cold"][-1]["hit_tokens"] == 0
         prefix = new(args.prefix)
         llm.generate([prefix], FIRST_TOKEN, use_tqdm=False)                     # caches it
         runs["warm"].append(first_token(llm, prefix + new(args.suffix)))
-    del llm, plain
+        assert runs["warm"][-1]["hit_tokens"] >= args.prefix - llm.step_config.page_size
+        for tier, engine in tiers.items():
+            runs[f"{tier} tier"].append(tier_round(
+                engine, new, args, tier, scratch.name if tier == "disk" else None))
+    del llm, plain, tiers
+    scratch.cleanup()
 
-    summary = {name: {**rows[-1], "ttft_s": float(np.median([r["ttft_s"] for r in rows]))}
-               for name, rows in runs.items()}
+    summary = {}
+    for name, rows in runs.items():
+        times = [r["ttft_s"] for r in rows]
+        summary[name] = {**rows[-1], "ttft_s": float(np.median(times)),
+                         "ttft_min_s": min(times), "ttft_max_s": max(times)}
     step_cfg = EngineConfig(**options).resolve(cfg)
     # a snapshot at every chunk end (the most the cache keeps for a prefix prefilled alone)
     measured = footprint(cfg, step_cfg, args.prefix, -(-args.prefix // args.chunk))
@@ -134,13 +209,21 @@ def main() -> None:
                "footprint_v4_flash_16k": flash_fp}
     cold, warm = summary["cold"]["ttft_s"], summary["warm"]["ttft_s"]
     table = (f"Prompt of {args.prefix} + {args.suffix} tokens, first token only "
-             f"(median of {args.repeats}).\n\n"
-             "| run | TTFT (s) | tokens computed | prefix tokens reused | replayed |\n"
-             "|---|---:|---:|---:|---:|\n")
+             f"(median of {args.repeats}, min-max beside).\n\n"
+             "| run | served from | TTFT (s) | min-max (s) | tokens computed | "
+             "prefix tokens reused | replayed | tier hits (blocks) | prefetch p50 (ms) |\n"
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|\n")
+    source = {"cold": "computed", "warm": "device cache", "caching off": "computed"}
     for name, row in summary.items():
-        table += (f"| {name} | {row['ttft_s']:.3f} | {row['tokens_computed']} | "
-                  f"{row.get('hit_tokens', '-')} | {row.get('replayed_tokens', '-')} |\n")
-    table += f"\nTTFT speed-up with the prefix cached: {cold / warm:.1f}x.\n\n"
+        p50 = row.get("prefetch_p50_s")
+        table += (f"| {name} | {row.get('served_from', source.get(name))} | "
+                  f"{row['ttft_s']:.3f} | {row['ttft_min_s']:.3f}-{row['ttft_max_s']:.3f} | "
+                  f"{row['tokens_computed']} | {row.get('hit_tokens', '-')} | "
+                  f"{row.get('replayed_tokens', '-')} | {row.get('tier_hits', '-')} | "
+                  f"{'-' if p50 is None else f'{p50 * 1e3:.3f}'} |\n")
+    table += f"\nTTFT speed-up with the prefix cached: {cold / warm:.1f}x"
+    table += "".join(f"; from the {name}: {cold / summary[name]['ttft_s']:.1f}x"
+                     for name in summary if name.endswith(" tier")) + ".\n\n"
     table += ("| model | cached prefix | snapshots | cached bytes/token | full KV bytes/token | "
               "ratio |\n|---|---:|---:|---:|---:|---:|\n")
     for name, fp in ((label, measured), ("DeepSeek-V4-Flash (shapes)", flash_fp)):

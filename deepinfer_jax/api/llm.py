@@ -306,6 +306,13 @@ class LLM:
         return self.engine.scheduler.prefix_stats()
 
     @property
+    def kv_tier_stats(self):
+        """The KV tiers' reports by tier ("host", "disk": counters and prefetch latency,
+        host/kv_tiers/prefetch.py), or None when no tier is configured. Puts and prefetches
+        still queued on the tiers' worker are not in them yet (`engine.tiers.drain()`)."""
+        return None if self.engine.tiers is None else self.engine.tiers.stats()
+
+    @property
     def spec_metrics(self):
         """Speculative decoding counters summed over the requests this LLM finished."""
         return self._spec_totals

@@ -158,7 +158,7 @@ class EngineCore:
         self.tiers = TierCopies.of(host.kv_tiers, cfg, self.state, self.snapshots, step_cfg)
         ranks = step_cfg.compute.parallel.dp
         self.scheduler = (RankedScheduler(step_cfg, cfg.eos_token_ids, ranks) if ranks > 1 else
-                          Scheduler(step_cfg, cfg.eos_token_ids, self.tiers and self.tiers.store))
+                          Scheduler(step_cfg, cfg.eos_token_ids, self.tiers and self.tiers.worker))
         self._seeds = np.random.default_rng(host.seed)
         self._arrivals = itertools.count()
         self._in_flight: collections.deque[InFlight] = collections.deque()

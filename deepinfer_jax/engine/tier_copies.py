@@ -1,6 +1,9 @@
 """The KV tiers' device side: runs a decision's TierSpills and TierLoads (host/decision.py)
-in order before the step, and puts the spilled block sets in the TierStore once the step's
-output has been read (their copies were started to the host with it, so nothing waits)."""
+in order before the step, and hands the spilled block sets to the tiers' worker once the
+step's output has been read (their copies were started to the host with it, so nothing
+waits; the worker writes them on its thread). Block sets the worker reads from disk ahead of
+admission start their copy to the device on its thread (`_stage`), so the load before the
+step finds them there."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from deepinfer_jax.device.tier_copies import compile_tier_copies, page_pools
 from deepinfer_jax.engine.snapshot_copies import SnapshotCopies
 from deepinfer_jax.host.decision import TierLoad, TierSpill
 from deepinfer_jax.host.kv_tiers import TierEntry, TierStore
+from deepinfer_jax.host.kv_tiers.prefetch import TierReport, TierWorker
 from deepinfer_jax.model.state import StateCache
 
 Spilled = list[tuple[TierSpill, tuple[jax.Array, ...]]]
@@ -26,6 +30,7 @@ class TierCopies:
     def __init__(self, state: StateCache, snapshots: SnapshotCopies, step_cfg: StepConfig,
                  store: TierStore):
         self.snapshots, self.store = snapshots, store
+        self.worker = TierWorker(store, stage=_stage)
         (self._gather_page, self._scatter_page, self._gather_snapshot,
          self._scatter_snapshot) = compile_tier_copies(state, snapshots.pool, step_cfg.num_pages)
         self._num_page_arrays = len(page_pools(state))
@@ -72,8 +77,20 @@ class TierCopies:
         return state
 
     def put(self, spilled: Spilled) -> None:
-        for op, arrays in spilled:
-            self.store.put(TierEntry(op.key, tuple(jax.device_get(arrays)), op.info))
+        self.worker.put([TierEntry(op.key, tuple(jax.device_get(arrays)), op.info)
+                         for op, arrays in spilled])
+
+    def drain(self) -> None:
+        """Wait for the worker's puts and prefetches asked so far."""
+        self.worker.drain()
+
+    def stats(self) -> dict[str, TierReport]:
+        return self.worker.stats()
+
+
+def _stage(entry: TierEntry) -> TierEntry:
+    # explicit transfer, on the worker's thread: the copy overlaps the loop's work
+    return TierEntry(entry.key, tuple(jax.device_put(tuple(entry.arrays))), entry.info)
 
 
 def _index(i: int) -> jax.Array:

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 from deepinfer_jax.host.decision import ScheduledSeq, SnapshotSave, TierLoad, TierSpill
 from deepinfer_jax.host.kv_tiers.blocks import TierBlocks
-from deepinfer_jax.host.kv_tiers.store import TierStore
+from deepinfer_jax.host.kv_tiers.prefetch import TierWorker
 from deepinfer_jax.host.pages import PageAllocator, pages_needed
 from deepinfer_jax.host.prefix_cache import (
     Match,
@@ -27,6 +27,13 @@ from deepinfer_jax.host.prefix_cache import (
     extend_block_keys,
 )
 from deepinfer_jax.host.request import Request
+
+
+class Prefetching:
+    """match_prefix's answer for a request whose prefix blocks are still being read."""
+
+
+PREFETCHING = Prefetching()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,14 +50,14 @@ class PendingBlock:
 class KVCacheManager:
     def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = False,
                  num_snapshots: int = 0, snapshots_need_next_token: bool = False,
-                 tier_store: TierStore | None = None):
+                 tiers: TierWorker | None = None):
         self.page_size = page_size
         self.pages = PageAllocator(num_pages)
         self.prefix_cache = (PrefixCache(self.pages, SnapshotAllocator(num_snapshots), page_size,
                                          snapshots_need_next_token) if prefix_caching else None)
         # the KV tiers below the device (host/kv_tiers/): evicted blocks go there, and come back
-        self.tiers = (TierBlocks(tier_store, self.prefix_cache)
-                      if tier_store is not None and self.prefix_cache is not None else None)
+        self.tiers = (TierBlocks(tiers.store, self.prefix_cache, tiers)
+                      if tiers is not None and self.prefix_cache is not None else None)
         self._pending: list[PendingBlock] = []
 
     @property
@@ -91,16 +98,19 @@ class KVCacheManager:
         req.pages = []
 
     # ---- prefix caching -------------------------------------------------------------------
-    def match_prefix(self, req: Request) -> Match | None:
+    def match_prefix(self, req: Request) -> Match | Prefetching | None:
         """Give a request being admitted the pages of its longest cached prefix (at least its
         last token stays to compute, it samples the next) and count that much as computed.
-        None without prefix caching. The caller releases them if it does not admit `req`."""
+        None without prefix caching; PREFETCHING (nothing given) while blocks of its prefix are
+        being read from the disk tier. The caller releases them if it does not admit `req`."""
         if self.prefix_cache is None:
             return None
         extend_block_keys(req.block_keys, req.known_tokens, self.page_size)
         usable = req.tokens[: req.num_tokens - 1]
         keys = req.block_keys[: len(usable) // self.page_size]
         held = self.tiers.bring_in(usable, keys) if self.tiers is not None else []
+        if held is None:
+            return PREFETCHING
         match = self.prefix_cache.lookup(usable, keys, following=req.known_tokens)
         for page in match.pages:
             self.pages.share(page)
@@ -170,6 +180,18 @@ class KVCacheManager:
                 if block.snapshot is not None:
                     self.prefix_cache.snapshots.free(block.snapshot)
         self._pending = waiting
+
+    @property
+    def prefetching(self) -> bool:
+        return self.tiers is not None and self.tiers.worker is not None and self.tiers.worker.pending
+
+    def wait_prefetch(self, timeout_s: float) -> None:
+        if self.prefetching:
+            self.tiers.worker.wait(timeout_s)
+
+    def forget_prefetch(self, req: Request) -> None:
+        if self.tiers is not None:
+            self.tiers.forget(req.block_keys)
 
     def take_tier_ops(self) -> tuple[TierSpill | TierLoad, ...]:
         """The tier copies made since the last call, for the next launched step."""

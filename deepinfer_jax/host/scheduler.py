@@ -13,6 +13,8 @@ Policy per step, under a token budget (`max_num_batched_tokens`):
    Reserving the whole need rather than estimating it (SGLang's new-token ratio) makes a
    batch without shared prefix pages or drafts never preempt, so it is never slower than its
    requests one by one; a request that stops early only gives its reservation back early.
+   A request whose prefix continues in blocks the disk KV tier is still reading is passed
+   over, keeping its place, until they are in (host/kv_tiers/prefetch.py).
 A running request that needs a page when none is free preempts the newest running request
 (possibly itself): its slot and pages are freed and it goes back to the front of the queue,
 keeping its generated tokens, to be recomputed later. Nothing is lost. With admission as
@@ -44,8 +46,8 @@ import collections
 from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.contract import SpecStepOutput, StepOutput
 from deepinfer_jax.host.decision import Restore, ScheduleDecision, ScheduledSeq
-from deepinfer_jax.host.kv_cache import KVCacheManager
-from deepinfer_jax.host.kv_tiers.store import TierStore
+from deepinfer_jax.host.kv_cache import PREFETCHING, KVCacheManager
+from deepinfer_jax.host.kv_tiers.prefetch import TierWorker
 from deepinfer_jax.host.output_checks import end_of_output
 from deepinfer_jax.host.pages import pages_needed
 from deepinfer_jax.host.request import PLACEHOLDER, FinishReason, Request, RequestStatus, TokenLogprobs
@@ -53,7 +55,7 @@ from deepinfer_jax.host.request import PLACEHOLDER, FinishReason, Request, Reque
 
 class Scheduler:
     def __init__(self, step_cfg: StepConfig, eos_token_ids: tuple[int, ...],
-                 tier_store: TierStore | None = None):
+                 tiers: TierWorker | None = None):
         self.step_cfg = step_cfg
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: collections.deque[Request] = collections.deque()
@@ -61,7 +63,7 @@ class Scheduler:
         self.kv_cache = KVCacheManager(step_cfg.num_pages, step_cfg.page_size, step_cfg.enable_prefix_caching,
                                        step_cfg.num_snapshots,
                                        snapshots_need_next_token=step_cfg.speculative is not None,
-                                       tier_store=tier_store)
+                                       tiers=tiers)
         self._free_slots = list(range(step_cfg.max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
 
@@ -84,6 +86,7 @@ class Scheduler:
         for req in list(self.waiting) + self.running:
             if req.request_id == request_id:
                 self._finish(req, FinishReason.ABORT)
+                self.kv_cache.forget_prefetch(req)
                 return req
         return None
 
@@ -104,6 +107,8 @@ class Scheduler:
             self._book_launch(seqs)
         # tier copies wait for a step that launches (one without rows launches nothing)
         tier_ops = self.kv_cache.take_tier_ops() if seqs else ()
+        if not seqs and not self.running:      # only prefetches to wait for: no busy loop
+            self.kv_cache.wait_prefetch(0.05)
         return ScheduleDecision(seqs, speculative, tuple(restores), saves, tier_ops=tier_ops,
                                 truncating_sampler=any(s.request.params.truncates for s in seqs))
 
@@ -157,11 +162,24 @@ class Scheduler:
         if not (self.waiting and budget > 0 and self._free_slots):
             return restores      # the common decode step: no sum over the running requests
         reserved = sum(self._pages_to_come(r) for r in self.running)
+        skipped: list[Request] = []     # their prefix is being read from disk: they wait
+        try:
+            self._admit_waiting(cap, speculative, budget, scheduled, reserved, restores, skipped)
+        finally:
+            self.waiting.extendleft(reversed(skipped))
+        return restores
+
+    def _admit_waiting(self, cap: int, speculative: bool, budget: int,
+                       scheduled: list[ScheduledSeq], reserved: int, restores: list[Restore],
+                       skipped: list[Request]) -> None:
         while self.waiting and budget > 0 and self._free_slots:
             req = self.waiting[0]
             if req.has_placeholders:   # preempted with a token in flight: recompute needs it
                 break
             match = self.kv_cache.match_prefix(req)
+            if match is PREFETCHING:
+                skipped.append(self.waiting.popleft())
+                continue
             n = self._chunk(req, req.num_pending, budget)
             if (not self._fits(req, reserved)
                     or not self.kv_cache.grow(req, req.num_computed + n)):
@@ -179,7 +197,6 @@ class Scheduler:
                                             tuple(req.tokens[: match.num_tokens]), len(req.prompt)))
             scheduled.append(self._row(req, n, n == req.num_pending, 0, cap, speculative))
             budget -= n
-        return restores
 
     def _pages_to_come(self, req: Request) -> int:
         """Pages `req` does not hold yet and will need to reach its end."""

@@ -5,6 +5,8 @@ in a fresh engine on the same directory: a restart."""
 
 from __future__ import annotations
 
+import threading
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -60,6 +62,7 @@ def test_a_prefix_back_from_a_tier_equals_the_cold_run_bitwise(model, prompts, r
     run_alone(llm, base)
     for filler in fillers:                          # evict the base's blocks from the device
         run_alone(llm, filler)
+    llm.engine.tiers.drain()                        # the worker's puts, written
     stats = llm.engine.tiers.store.stats()
     spilled = stats.host if tier == "host" else stats.disk
     assert spilled.entries >= 7                     # the base's 7 full blocks, at least
@@ -71,3 +74,46 @@ def test_a_prefix_back_from_a_tier_equals_the_cold_run_bitwise(model, prompts, r
     served = stats.host if tier == "host" else stats.disk
     assert served.hits >= 6 and served.corrupt_dropped == 0
     assert llm.prefix_cache_stats.hit_tokens - before >= 6 * 64
+
+
+def test_a_prefetch_in_flight_holds_only_its_request_back(model, prompts, reference, tmp_path):
+    """The disk read of a request's prefix is held open while the loop plans its next steps:
+    the request waits (its blocks are not in), another request runs meanwhile, and once the
+    read lands the request is served from the tier, bitwise equal to the cold run."""
+    base, fillers, target = prompts
+    options = dict(kv_disk_tier_dir=str(tmp_path), kv_disk_tier_bytes=1 << 30)
+    llm = deepinfer_jax.LLM(model, enable_prefix_caching=True, **options, **ENGINE)
+    run_alone(llm, base)
+    for filler in fillers:
+        run_alone(llm, filler)
+    llm.engine.tiers.drain()
+    llm = deepinfer_jax.LLM(model, enable_prefix_caching=True, **options, **ENGINE)  # restart
+    tiers, scheduler = llm.engine.tiers, llm.engine.scheduler
+    gate, read = threading.Event(), tiers.store.disk.get
+
+    def slow_read(*args, **kwargs):               # the worker's disk reads, held at the gate
+        assert gate.wait(60)
+        return read(*args, **kwargs)
+
+    tiers.store.disk.get = slow_read
+    seen, step = [], llm.engine.step
+
+    def observed_step():
+        waiting = [r.prompt == target for r in scheduler.waiting]
+        running = [r.prompt == target for r in scheduler.running]
+        seen.append((any(waiting), running.count(False), tiers.worker.pending))
+        if len(seen) == 4:
+            gate.set()
+        return step()
+
+    llm.engine.step = observed_step
+    other = prompts[1][0][:100]
+    out = llm.generate([target, other], GREEDY, use_tqdm=False)
+    # steps 2-4: the target still waits on its read while the other request runs
+    assert all(w and r == 1 and p for w, r, p in seen[1:4]), seen
+    assert tiers.worker.admissions_deferred >= 3 and tiers.worker.blocks_prefetched >= 6
+    assert_same(out[0], reference)
+    stats = llm.kv_tier_stats["disk"]
+    assert stats.counters.hits >= 6 and stats.prefetch_latency.count >= 6
+    assert stats.prefetch_latency.p50_s > 0
+    assert llm.prefix_cache_stats.hit_tokens >= 6 * 64

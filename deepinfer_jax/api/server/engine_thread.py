@@ -67,6 +67,8 @@ class _Live:
 class EngineThread:
     def __init__(self, llm: LLM, metrics: ServerMetrics):
         self.llm, self.engine, self.metrics = llm, llm.engine, metrics
+        if self.engine.tiers is not None:      # read at scrape time, under the tiers' locks
+            metrics.engine.kv_tiers = self.engine.tiers.stats
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
         self._open_in_group: dict[tuple[int, int], int] = {}

@@ -3,14 +3,17 @@
 Latencies and counts are observed by the engine thread as requests progress; the engine's
 state (requests running and waiting, cache pages, prefix-cache counters, speculation) is a
 snapshot the engine thread takes after each step (`EngineSnapshot`), read by a collector at
-scrape time, so a scrape never touches the engine's structures while a step changes them."""
+scrape time, so a scrape never touches the engine's structures while a step changes them.
+The KV tiers' counters (per tier: hits, misses, bytes, evictions, expirations, prefetch
+latency) are read at scrape time from the tiers' own locked counters (host/kv_tiers/)."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 # seconds: from a few ms (a decode step on a GPU) to minutes (a long queue on a CPU)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -34,6 +37,8 @@ class EngineSnapshot:
 class _EngineCollector:
     def __init__(self):
         self.snapshot = EngineSnapshot()
+        # the KV tiers' reports by tier (TierWorker.stats), or None: no tiers configured
+        self.kv_tiers: Callable[[], dict] | None = None
 
     def collect(self):
         s = self.snapshot
@@ -56,6 +61,51 @@ class _EngineCollector:
                  s.spec_accepted),
                 ("engine_steps", "Engine steps launched", s.steps)):
             yield CounterMetricFamily("deepinfer_" + name, doc, value=value)
+        if self.kv_tiers is not None:
+            yield from kv_tier_families(self.kv_tiers())
+
+
+# (name, help, TierStats field) of the per-tier counters and gauges
+_TIER_COUNTERS = (
+    ("hits", "Block sets served by the tier", "hits"),
+    ("misses", "Lookups the tier could not serve", "misses"),
+    ("bytes_in", "Bytes stored into the tier (disk: whole files)", "bytes_written"),
+    ("bytes_out", "Bytes served from the tier (disk: whole files)", "bytes_read"),
+    ("evictions", "Block sets pushed out by the tier's byte budget", "evictions"),
+    ("expirations", "Block sets dropped after the retention time unused", "expirations"),
+    ("corrupt_dropped", "Tier files that failed their checks (never served)", "corrupt_dropped"),
+    ("write_errors", "Tier writes that failed (not kept)", "write_errors"))
+_TIER_GAUGES = (("entries", "Block sets the tier holds", "entries"),
+                ("bytes", "Bytes the tier holds", "bytes"))
+
+
+def kv_tier_families(reports: dict) -> list:
+    """Prometheus families of the KV tiers' reports ({tier: TierReport}), labelled by tier."""
+    families = []
+    for suffix, doc, field in _TIER_COUNTERS:
+        family = CounterMetricFamily("deepinfer_kv_tier_" + suffix, doc, labels=["tier"])
+        for tier, report in reports.items():
+            family.add_metric([tier], getattr(report.counters, field))
+        families.append(family)
+    for suffix, doc, field in _TIER_GAUGES:
+        family = GaugeMetricFamily("deepinfer_kv_tier_" + suffix, doc, labels=["tier"])
+        for tier, report in reports.items():
+            family.add_metric([tier], getattr(report.counters, field))
+        families.append(family)
+    latency = HistogramMetricFamily(
+        "deepinfer_kv_tier_prefetch_latency_seconds", "From a block set asked for to its being "
+        "in host memory, ready for its device copy", labels=["tier"])
+    quantiles = GaugeMetricFamily("deepinfer_kv_tier_prefetch_latency_quantile_seconds",
+                                  "Prefetch latency quantiles over the recent block sets",
+                                  labels=["tier", "quantile"])
+    for tier, report in reports.items():
+        lat = report.prefetch_latency
+        buckets = [("+Inf" if b == float("inf") else repr(b), c) for b, c in lat.buckets]
+        latency.add_metric([tier], buckets, lat.sum_s)
+        for q, value in (("0.5", lat.p50_s), ("0.99", lat.p99_s)):
+            if value is not None:
+                quantiles.add_metric([tier, q], value)
+    return [*families, latency, quantiles]
 
 
 class ServerMetrics:

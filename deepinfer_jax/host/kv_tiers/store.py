@@ -11,7 +11,10 @@ store, whichever tier holds it, by the injected clock. An entry moved down keeps
 time, and a disk hit copied up leaves the disk copy's time alone (the host copy carries the
 recency and hands it back when it moves down), so no copy outlives the entry's last use.
 
-Calls are serialized by one lock, so a prefetching thread may share the store with the loop.
+Two locks: one for the host tier (held for dictionary work only) and one for the disk tier
+(held across its file I/O). The engine's loop only ever takes the first (`locate`,
+`get_host`); puts and lookups that may reach the disk run on the tiers' worker thread
+(prefetch.py), so a file being written or read never holds the loop up.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ class TierStoreStats:
 class TierStore:
     def __init__(self, config: KVTierConfig, clock: Clock = time.time):
         self.config, self._clock = config, clock
-        self._lock = threading.Lock()
+        self._host_lock, self._disk_lock = threading.Lock(), threading.Lock()
         now = clock()
         self.host = HostTier(config.host_bytes, config.retention_s) if config.has_host else None
         self.disk = (DiskTier(config.disk_dir, config.disk_bytes, config.retention_s, now)
@@ -50,38 +53,67 @@ class TierStore:
         return cls(config, clock) if config is not None and config.enabled else None
 
     def put(self, entry: TierEntry) -> None:
-        with self._lock:
-            now = self._clock()
-            if self.host is None:
-                self._to_disk([(entry, now)], now)
-            else:
-                self._to_disk(self.host.put(entry, now), now)
+        now = self._clock()
+        if self.host is None:
+            self._to_disk([(entry, now)], now)
+            return
+        with self._host_lock:
+            pushed = self.host.put(entry, now)
+        self._to_disk(pushed, now)
 
     def _to_disk(self, entries: list[tuple[TierEntry, float]], now: float) -> None:
-        if self.disk is not None:
-            for entry, last_used in entries:
-                self.disk.put(entry, now, last_used)
+        if self.disk is not None and entries:
+            with self._disk_lock:
+                for entry, last_used in entries:
+                    self.disk.put(entry, now, last_used)
 
     def get(self, key: int) -> TierEntry | None:
-        with self._lock:
-            now = self._clock()
-            entry = None if self.host is None else self.host.get(key, now)
-            if entry is None and self.disk is not None:
-                entry = self.disk.get(key, now, touch=self.host is None)
-                if entry is not None and self.host is not None:
-                    self._to_disk(self.host.put(entry, now), now)
-            return entry
+        return self.lookup(key)[0]
+
+    def lookup(self, key: int) -> tuple[TierEntry | None, str | None]:
+        """(the block set `key`, the tier that served it: "host" or "disk"), or (None, None).
+        May read a file: the loop calls `get_host` instead."""
+        entry = self.get_host(key)
+        if entry is not None or self.disk is None:
+            return entry, "host" if entry is not None else None
+        now = self._clock()
+        with self._disk_lock:
+            entry = self.disk.get(key, now, touch=self.host is None)
+        if entry is None:
+            return None, None
+        if self.host is not None:
+            with self._host_lock:
+                pushed = self.host.put(entry, now)
+            self._to_disk(pushed, now)
+        return entry, "disk"
+
+    def get_host(self, key: int) -> TierEntry | None:
+        """The block set `key` from host memory only (a miss there is a miss): no file I/O."""
+        if self.host is None:
+            return None
+        with self._host_lock:
+            return self.host.get(key, self._clock())
+
+    def locate(self, key: int) -> str | None:
+        """Which tier holds `key` ("host", "disk" or None), without waiting for the disk tier's
+        lock, touching recency or expiring anything: a hint for the loop (an entry may still
+        expire or move before it is read, and a read that misses is only a miss)."""
+        if self.host is not None:
+            with self._host_lock:
+                if key in self.host:
+                    return "host"
+        return "disk" if self.disk is not None and key in self.disk else None
 
     def __contains__(self, key: int) -> bool:
         """Whether a lookup of `key` would find it now (its recency untouched; a disk entry
         whose file turns out corrupt is still a miss on the lookup itself)."""
-        with self._lock:
+        with self._host_lock, self._disk_lock:
             self._expire()
             return any(t is not None and key in t for t in (self.host, self.disk))
 
     def expire(self) -> None:
         """Drop what has outlived the retention time (lookups and puts also do this)."""
-        with self._lock:
+        with self._host_lock, self._disk_lock:
             self._expire()
 
     def _expire(self) -> None:
@@ -91,7 +123,8 @@ class TierStore:
                 tier.expire(now)
 
     def stats(self) -> TierStoreStats:
-        with self._lock:
-            return TierStoreStats(
-                None if self.host is None else self.host.current_stats(),
-                None if self.disk is None else self.disk.current_stats())
+        """The counters now. The disk tier's are read without its lock (a scrape must not wait
+        for a file being written): at worst one operation behind."""
+        with self._host_lock:
+            host = None if self.host is None else self.host.current_stats()
+        return TierStoreStats(host, None if self.disk is None else self.disk.current_stats())
