@@ -3,6 +3,7 @@
     python bench/step_profile.py [--model PATH | --v4-flash-layers N] [--batch B] [--out DIR]
     python bench/step_profile.py --v4-flash-layers 2 --prefill 8192 --out DIR
     python bench/step_profile.py --v4-flash-layers 2 --batch 64 --batch-invariant --out DIR
+    python bench/step_profile.py --v4-flash-layers 4 --batch 16 --context 4096 --quantized --out DIR
 
 Runs steady decode at one batch size and reports (1) the engine loop's split between host
 work and waiting for the device, (2) the compiled step's device time alone (same inputs,
@@ -50,7 +51,8 @@ def build(args) -> LLM:
         from bench.lib.models import V4_FLASH, slice_config
         from deepinfer_jax.weights import random_params
         cfg = slice_config(V4_FLASH, args.v4_flash_layers)
-        return LLM(Model(cfg, random_params(cfg, 0, jnp.bfloat16)), **common)
+        params = random_params(cfg, 0, jnp.bfloat16, release_formats=args.quantized)
+        return LLM(Model(cfg, params), **common)
     return LLM(args.model, **common)
 
 
@@ -116,6 +118,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=0,
                     help="with --prefill: tokens per step (default: the whole prompt)")
     ap.add_argument("--batch-invariant", action="store_true")
+    ap.add_argument("--quantized", action="store_true",
+                    help="with --v4-flash-layers: weights in the release's formats (FP8, FP4)")
     ap.add_argument("--launch-ab", action="store_true",
                     help="then the same loop with the step launched from the loop's thread")
     args = ap.parse_args()
