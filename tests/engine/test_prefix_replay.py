@@ -6,6 +6,7 @@ trained model, stays close to it; bad option values are refused."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from deepinfer_jax import SamplingParams
 from deepinfer_jax.config.engine import EngineConfig
 from deepinfer_jax.config.errors import EngineConfigError
 from deepinfer_jax.config.hf import read_model_config
+from deepinfer_jax.config.memory import slot_ring_bytes
 from tests.conftest import REPO
 from tests.engine.test_prefix_cache import ENGINE, TINY, assert_same, run_alone, tokens
 
@@ -47,8 +49,12 @@ def test_a_replay_covering_the_prefix_equals_the_cold_run_bitwise():
     assert_same(warm.generate(prompts, [PARAMS] * 4, use_tqdm=False), reference)
     stats = warm.prefix_cache_stats
     assert stats.hits >= 3 and stats.replayed_tokens >= 3 * 256
-    # the snapshots keep no window rings
-    assert all(w is None for w, _, _ in warm.engine.snapshots.pool[0])
+    # the snapshots keep no window rings, and the memory plan counts what they keep
+    pool = warm.engine.snapshots.pool
+    assert all(w is None for w, _, _ in pool[0])
+    step_cfg = warm.engine.step_cfg
+    assert sum(x.nbytes for x in jax.tree.leaves(pool)) == step_cfg.num_snapshots * (
+        slot_ring_bytes(cfg, 0, 2, windows=False))
 
 
 def test_a_short_replay_serves_hits_close_to_the_exact_run():
