@@ -36,25 +36,38 @@ def test_bad_replay_options_are_refused(options, message):
         EngineConfig(**options)
 
 
-def test_a_replay_covering_the_prefix_equals_the_cold_run_bitwise():
+@pytest.fixture(scope="module")
+def mixed():
+    """A random tiny-mixed model (window 32, 4 layers), prompts sharing a 500-token prefix,
+    and their cold outputs."""
     cfg = read_model_config(REPO / "configs/tiny/tiny-mixed.json")
     model = deepinfer_jax.Model(cfg, deepinfer_jax.random_params(cfg, 3, jnp.bfloat16))
     rng = np.random.default_rng(0)
     base = tokens(rng, 500)
     prompts = [base + tokens(rng, 10), base + tokens(rng, 70), base[:300], tokens(rng, 200)]
     reference = run_alone(deepinfer_jax.LLM(model, **ENGINE), prompts, [PARAMS] * 4)
+    return model, base, prompts, reference
+
+
+# 1024: the whole prefix is replayed (only the cached rows and tails are reused); 124 =
+# layers * (window - 1), the shortest replay that is exact (bench/prefix_replay.py
+# exactness_bound): it starts inside the prefix, so the rows before it are hidden
+@pytest.mark.parametrize("replay", [1024, 124])
+def test_a_replay_covering_the_windows_reach_equals_the_cold_run_bitwise(mixed, replay):
+    model, base, prompts, reference = mixed
     warm = deepinfer_jax.LLM(model, enable_prefix_caching=True, prefix_replay="bounded",
-                             swa_replay_tokens=1024, **ENGINE)
+                             swa_replay_tokens=replay, **ENGINE)
     warm.generate([base], PARAMS, use_tqdm=False)          # fills the cache
     assert_same(warm.generate(prompts, [PARAMS] * 4, use_tqdm=False), reference)
     stats = warm.prefix_cache_stats
-    assert stats.hits >= 3 and stats.replayed_tokens >= 3 * 256
+    # hits at 384 (twice) and 256: replays of min(replay, prefix)
+    assert stats.hits == 3 and stats.replayed_tokens >= 2 * min(replay, 384) + min(replay, 256)
     # the snapshots keep no window rings, and the memory plan counts what they keep
     pool = warm.engine.snapshots.pool
     assert all(w is None for w, _, _ in pool[0])
     step_cfg = warm.engine.step_cfg
     assert sum(x.nbytes for x in jax.tree.leaves(pool)) == step_cfg.num_snapshots * (
-        slot_ring_bytes(cfg, 0, 2, windows=False))
+        slot_ring_bytes(model.config, 0, 2, windows=False))
 
 
 def test_a_short_replay_serves_hits_close_to_the_exact_run():
