@@ -7,9 +7,10 @@
   (CSA's and its indexer's overlap ring); a hit restores those and replays the prefix's last
   `swa_replay_tokens` tokens (all of them if it is shorter) to rebuild the windows. The
   replayed tokens see the cached compressed rows and write only their window rows: the rows
-  they would close exist already, in pages shared with the cache. Not exact for replays
-  shorter than the prefix (the upper layers' windows depend on more than the replayed
-  suffix); bench/prefix_replay.py measures by how much.
+  they would close exist already, in pages shared with the cache. Exact (bitwise in
+  batch-invariant mode) for a replay of at least num_layers * (sliding_window - 1) tokens,
+  the windows' reach through the layers; approximate below it (bench/prefix_replay.py
+  measures by how much).
 """
 
 from __future__ import annotations
