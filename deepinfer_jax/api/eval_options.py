@@ -48,6 +48,7 @@ ENGINE_ARGS = {
     "gpu_memory_utilization": float, "device_memory_gib": float,
     "batch_invariant": _bool, "enable_prefix_caching": _bool, "async_scheduling": _bool,
     "seed": _int, "step_formulation": str, "invariant_tile": _int, "compile_threads": _int,
+    "prefix_replay": str, "swa_replay_tokens": _int,
 }
 # MTP speculation, as the CLI's --speculative-tokens and SpeculativeConfig's fields
 SPEC_ARGS = {"speculative_tokens": ("num_speculative_tokens", _int),

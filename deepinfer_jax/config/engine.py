@@ -21,6 +21,7 @@ from deepinfer_jax.config.kv_tiers import DEFAULT_RETENTION_S, KVTierConfig
 from deepinfer_jax.config.memory import MemoryLimits
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.parallel import ParallelConfig
+from deepinfer_jax.config.prefix_replay import bounded_replay_tokens, check_prefix_replay
 from deepinfer_jax.config.speculative import SpeculativeConfig
 from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.config.v41 import V41Config
@@ -83,6 +84,11 @@ class EngineConfig:
     distributed: dict | DistributedConfig | None = None
     enable_prefix_caching: bool = False
     num_prefix_snapshots: int | None = None   # snapshot pool (None: 4 per slot)
+    # a hit restores the window rings from snapshots ("exact"), or rebuilds them by replaying
+    # the prefix's last swa_replay_tokens tokens over its cached rows ("bounded"; see
+    # config/prefix_replay.py and docs/prefix_caching.md)
+    prefix_replay: str = "exact"
+    swa_replay_tokens: int = 140
     # Prefix-cache blocks kept below the device (config/kv_tiers.py; 0 bytes: no such tier):
     # in host memory, then in files under kv_disk_tier_dir, each for kv_retention_s after last use
     kv_host_tier_bytes: int = 0
@@ -113,6 +119,7 @@ class EngineConfig:
             object.__setattr__(self, "token_buckets", buckets)
         if self.num_prefix_snapshots is not None and self.num_prefix_snapshots < 1:
             raise EngineConfigError("num_prefix_snapshots must be >= 1")
+        check_prefix_replay(self)
         tiers = self.kv_tiers     # validates the tier options
         if tiers.enabled and not self.enable_prefix_caching:
             raise EngineConfigError("KV tiers keep prefix-cache blocks: they need "
@@ -177,7 +184,7 @@ class EngineConfig:
             speculative=self.speculative_config, compute=compute,
             enable_prefix_caching=self.enable_prefix_caching, engram_shape=family.engram_shape(model),
             num_snapshots=(self.num_prefix_snapshots or 4 * self.max_num_seqs)
-            if self.enable_prefix_caching else 0)
+            if self.enable_prefix_caching else 0, bounded_replay=bounded_replay_tokens(self))
 
     def memory(self, device: options.DeviceFacts = options.CPU,
                environ: Mapping[str, str] | None = None) -> MemoryLimits | None:

@@ -55,13 +55,15 @@ def _tail_bytes(rate: int, overlap: bool, dim: int, spare: int) -> int:
     return 2 * (ring + spare) * width * _F32          # kv and score rings
 
 
-def slot_ring_bytes(cfg: ModelConfig, spec_tokens: int = 0, dtype_bytes: int = 2) -> int:
-    """One slot's rings: what a prefix-cache snapshot copies (device/snapshots.py)."""
-    window = (cfg.sliding_window + spec_tokens) * cfg.head_dim * dtype_bytes
+def slot_ring_bytes(cfg: ModelConfig, spec_tokens: int = 0, dtype_bytes: int = 2,
+                    windows: bool = True) -> int:
+    """One slot's rings: what a prefix-cache snapshot copies (device/snapshots.py); without
+    windows (bounded prefix replay), only the overlapping compressors' tails."""
+    window = (cfg.sliding_window + spec_tokens) * cfg.head_dim * dtype_bytes if windows else 0
     total = 0
     for kind in cfg.layer_types:
         total += window
-        if kind is not AttentionKind.SLIDING:
+        if kind is not AttentionKind.SLIDING and (windows or kind is AttentionKind.CSA):
             rate = cfg.compress_rate(kind)
             total += _tail_bytes(rate, kind is AttentionKind.CSA, cfg.head_dim, spec_tokens)
         if kind is AttentionKind.CSA:
@@ -80,7 +82,8 @@ def fixed_cache_bytes(cfg: ModelConfig, step_cfg: StepConfig, dtype_bytes: int =
     cache's snapshots."""
     spare = step_cfg.spec_tokens
     return (step_cfg.max_num_seqs * slot_bytes(cfg, spare, dtype_bytes)
-            + step_cfg.num_snapshots * slot_ring_bytes(cfg, spare, dtype_bytes))
+            + step_cfg.num_snapshots * slot_ring_bytes(cfg, spare, dtype_bytes,
+                                                       windows=not step_cfg.bounded_replay))
 
 
 def cache_bytes(cfg: ModelConfig, step_cfg: StepConfig, dtype_bytes: int = 2) -> int:

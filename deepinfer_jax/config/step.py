@@ -31,6 +31,9 @@ class StepConfig:
     compute: ComputeConfig
     enable_prefix_caching: bool = False
     num_snapshots: int = 0            # snapshot pool of the prefix cache (0: no cache)
+    # prefix hits rebuild the window rings by replaying this many cached tokens, and snapshots
+    # keep no windows (config/prefix_replay.py); 0: exact snapshots
+    bounded_replay: int = 0
     # (L_e, C): the Engram row ids each plan token carries (BatchPlan.engram_ids), hashed by
     # the host; (0, 0) for a model without Engram (the plan's field is then empty)
     engram_shape: tuple[int, int] = (0, 0)

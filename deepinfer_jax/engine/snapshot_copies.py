@@ -19,9 +19,12 @@ class SnapshotCopies:
         self.ranked = step_cfg.compute.parallel.dp > 1
         pool, copies = ((init_rank_pool, compile_rank_copies) if self.ranked else
                         (init_pool, compile_copies))
-        self.pool = pool(state, step_cfg.num_snapshots)
+        # a bounded prefix replay rebuilds the windows: snapshots keep none (not with ranks)
+        self.windows = self.ranked or not step_cfg.bounded_replay
+        extra = () if self.ranked else (self.windows,)
+        self.pool = pool(state, step_cfg.num_snapshots, *extra)
         self._save, self._restore = copies(state, self.pool, step_cfg.max_num_seqs,
-                                           step_cfg.max_model_len)
+                                           step_cfg.max_model_len, *extra)
 
     def restore(self, state: StateCache, restores: tuple) -> StateCache:
         """state with the snapshots of `restores` (a decision's Restores, or with ranks a tuple
@@ -33,7 +36,7 @@ class SnapshotCopies:
         """Copy the slots of `saves` (SnapshotSaves, or a tuple of them per rank) into the
         pool (the pool is donated and replaced)."""
         rows = [self._save_arrays(s) for s in self._per_rank(saves)]
-        self.pool = self._save(slot_rings(state), self.pool, *self._stacked(rows))
+        self.pool = self._save(slot_rings(state, self.windows), self.pool, *self._stacked(rows))
 
     def _restore_arrays(self, restores: tuple[Restore, ...]) -> tuple[np.ndarray, ...]:
         width, step_cfg = self.step_cfg.max_num_seqs, self.step_cfg

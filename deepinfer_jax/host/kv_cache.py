@@ -29,6 +29,15 @@ from deepinfer_jax.host.prefix_cache import (
 from deepinfer_jax.host.request import Request
 
 
+def bounded_replay(req: Request, match: Match, replay_tokens: int) -> Match:
+    """A hit in bounded-replay mode: `req` keeps the matched pages and the snapshot of the
+    compressor tails at their end, and computes again (window rows only) its last
+    `replay_tokens` cached tokens, or all of them, to rebuild its windows."""
+    start = max(0, match.num_tokens - replay_tokens)
+    req.num_computed, req.window_from, req.rows_from = start, start, match.num_tokens
+    return dataclasses.replace(match, num_tokens=start)
+
+
 class Prefetching:
     """match_prefix's answer for a request whose prefix blocks are still being read."""
 
@@ -50,8 +59,9 @@ class PendingBlock:
 class KVCacheManager:
     def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = False,
                  num_snapshots: int = 0, snapshots_need_next_token: bool = False,
-                 tiers: TierWorker | None = None):
+                 tiers: TierWorker | None = None, replay_tokens: int = 0):
         self.page_size = page_size
+        self.replay_tokens = replay_tokens    # a bounded prefix replay (0: exact snapshots)
         self.pages = PageAllocator(num_pages)
         self.prefix_cache = (PrefixCache(self.pages, SnapshotAllocator(num_snapshots), page_size,
                                          snapshots_need_next_token) if prefix_caching else None)
@@ -116,6 +126,9 @@ class KVCacheManager:
             self.pages.share(page)
         self.pages.free(held)
         req.pages, req.num_computed = list(match.pages), match.num_tokens
+        req.window_from, req.rows_from = 0, 0
+        if self.replay_tokens and match.num_tokens:
+            match = bounded_replay(req, match, self.replay_tokens)
         return match
 
     def count_lookup(self, req: Request, match: Match) -> None:
@@ -123,7 +136,7 @@ class KVCacheManager:
         before (recomputing them is a replay)."""
         stats = self.prefix_cache.stats
         stats.queries += 1
-        stats.hits += match.num_tokens > 0
+        stats.hits += bool(match.pages)      # (a bounded replay may compute them all)
         stats.hit_tokens += match.num_tokens
         req.replay_until = max(req.replay_until, match.num_cached)
 
@@ -147,7 +160,9 @@ class KVCacheManager:
                 cached = (self.prefix_cache.get(req.block_keys[index])
                           if index < len(req.block_keys) else None)
                 # A row with drafts ends the step past `end` (by its accepted drafts).
-                wants_snapshot = (index + 1) * bs == end and seq.num_drafts == 0
+                # (and not inside a bounded replay: its tails are those of its end)
+                wants_snapshot = ((index + 1) * bs == end and seq.num_drafts == 0
+                                  and end >= req.rows_from)
                 if cached is not None and (cached.snapshot is not None or not wants_snapshot):
                     continue
                 snapshot = self.prefix_cache.allocate_snapshot() if wants_snapshot else None

@@ -45,6 +45,7 @@ def build_plan(decision: ScheduleDecision, token_bucket: int,
     next_token_ids = np.full(t_cap, -1, np.int32)
     num_drafts = np.zeros(n_cap, np.int32)
     draft_cap = np.zeros(n_cap, np.int32)
+    window_from, rows_from = np.zeros(n_cap, np.int32), np.zeros(n_cap, np.int32)
     # filled by the engine (engine/engram_rows.py), which may import the hash; zero-size
     # without Engram, so V4's wire carries nothing for it
     engram_ids = np.zeros((t_cap, *step_cfg.engram_shape), np.int32)
@@ -64,6 +65,7 @@ def build_plan(decision: ScheduleDecision, token_bucket: int,
         block_table[row, : len(seq.pages)] = seq.pages
         sample_index[row], seq_samples[row] = offset + n - 1, seq.samples
         prompt_len[row] = len(req.prompt)
+        window_from[row], rows_from[row] = req.window_from, req.rows_from
         p = req.params
         temperature[row], top_k[row], top_p[row], min_p[row] = (p.temperature, max(p.top_k, 0),
                                                                  p.top_p, p.min_p)
@@ -74,7 +76,7 @@ def build_plan(decision: ScheduleDecision, token_bucket: int,
     return BatchPlan(token_ids, positions, token_seq, seq_slot, seq_start, seq_len, seq_offset,
                      block_table, sample_index, seq_samples, prompt_len, temperature, top_k,
                      top_p, min_p, repetition, presence, frequency, seed, allowed,
-                     next_token_ids, num_drafts, draft_cap, engram_ids)
+                     next_token_ids, num_drafts, draft_cap, engram_ids, window_from, rows_from)
 
 
 def suppress_stops(plan: BatchPlan, decision: ScheduleDecision, eos_token_ids) -> None:

@@ -11,9 +11,11 @@ exist where a step ended on a block boundary (prefill chunks are cut there), so 
 chunk of cached tokens is computed again. A preempted sequence resumes the same way.
 
 Why snapshots and not a replay of the last ~140 tokens: a replayed token's window attention
-at layer l reads the layer l-1 outputs of the 127 tokens before it, which in turn read theirs,
-so no bounded replay rebuilds the window rings of the upper layers exactly. A snapshot is
-exact and costs one window per layer (see docs/prefix_caching.md).
+at layer l reads the layer l-1 outputs of the W-1 tokens before it, which in turn read
+theirs, so only a replay of layers * (W-1) tokens (5,461 on V4-Flash) rebuilds the upper
+layers' windows exactly. A snapshot is exact and costs one window per layer (see
+docs/prefix_caching.md). The bounded replay is a mode (config/prefix_replay.py,
+host/kv_cache.bounded_replay): its snapshots keep no windows.
 
 With MTP speculation a snapshot also holds the MTP block's window, whose row for the block's
 last position pairs that position with the *next* token (MTP's input is the token after).

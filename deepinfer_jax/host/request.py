@@ -335,6 +335,9 @@ class Request:
     # positions below this were computed before (by this request before a preemption, or by
     # the request that cached their blocks): feeding them again is a replay
     replay_until: int = 0
+    # a bounded prefix replay (BatchPlan.window_from / rows_from), set at admission
+    window_from: int = 0
+    rows_from: int = 0
 
     @property
     def tokens(self) -> list[int]:

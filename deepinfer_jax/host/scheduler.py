@@ -63,7 +63,7 @@ class Scheduler:
         self.kv_cache = KVCacheManager(step_cfg.num_pages, step_cfg.page_size, step_cfg.enable_prefix_caching,
                                        step_cfg.num_snapshots,
                                        snapshots_need_next_token=step_cfg.speculative is not None,
-                                       tiers=tiers)
+                                       tiers=tiers, replay_tokens=step_cfg.bounded_replay)
         self._free_slots = list(range(step_cfg.max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
 

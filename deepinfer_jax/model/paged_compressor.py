@@ -9,6 +9,7 @@ row written by a token that is later rolled back is never visible and gets overw
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -34,7 +35,12 @@ def close_rows(kv: Array, score: Array, p: CompressorParams, tail: CompressorTai
                page_size: int, max_new_rows: int, rowwise: Callable, invariant: bool
                ) -> tuple[Array, CompressorTail]:
     """kv, score f32[T, c*d]: this step's projected tokens (score with the position bias).
-    Returns the pool with this step's rows written and the tail ring with this step's tokens."""
+    Returns the pool with this step's rows written and the tail ring with this step's tokens.
+    Tokens of a bounded prefix replay (below ctx.rows_from) close no rows and write no tail:
+    their rows are cached, and the restored tail holds the cached tokens the next row pools."""
+    if ctx.rows_from is not None:
+        ctx = dataclasses.replace(ctx, valid=ctx.valid & (ctx.positions >= ctx.rows_from),
+                                  start=jnp.maximum(ctx.start, ctx.rows_from))
     num_tokens = kv.shape[0]
     closing = ctx.valid & ((ctx.positions + 1) % rate == 0)
     (closer,) = jnp.nonzero(closing, size=max_new_rows, fill_value=num_tokens)

@@ -27,6 +27,9 @@ class TokenContext:
     start: Array         # i32[T]   first position of the sequence in this step
     end: Array           # i32[T]   one past its last position in this step
     block_table: Array   # i32[N, max_blocks]
+    # a bounded prefix replay (BatchPlan.window_from / rows_from) per token; None: 0
+    window_from: Array | None = None   # i32[T]  window rows below it are not visible
+    rows_from: Array | None = None     # i32[T]  positions below it write no rows or tails
     # the GPU formulation (ComputeConfig.launch_bound): index arrays settled before use
     launch_bound: bool = struct.field(pytree_node=False, default=False)
 
@@ -48,6 +51,7 @@ def token_context(plan, launch_bound: bool) -> TokenContext:
     return TokenContext(positions=plan.positions, valid=valid, seq=seq,
                         slot=plan.seq_slot[seq], start=start,
                         end=start + plan.seq_len[seq], block_table=plan.block_table,
+                        window_from=plan.window_from[seq], rows_from=plan.rows_from[seq],
                         launch_bound=launch_bound)
 
 
@@ -71,7 +75,8 @@ def window_keys(kv: Array, window: Array, ctx: TokenContext, width: int) -> tupl
     index = settled(ctx.launch_bound, ring_or_flat_index(ctx, token[:, None] - dist, positions,
                                                          ring, num_tokens, token))
     source = jnp.concatenate([kv, window.reshape(-1, kv.shape[-1])])
-    visible = (positions >= 0) & ctx.valid[:, None]
+    floor = 0 if ctx.window_from is None else ctx.window_from[:, None]
+    visible = (positions >= floor) & ctx.valid[:, None]
     return source[index], visible
 
 

@@ -8,6 +8,7 @@ import numpy as np
 from deepinfer_jax.config.engine import EngineConfig
 from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.contract import StepOutput
+from deepinfer_jax.host.kv_cache import KVCacheManager
 from deepinfer_jax.host.pages import PageAllocator
 from deepinfer_jax.host.prefix_cache import PrefixCache, SnapshotAllocator, extend_block_keys
 from deepinfer_jax.host.request import Request, SamplingParams
@@ -171,3 +172,18 @@ def test_scheduler_cuts_chunks_at_blocks_and_reuses_the_cached_prefix():
     held = {b.page for b in sched.kv_cache.prefix_cache.blocks.values()}
     assert pages.num_free + len(held) == 32
     assert all(pages.refs(p) == 1 for p in held)
+
+
+def test_a_bounded_replay_hit_recomputes_the_last_tokens_without_writing_rows():
+    kv = KVCacheManager(16, BS, prefix_caching=True, num_snapshots=8, replay_tokens=5)
+    tokens = list(range(100, 112))                        # three blocks
+    put(kv.prefix_cache, kv.pages, tokens)
+    req = Request("r", tokens + [7, 8], SamplingParams(max_tokens=4), 0)
+    match = kv.match_prefix(req)
+    # the snapshot at 12 serves; the last 5 cached tokens are computed again
+    assert len(match.pages) == 3 and match.num_tokens == 7 and match.snapshot is not None
+    assert (req.num_computed, req.window_from, req.rows_from) == (7, 7, 12)
+    kv.release(req)
+    short = Request("s", tokens[:4] + [9], SamplingParams(max_tokens=4), 1)
+    kv.match_prefix(short)                                # shorter than the replay: all of it
+    assert (short.num_computed, short.window_from, short.rows_from) == (0, 0, 4)
