@@ -4,7 +4,9 @@ DeepSeek-V4 ships its dense projections in FP8 and its routed experts in FP4. Th
 them so (about 4x fewer bytes than bf16 for the experts); the GEMMs dequantize as they read.
 
 * `Fp8Blocks`: E4M3 codes in the model's `[in, out]` layout (`x @ w`), one float32 scale per
-  128 x 128 block. The checkpoint stores `[out, in]` codes and E8M0 scales; `fp8_from_checkpoint`
+  128 x 128 block (DeepSeek-V4; V4.1's release uses 32 x 32 blocks: the block is a power of two
+  read back from the codes' and scales' shapes, `fp8_block`; the GEMM kernels take 128 only,
+  `kernel_blocks`). The checkpoint stores `[out, in]` codes and E8M0 scales; `fp8_from_checkpoint`
   transposes both once at load time (a byte copy, no rounding) and decodes the scales
   (exact: E8M0 is a power of two).
 * `Fp4Blocks`: E2M1 codes packed two per byte along the input axis (low nibble = even input
@@ -35,7 +37,7 @@ FP4_VALUES = np.array(_FP4_MAGNITUDES + tuple(-m for m in _FP4_MAGNITUDES), np.f
 
 class Fp8Blocks(NamedTuple):
     codes: jax.Array    # f8_e4m3fn[..., K, N]
-    scale: jax.Array    # f32[..., ceil(K/128), ceil(N/128)]
+    scale: jax.Array    # f32[..., ceil(K/bk), ceil(N/bn)]   bk, bn: 128 (V4) or 32 (V4.1)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -59,6 +61,24 @@ Quantized = Fp8Blocks | Fp4Blocks
 
 def is_quantized(w) -> bool:
     return isinstance(w, (Fp8Blocks, Fp4Blocks))
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def fp8_block(w: Fp8Blocks) -> tuple[int, int]:
+    """The (K, N) block of an Fp8Blocks from its shapes. A power-of-two block b gives a grid
+    of r = ceil(K/b) rows, so b/2 < ceil(K/r) <= b where r > 1: b is the power of two at
+    least ceil(K/r) (r = 1: one block spans K, and that power of two is as good)."""
+    (k, n), (rk, rn) = w.codes.shape[-2:], w.scale.shape[-2:]
+    return _pow2_at_least(-(-k // rk)), _pow2_at_least(-(-n // rn))
+
+
+def kernel_blocks(w: Fp8Blocks) -> bool:
+    """Whether the scale grid is the 128 x 128 one the FP8 GEMM kernels read."""
+    k, n = w.codes.shape[-2:]
+    return tuple(w.scale.shape[-2:]) == (-(-k // FP8_BLOCK), -(-n // FP8_BLOCK))
 
 
 def nbytes(w) -> int:
@@ -85,7 +105,7 @@ def e8m0_bits(scale: np.ndarray) -> np.ndarray:
 
 
 def fp8_from_checkpoint(codes: np.ndarray, scale: np.ndarray) -> Fp8Blocks:
-    """Stored E4M3 codes [out, in] and scales [ceil(out/128), ceil(in/128)] -> Fp8Blocks
+    """Stored E4M3 codes [out, in] and scales [ceil(out/bo), ceil(in/bi)] -> Fp8Blocks
     in [in, out] (numpy arrays; the caller places them)."""
     return Fp8Blocks(np.ascontiguousarray(codes.view(ml_dtypes.float8_e4m3fn).T),
                      np.ascontiguousarray(e8m0_to_float(scale).T))
@@ -102,7 +122,8 @@ def fp4_from_checkpoint(packed: np.ndarray, scale: np.ndarray) -> Fp4Blocks:
 
 def _fp8_dequantize(w: Fp8Blocks, dtype) -> jax.Array:
     k, n = w.codes.shape[-2:]
-    full = jnp.repeat(jnp.repeat(w.scale, FP8_BLOCK, axis=-2), FP8_BLOCK, axis=-1)
+    bk, bn = fp8_block(w)
+    full = jnp.repeat(jnp.repeat(w.scale, bk, axis=-2), bn, axis=-1)
     return (w.codes.astype(jnp.float32) * full[..., :k, :n]).astype(dtype)
 
 

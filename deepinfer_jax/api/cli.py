@@ -218,12 +218,12 @@ def plan(args) -> int:
     from deepinfer_jax.config import options
     from deepinfer_jax.config.engine import EngineConfig
     from deepinfer_jax.config.errors import InsufficientMemoryError
-    from deepinfer_jax.config.hf import read_served_model_config
+    from deepinfer_jax.config.hf import read_model_config
     from deepinfer_jax.config.memory import plan_pool
     from deepinfer_jax.engine.memory_plan import config_plan
 
     path = _model_config_path(args.model)
-    cfg = read_served_model_config(path)
+    cfg = read_model_config(path)              # DeepSeek-V4 or V4.1
     engine = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                           max_num_batched_tokens=args.max_num_batched_tokens or max(
                               256, args.max_num_seqs))

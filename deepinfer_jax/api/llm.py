@@ -131,8 +131,9 @@ class LLM:
             if memory is not None:        # weights that cannot fit fail before they load
                 check_checkpoint_fits(model, memory, quantized=weights == "quantized",
                                       dtype=dtype or checkpoint_dtype(model))
-            if isinstance(config, V41Config):     # float checkpoints only (weights/v41.py)
-                self.model = load_v41(model, dtype=dtype or checkpoint_dtype(model))
+            if isinstance(config, V41Config):
+                self.model = load_v41(model, dtype=dtype or checkpoint_dtype(model),
+                                      weights=weights)
             else:
                 self.model = load(model, dtype=dtype, weights=weights,
                                   mesh=make_mesh(step_config.compute.parallel))

@@ -79,8 +79,13 @@ class V41Model:
         return np.stack(out, 1)
 
 
-def load_v41(path: str | Path, dtype=np.float32, pad_to: int = 128) -> V41Model:
-    """A V4.1 checkpoint directory (config.json, safetensors, tokenizer.json) -> V41Model."""
+def load_v41(path: str | Path, dtype=np.float32, pad_to: int = 128,
+             weights: str = "quantized") -> V41Model:
+    """A V4.1 checkpoint directory (config.json, safetensors, tokenizer.json) -> V41Model.
+    weights: "quantized" keeps the release's FP8 projections and FP4 routed experts as stored
+    (weights/v41_reader.py), "bf16" dequantizes them to `dtype` at load."""
+    if weights not in ("quantized", "bf16"):
+        raise ValueError(f"weights must be 'quantized' or 'bf16', got {weights!r}")
     path = Path(path)
     cfg = read_model_config(path)
     if not isinstance(cfg, V41Config):
@@ -95,5 +100,5 @@ def load_v41(path: str | Path, dtype=np.float32, pad_to: int = 128) -> V41Model:
             raise ConfigError(f"{path}: the tokenizer gives {size} compressed ids, the config's "
                               f"engram_compressed_vocab_size is {cfg.engram.compressed_vocab_size}: "
                               f"every Engram row would be hashed wrongly")
-    return V41Model(config=cfg, params=load_v41_params(path, cfg, dtype), token_map=token_map,
-                    pad_to=pad_to)
+    params = load_v41_params(path, cfg, dtype, keep_quantized=weights == "quantized")
+    return V41Model(config=cfg, params=params, token_map=token_map, pad_to=pad_to)

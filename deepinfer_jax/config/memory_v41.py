@@ -11,7 +11,9 @@ reference's quantized ones, so the byte counts do not depend on the compute dtyp
   gate logits, `ratio + spare` rows), the sampler's vocabulary rows and last token.
 
 tests/model/test_v41_state.py checks these against `init_v41_state`'s real pytree. The Engram
-tables are weights, not state: they are not counted here.
+tables are weights, not state: `v41_weight_bytes` counts them with the other weights, in the
+formats the loader keeps (weights/v41.py), which tests/weights/test_v41_quantized.py checks
+against a loaded pytree's bytes.
 """
 
 from __future__ import annotations
@@ -63,3 +65,59 @@ def v41_cache_bytes(cfg: V41Config, step_cfg: StepConfig, tail_bytes: int = _F32
     """The whole paged state for `step_cfg`'s shapes (no prefix-cache snapshots yet)."""
     return (step_cfg.num_pages * v41_page_bytes(cfg, step_cfg.page_size)
             + step_cfg.max_num_seqs * v41_slot_bytes(cfg, step_cfg.spec_tokens, tail_bytes))
+
+
+def _fp8_bytes(out_dim: int, in_dim: int, block: tuple[int, int]) -> int:
+    """A kept FP8 weight: a byte a code and a float32 scale a tile (Fp8Blocks)."""
+    return out_dim * in_dim + -(-out_dim // block[0]) * -(-in_dim // block[1]) * _F32
+
+
+def v41_weight_bytes(cfg: V41Config, quantized: bool, dtype_bytes: int = 2) -> int:
+    """The bytes of V4.1's weights as the loader holds them (weights/v41.py).
+
+    quantized: as released (the architecture notes, section 8) and kept so: FP8 attention
+    projections, shared experts and `engram.wkv` (Fp8Blocks: a byte a weight and a float32
+    scale per `cfg.fp8_block` tile), FP4 routed experts (Fp4Blocks: half a byte a weight and a
+    scale byte per 32 inputs). The rest at `dtype_bytes`: compressor / indexer projections,
+    router, embedding, head and the engram tables (FP8 in the release, dequantized on load);
+    norms, mHC parameters, sinks, router biases and the engram gate weights in float32.
+    quantized=False: every projection and expert at `dtype_bytes` (the float twin)."""
+    c, b, dt = cfg, cfg.fp8_block, dtype_bytes
+    d, hc, e, inter = c.hidden_size, c.hc_mult, c.n_routed_experts, c.moe_intermediate_size
+    g, low, rank = c.o_groups, c.o_lora_rank, c.q_lora_rank
+    group_in = c.num_heads * c.head_dim // g
+
+    def fp8(out_dim, in_dim, keeps=True):
+        return _fp8_bytes(out_dim, in_dim, b) if quantized and keeps else out_dim * in_dim * dt
+
+    n_mix = (2 + hc) * hc
+    total = c.vocab_size * d * dt * (1 if c.tie_word_embeddings else 2) + d * _F32
+    if c.engram is not None:
+        total += sum(c.engram.num_embeddings) * c.engram.head_dim * dt
+    for i in range(c.num_layers):
+        small = 2 * d + 2 * (n_mix * hc * d + n_mix + 3) + rank + c.head_dim + c.num_heads + 2 * e
+        plain = d * e                                                        # router
+        if c.is_kv_source(i):
+            small += c.head_dim
+            plain += d * c.head_dim * (2 if c.compress_ratios[i] > 1 else 1)
+        if c.is_index_source(i):
+            plain += rank * c.index_n_heads * c.index_head_dim + d * c.index_n_heads
+            if c.is_kv_source(i):
+                small += c.index_head_dim
+                plain += c.head_dim * c.index_head_dim
+        if c.has_engram(i):
+            small += 2 * hc * d
+            total += fp8((hc + 1) * d, c.engram.n_columns * c.engram.head_dim)
+        # o_a_proj stays FP8 split into its groups where their columns share whole tiles or
+        # lie in one (weights/builder.py split_groups), and so do gate | up joined.
+        split = low % b[0] == 0 or b[0] % low == 0
+        total += (fp8(rank, d) + fp8(c.num_heads * c.head_dim, rank) + fp8(c.head_dim, d)
+                  + (g * fp8(low, group_in) if split else g * low * group_in * dt)
+                  + fp8(d, g * low))
+        if c.n_shared_experts:
+            si = c.shared_intermediate_size
+            total += 2 * fp8(si, d, keeps=si % b[0] == 0) + fp8(d, si)
+        routed = e * 3 * d * inter
+        total += routed // 2 + routed // 32 if quantized else routed * dt
+        total += small * _F32 + plain * dt
+    return total

@@ -188,6 +188,12 @@ class V41Config:
         return self.engram is not None and layer in self.engram.layer_ids
 
     @property
+    def fp8_block(self) -> tuple[int, int]:
+        """The (out, in) tile of one FP8 weight scale: the config's `weight_block_size`, else
+        the release's 32 x 32 (the architecture notes, section 8; V4's is 128 x 128)."""
+        return self.quantization.weight_block_size if self.quantization else (32, 32)
+
+    @property
     def shared_intermediate_size(self) -> int:
         return self.n_shared_experts * self.moe_intermediate_size
 

@@ -23,19 +23,18 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from deepinfer_jax.config.errors import EngineConfigError
 from deepinfer_jax.config.family import facts_of
 from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.config.host import HostOptions
 from deepinfer_jax.config.memory import (
     MemoryLimits,
     MemoryPlan,
-    activation_estimate,
     best_pool,
     check_weights,
-    fixed_cache_bytes,
-    page_bytes,
     plan_pool,
 )
+from deepinfer_jax.config.memory_v41 import v41_weight_bytes
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.config.v41 import V41Config
@@ -43,7 +42,6 @@ from deepinfer_jax.engine.compile import compile_steps
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.parallel.mesh import abstract_state
 from deepinfer_jax.weights import random_params
-from deepinfer_jax.weights.v41 import v41_weight_elements
 from pallas_kernels import quantized as q
 
 log = logging.getLogger("deepinfer_jax")
@@ -140,8 +138,15 @@ def config_plan(cfg: ModelConfig, step_cfg: StepConfig, *, devices: int = 1,
     """A plan from the configuration alone (`deepinfer plan`): weights from the parameter
     pytree's shapes, the activation estimate, and as many pages as fit (it may not fit:
     `plan.fits`). No weights are read and nothing is compiled."""
-    weights = weight_bytes(abstract_params(cfg, dtype, quantized), devices)
     dtype_bytes = jnp.dtype(dtype).itemsize
+    family = facts_of(cfg)
+    if isinstance(cfg, V41Config):
+        if devices > 1:
+            raise EngineConfigError("a plan over several devices is not supported for "
+                                    "DeepSeek-V4.1 yet (issue 36)")
+        weights = v41_weight_bytes(cfg, quantized, dtype_bytes)
+    else:
+        weights = weight_bytes(abstract_params(cfg, dtype, quantized), devices)
     experts = math.ceil(cfg.n_routed_experts / devices)
     notes = ((f"weights {'quantized as released (FP8 dense projections, FP4 routed experts; '
                           'from shapes)' if quantized else 'in bf16 (norms, mixing, biases in f32)'}"
@@ -153,9 +158,10 @@ def config_plan(cfg: ModelConfig, step_cfg: StepConfig, *, devices: int = 1,
                   f"of {cfg.n_routed_experts} a device), everything else replicated "
                   f"(data-parallel attention); slots and pages are each device's own",)
     return best_pool(MemoryPlan(
-        weights=weights, activations=activation_estimate(cfg, step_cfg),
-        activations_measured=False, fixed_cache=fixed_cache_bytes(cfg, step_cfg, dtype_bytes),
-        page_bytes=page_bytes(cfg, step_cfg.page_size, dtype_bytes),
+        weights=weights, activations=family.activation_estimate(cfg, step_cfg),
+        activations_measured=False,
+        fixed_cache=family.fixed_cache_bytes(cfg, step_cfg, dtype_bytes),
+        page_bytes=family.page_bytes(cfg, step_cfg.page_size, dtype_bytes),
         page_size=step_cfg.page_size, pages=0, max_num_seqs=step_cfg.max_num_seqs,
         max_model_len=step_cfg.max_model_len, blocks_per_seq=step_cfg.max_blocks_per_seq,
         device_bytes=device_bytes, utilization=utilization, devices=devices, notes=notes))
@@ -165,12 +171,12 @@ def check_checkpoint_fits(path, limits: MemoryLimits, quantized: bool = True,
                           dtype=jnp.bfloat16) -> None:
     """Before a checkpoint loads: its weights counted from its config.json (quantized where
     the checkpoint is and the load keeps it so), which must fit the budget. The exact check
-    follows once they are loaded (`engine_plan`). DeepSeek-V4.1 (float checkpoints only):
-    the files' tensors at the compute `dtype`, a lower bound of the load (its norms and
-    mixing parameters stay float32)."""
+    follows once they are loaded (`engine_plan`). DeepSeek-V4.1: config/memory_v41.py's
+    count in the loader's formats."""
     cfg = read_model_config(path)
     if isinstance(cfg, V41Config):
-        weights = v41_weight_elements(path) * jnp.dtype(dtype).itemsize
+        weights = v41_weight_bytes(cfg, quantized and cfg.quantization is not None,
+                                   jnp.dtype(dtype).itemsize)
     else:
         weights = weight_bytes(abstract_params(cfg, quantized=quantized
                                                and cfg.quantization is not None))

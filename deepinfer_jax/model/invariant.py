@@ -21,7 +21,7 @@ from deepinfer_jax.config.compute import ComputeConfig
 from pallas_kernels.common import NotSupported, in_row_tiles
 from pallas_kernels.grouped_gemm import api as gemm
 from pallas_kernels.grouped_gemm import invariant as invariant_gemm
-from pallas_kernels.quantized import Fp8Blocks, dequantize
+from pallas_kernels.quantized import Fp8Blocks, dequantize, kernel_blocks
 
 
 def per_row_tiles(fn: Callable, *args, tile: int):
@@ -74,9 +74,10 @@ def _fp8_kernels(compute: ComputeConfig) -> tuple[str, ...]:
 def fp8_linear(x: jax.Array, w: Fp8Blocks, compute: ComputeConfig, out_dtype=None) -> jax.Array:
     """x [..., K] @ FP8 w [K, N]: the grouped GEMM kernel on one group (it reads the E4M3
     codes and their block scales), else the dequantized weight through `linear`. Batch-
-    invariant mode takes the latter (its dense GEMM reads 16-bit weights only)."""
+    invariant mode takes the latter (its dense GEMM reads 16-bit weights only), and so do
+    blocks other than the kernels' 128 x 128 (V4.1's 32 x 32)."""
     kernels = _fp8_kernels(compute)
-    if kernels and not compute.batch_invariant:
+    if kernels and not compute.batch_invariant and kernel_blocks(w):
         flat = x.reshape(-1, x.shape[-1])
         try:
             out = gemm.grouped_matmul(flat, w.codes[None], jnp.full((1,), flat.shape[0], jnp.int32),
@@ -105,7 +106,7 @@ def grouped_linear(x: jax.Array, w: jax.Array, compute: ComputeConfig) -> jax.Ar
     An FP8 w: the grouped GEMM kernel, each group's rows its own group."""
     if isinstance(w, Fp8Blocks):
         kernels = _fp8_kernels(compute)
-        if kernels and not compute.batch_invariant:
+        if kernels and not compute.batch_invariant and kernel_blocks(w):
             groups, k, n = w.shape
             rows = x.reshape(-1, groups, k).swapaxes(0, 1)                   # [G, M, K]
             sizes = jnp.full((groups,), rows.shape[1], jnp.int32)

@@ -77,33 +77,34 @@ def _concat(arrays, axis):
     return _xp(arrays[0]).concatenate(arrays, axis=axis)
 
 
-def _whole_blocks(*sizes: int) -> bool:
-    return all(size % FP8_BLOCK == 0 for size in sizes)
+def _whole_blocks(block: int, *sizes: int) -> bool:
+    return all(size % block == 0 for size in sizes)
 
 
-def join_columns(ws: list, dtype):
+def join_columns(ws: list, dtype, block: int = FP8_BLOCK):
     """[K, N_j] projections side by side -> [K, sum N_j]; FP8 ones stay FP8 when each part
-    is whole 128-column blocks (the scale blocks then do not straddle two parts)."""
-    if all(isinstance(w, Fp8Blocks) for w in ws) and _whole_blocks(*(w.shape[1] for w in ws)):
+    is whole `block`-column blocks (the scale blocks then do not straddle two parts)."""
+    if all(isinstance(w, Fp8Blocks) for w in ws) and _whole_blocks(block, *(w.shape[1] for w in ws)):
         return Fp8Blocks(_concat([w.codes for w in ws], 1), _concat([w.scale for w in ws], 1))
     return _concat([dequantize(w, dtype) for w in ws], 1)
 
 
-def split_groups(w, groups: int, dtype):
-    """[K, G*L] -> [G, K, L] (columns g*L ... g*L + L - 1 to group g). An FP8 weight stays
-    FP8 where each group's columns share whole scale blocks or lie inside one."""
+def split_groups(w, groups: int, dtype, block: int = FP8_BLOCK):
+    """[K, G*L] -> [G, K, L] (columns g*L ... g*L + L - 1 to group g). An FP8 weight (scale
+    blocks `block` columns wide) stays FP8 where each group's columns share whole scale
+    blocks or lie inside one."""
     k, n = w.shape
     width = n // groups
     if not isinstance(w, Fp8Blocks):
         return w.reshape(k, groups, width).transpose(1, 0, 2)
     codes = w.codes.reshape(k, groups, width).transpose(1, 0, 2)
-    if width % FP8_BLOCK == 0:
+    if width % block == 0:
         blocks = w.scale.shape[0]
         return Fp8Blocks(codes, w.scale.reshape(blocks, groups, -1).transpose(1, 0, 2))
-    if FP8_BLOCK % width == 0:
-        block_of_group = np.arange(groups) * width // FP8_BLOCK
+    if block % width == 0:
+        block_of_group = np.arange(groups) * width // block
         return Fp8Blocks(codes, w.scale[:, block_of_group].T[:, :, None])
-    return split_groups(dequantize(w, dtype), groups, dtype)
+    return split_groups(dequantize(w, dtype), groups, dtype, block)
 
 
 class _Builder:

@@ -1,10 +1,11 @@
 """Load a DeepSeek-V4.1 checkpoint (either tensor naming, weights/v41_names.py) into a
 V41ModelParams pytree (model/v41/params.py), checking every tensor's shape against the config.
 
-Plain float tensors only, plus FP8 engram tables with their per-32-channel scales (dequantized
-on load); the release's other quantized formats (FP8 projections, FP4 routed experts) are
-refused by name: loading them is later work. Every problem is collected and raised together,
-as `CheckpointError`, like the V4 loader does.
+Float tensors, and the release's quantized formats (weights/v41_reader.py): FP8 dense
+projections kept as `Fp8Blocks`, FP4 routed experts as `Fp4Blocks` (V4's types,
+pallas_kernels/quantized.py; the forward dequantizes a layer's weights as it reaches it), FP8
+engram tables dequantized on load. Every problem is collected and raised together, as
+`CheckpointError`, like the V4 loader does.
 """
 
 from __future__ import annotations
@@ -29,111 +30,26 @@ from deepinfer_jax.model.v41.params import (
     V41LayerParams,
     V41ModelParams,
 )
+from deepinfer_jax.weights.builder import join_columns, split_groups
 from deepinfer_jax.weights.safetensors_io import Checkpoint
-from deepinfer_jax.weights.sources import CheckpointError
-from deepinfer_jax.weights.v41_names import reference_name
-
-_FLOAT_KINDS = frozenset({"F16", "BF16", "F32", "F64"})
-_TABLE_SCALE_BLOCK = 32          # engram tables: one scale per row per 32 channels
+from deepinfer_jax.weights.v41_reader import V41Reader
+from pallas_kernels import quantized as q
 
 
-def load_v41_params(path: str | Path, cfg: V41Config, dtype=np.float32) -> V41ModelParams:
+def load_v41_params(path: str | Path, cfg: V41Config, dtype=np.float32,
+                    keep_quantized: bool = True) -> V41ModelParams:
     """A checkpoint directory -> V41ModelParams on the default device. Norms, mHC
-    parameters, sinks, router biases and engram gate weights are float32; the rest `dtype`."""
-    reader = _Reader(Checkpoint(path), np.dtype(dtype))
+    parameters, sinks, router biases and engram gate weights are float32; the rest `dtype`.
+
+    keep_quantized: FP8 projections and FP4 routed experts stay in their formats
+    (`Fp8Blocks` / `Fp4Blocks`); False dequantizes them to `dtype` here (the float twin)."""
+    reader = V41Reader(Checkpoint(path), np.dtype(dtype), keep_quantized, cfg.fp8_block)
     params = _build(cfg, reader)
     reader.finish()
     return jax.device_put(params)
 
 
-def v41_weight_elements(path: str | Path) -> int:
-    """The elements of the text model's tensors in a checkpoint (block scales and ignored
-    tensors left out), read from the files' headers: what `load_v41_params` will hold."""
-    ckpt = Checkpoint(path)
-    total = 0
-    for key in ckpt.keys():
-        name = reference_name(key)
-        if name is not None and not name.endswith("_scale_inv"):
-            total += int(np.prod(ckpt.shape(key)))
-    return total
-
-
-class _Reader:
-    def __init__(self, ckpt: Checkpoint, dtype: np.dtype):
-        self.ckpt, self.dtype = ckpt, dtype
-        self.by_name: dict[str, str] = {}
-        for key in ckpt.keys():
-            name = reference_name(key)
-            if name is None:
-                continue
-            if name in self.by_name:
-                raise CheckpointError(f"{key} and {self.by_name[name]} name the same tensor {name}")
-            self.by_name[name] = key
-        self.used: set[str] = set()
-        self.problems: dict[str, list[str]] = {"missing": [], "mis-shaped": [], "invalid": []}
-
-    def has(self, name: str) -> bool:
-        return name in self.by_name
-
-    def get(self, name: str, shape: tuple[int, ...], f32: bool = False) -> np.ndarray:
-        """Tensor `name` checked to be `shape` (the checkpoint's layout), as float32 or dtype."""
-        out_dtype = np.float32 if f32 else self.dtype
-        key = self.by_name.get(name)
-        if key is None:
-            self.problems["missing"].append(name)
-            return np.zeros(shape, out_dtype)
-        self.used.add(name)
-        kind = self.ckpt.dtype_name(key)
-        scale = name.removesuffix("weight") + "weight_scale_inv"
-        if scale in self.by_name or kind not in _FLOAT_KINDS:
-            self.problems["invalid"].append(
-                f"{name}: stored as {kind}{' with a scale' if scale in self.by_name else ''}; "
-                f"quantized V4.1 tensors other than the engram tables are not supported yet")
-            self.used.add(scale)
-            return np.zeros(shape, out_dtype)
-        return self._checked(name, self.ckpt.get(key), shape, out_dtype)
-
-    def table(self, name: str, shape: tuple[int, int]) -> np.ndarray:
-        """An engram table: float, or FP8 E4M3 rows with one scale per 32 channels."""
-        key, scale_name = self.by_name.get(name), name + "_scale_inv"
-        if key is None:
-            return self.get(name, shape)      # noted as missing
-        if self.ckpt.dtype_name(key) in _FLOAT_KINDS:
-            self.used.update({name, scale_name} & set(self.by_name))  # the scale: FP8 only
-            return self._checked(name, self.ckpt.get(key), shape, self.dtype)
-        self.used.update({name, scale_name})
-        kind = self.ckpt.dtype_name(key)
-        if kind != "F8_E4M3" or scale_name not in self.by_name:
-            self.problems["invalid"].append(f"{name}: stored as {kind}, expected a float table "
-                                            f"or F8_E4M3 with a weight_scale_inv")
-            return np.zeros(shape, self.dtype)
-        codes = self._checked(name, self.ckpt.get(key), shape, np.float32)
-        blocks = (shape[0], -(-shape[1] // _TABLE_SCALE_BLOCK))
-        scale = self._checked(scale_name, self.ckpt.get(self.by_name[scale_name]), blocks,
-                              np.float32)
-        scale = np.repeat(scale, _TABLE_SCALE_BLOCK, axis=1)[:, : shape[1]]
-        return (codes * scale).astype(self.dtype)
-
-    def _checked(self, name, array, shape, out_dtype) -> np.ndarray:
-        if array.shape != tuple(shape):
-            self.problems["mis-shaped"].append(f"{name}: found shape {array.shape}, "
-                                               f"expected {tuple(shape)}")
-            return np.zeros(shape, out_dtype)
-        array = np.asarray(array, np.float32)
-        if not np.isfinite(array).all():
-            self.problems["invalid"].append(f"{name}: NaN or inf values")
-        return array.astype(out_dtype)
-
-    def finish(self) -> None:
-        lists = {**self.problems, "unexpected": sorted(set(self.by_name) - self.used)}
-        text = [f"{len(v)} {k} tensor(s):\n  " + "\n  ".join(v[:40])
-                + (f"\n  ... and {len(v) - 40} more" if len(v) > 40 else "")
-                for k, v in lists.items() if v]
-        if text:
-            raise CheckpointError("checkpoint does not match its config:\n" + "\n".join(text))
-
-
-def _build(c: V41Config, r: _Reader) -> V41ModelParams:
+def _build(c: V41Config, r: V41Reader) -> V41ModelParams:
     d = c.hidden_size
     embed = r.get("model.embed_tokens.weight", (c.vocab_size, d))
     head = embed.T if c.tie_word_embeddings else r.get("lm_head.weight", (c.vocab_size, d)).T
@@ -147,12 +63,12 @@ def _build(c: V41Config, r: _Reader) -> V41ModelParams:
                           head=head, engram_tables=tables)
 
 
-def _linear(r: _Reader, name: str, out_dim: int, in_dim: int) -> np.ndarray:
-    """A reference `[out, in]` weight as the model's `[in, out]`."""
-    return r.get(name + ".weight", (out_dim, in_dim)).T
+def _linear(r: V41Reader, name: str, out_dim: int, in_dim: int):
+    """A reference `[out, in]` weight as the model's `[in, out]` (an array, or Fp8Blocks)."""
+    return r.projection(name + ".weight", (out_dim, in_dim))
 
 
-def _layer(c: V41Config, r: _Reader, i: int) -> V41LayerParams:
+def _layer(c: V41Config, r: V41Reader, i: int) -> V41LayerParams:
     p, d, hc = f"model.layers.{i}.", c.hidden_size, c.hc_mult
     n_mix = (2 + hc) * hc
 
@@ -177,7 +93,7 @@ def _layer(c: V41Config, r: _Reader, i: int) -> V41LayerParams:
         engram=engram)
 
 
-def _attention(c: V41Config, r: _Reader, i: int, p: str) -> V41AttentionParams:
+def _attention(c: V41Config, r: V41Reader, i: int, p: str) -> V41AttentionParams:
     d, h, hd, rank, g = c.hidden_size, c.num_heads, c.head_dim, c.q_lora_rank, c.o_groups
     compressor = indexer = None
     if c.is_kv_source(i):
@@ -195,40 +111,56 @@ def _attention(c: V41Config, r: _Reader, i: int, p: str) -> V41AttentionParams:
             wk=_linear(r, p + "indexer.k_proj", idim, hd) if owns_k else None,
             k_norm=r.get(p + "indexer.k_norm.weight", (idim,), True) if owns_k else None)
     group_in = h * hd // g
-    # o_a_proj [G*L, H*hd/G] is group-major: group j's block is rows [j*L, (j+1)*L).
-    wo_a = r.get(p + "o_a_proj.weight", (g * c.o_lora_rank, group_in))
+    # o_a_proj [G*L, H*hd/G] is group-major: group j's block is rows [j*L, (j+1)*L), so
+    # columns [j*L, (j+1)*L) of its [in, out] form.
+    wo_a = split_groups(_linear(r, p + "o_a_proj", g * c.o_lora_rank, group_in), g, r.dtype,
+                        r.block[0])
     return V41AttentionParams(
         wq_a=_linear(r, p + "q_a_proj", rank, d),
         q_norm=r.get(p + "q_a_norm.weight", (rank,), True),
         wq_b=_linear(r, p + "q_b_proj", h * hd, rank),
         wkv=_linear(r, p + "kv_proj", hd, d),
         kv_norm=r.get(p + "kv_norm.weight", (hd,), True),
-        wo_a=wo_a.reshape(g, c.o_lora_rank, group_in).transpose(0, 2, 1),
+        wo_a=wo_a,
         wo_b=_linear(r, p + "o_b_proj", d, g * c.o_lora_rank),
         sinks=r.get(p + "sinks", (h,), True),
         compressor=compressor, indexer=indexer)
 
 
-def _moe(c: V41Config, r: _Reader, p: str) -> MoEParams:
+def _moe(c: V41Config, r: V41Reader, p: str) -> MoEParams:
     d, e, inter = c.hidden_size, c.n_routed_experts, c.moe_intermediate_size
     if r.has(p + "experts.gate_up_proj") or not r.has(p + "experts.0.w1.weight"):
-        w13 = r.get(p + "experts.gate_up_proj", (e, 2 * inter, d))
-        w2 = r.get(p + "experts.down_proj", (e, d, inter))
+        experts = ExpertParams(w13=_stacked(r, p + "experts.gate_up_proj", (e, 2 * inter, d)),
+                               w2=_stacked(r, p + "experts.down_proj", (e, d, inter)))
     else:        # native names: one tensor per expert and projection, stacked here
-        def stack(w, shape):
-            return np.stack([r.get(f"{p}experts.{x}.{w}.weight", shape) for x in range(e)])
-        w13 = np.concatenate([stack("w1", (inter, d)), stack("w3", (inter, d))], axis=1)
-        w2 = stack("w2", (d, inter))
+        def names(w):
+            return [f"{p}experts.{x}.{w}.weight" for x in range(e)]
+        experts = ExpertParams(w13=r.experts([names("w1"), names("w3")], (inter, d)),
+                               w2=r.experts([names("w2")], (d, inter)))
     shared = None
     if c.n_shared_experts:
         si = c.shared_intermediate_size
         w1 = _linear(r, p + "shared_experts.gate_proj", si, d)
         w3 = _linear(r, p + "shared_experts.up_proj", si, d)
-        shared = SharedExpertParams(w13=np.concatenate([w1, w3], axis=1),
+        shared = SharedExpertParams(w13=join_columns([w1, w3], r.dtype, r.block[0]),
                                     w2=_linear(r, p + "shared_experts.down_proj", d, si))
     return MoEParams(
         gate=_linear(r, p + "gate", e, d),
         bias=r.get(p + "gate.e_score_correction_bias", (e,), True),
         tid2eid=None,
-        experts=ExpertParams(w13=w13.transpose(0, 2, 1), w2=w2.transpose(0, 2, 1)),
+        experts=experts,
         shared=shared)
+
+
+def _stacked(r: V41Reader, name: str, shape: tuple[int, int, int]):
+    """The reference's stacked experts [E, out, in] as [E, in, out]; stored FP4 (packed
+    [E, out, in/2], `name`_scale_inv [E, out, in/32]): Fp4Blocks, or dequantized."""
+    scale = r.scale_name(name)
+    if not (r.has(name) and r.has(scale)):
+        return r.get(name, shape).transpose(0, 2, 1)
+    e, out_dim, in_dim = shape
+    packed = np.zeros((e, out_dim, in_dim // 2), np.uint8)
+    scales = np.zeros((e, out_dim, in_dim // q.FP4_GROUP), np.uint8)
+    r.fp4_into(name, packed, scales)
+    blocks = q.fp4_from_checkpoint(packed, scales)
+    return blocks if r.keep_quantized else np.asarray(q.dequantize(blocks, r.dtype))

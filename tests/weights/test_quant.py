@@ -124,3 +124,31 @@ def test_quantizers_round_trip_within_format_precision():
     assert np.all(np.abs(back4 - w) <= step + 1e-6)
     # values on the grid are fixed points of the round trip
     assert np.array_equal(quant.dequant_fp4(*quant.quantize_fp4(back4)), back4)
+
+
+@pytest.mark.parametrize("block", [32, 128])
+@pytest.mark.parametrize("shape", [(100, 70), (64, 256), (300, 40), (20, 20)])
+def test_fp8_blocks_of_any_power_of_two_tile_dequantize_element_by_element(block, shape):
+    """pallas_kernels' Fp8Blocks reads its tile (V4's 128, V4.1's 32) back from the codes' and
+    scales' shapes, partial edge tiles included; the FP8 kernels' guard accepts the 128 grid
+    only (or a single tile, where the two agree)."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.quantized import dequantize, fp8_block, fp8_from_checkpoint, kernel_blocks
+
+    rng = np.random.default_rng(block + shape[0])
+    out_dim, in_dim = shape
+    grid = (-(-out_dim // block), -(-in_dim // block))
+    codes = rng.normal(size=shape).astype(ml_dtypes.float8_e4m3fn)
+    scale = (rng.integers(120, 134, size=grid).astype(np.uint8)).view(ml_dtypes.float8_e8m0fnu)
+    w = fp8_from_checkpoint(codes, scale)                       # [in, out]
+    got = np.asarray(dequantize(w, jnp.float32))
+    want = np.array([[float(codes[o, i]) * 2.0 ** (int(scale.view(np.uint8)[o // block, i // block])
+                                                   - 127) for o in range(out_dim)]
+                     for i in range(in_dim)], np.float32)
+    np.testing.assert_array_equal(got, want)
+    # in the [in, out] layout; an axis of one tile spans it with any power of two as large
+    for derived, tiles, size in zip(fp8_block(w), grid[::-1], shape[::-1], strict=True):
+        assert derived == block or tiles == 1 and derived >= size
+    single = grid == (1, 1)
+    assert kernel_blocks(w) == (block == 128 or single and max(shape) <= 128)

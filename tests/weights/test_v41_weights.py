@@ -1,6 +1,7 @@
 """V4.1 weights: the oracle checkpoints load under the reference's names and, renamed to the
 released checkpoint's native names (experts split per expert) in a temporary checkpoint, give
-the same pytree; bad tensors are reported by name."""
+the same pytree; bad tensors are reported by name. The release's FP8 / FP4 formats:
+test_v41_quantized.py."""
 
 from __future__ import annotations
 
@@ -136,13 +137,13 @@ def test_bad_tensors_are_named(tmp_path):
     del tensors["model.layers.2.self_attn.sinks"]
     tensors["model.layers.0.self_attn.q_a_proj.weight"] = np.zeros((3, 3), np.float32)
     w = tensors["model.layers.1.self_attn.kv_proj.weight"]
-    tensors["model.layers.1.self_attn.kv_proj.weight"] = w.astype(ml_dtypes.float8_e4m3fn)
-    tensors["model.layers.1.self_attn.kv_proj.weight_scale_inv"] = np.ones((2, 2), np.float32)
+    norm = tensors["model.layers.1.self_attn.kv_norm.weight"]      # float in the release
+    tensors["model.layers.1.self_attn.kv_norm.weight"] = norm.astype(ml_dtypes.float8_e4m3fn)
     tensors["model.layers.0.self_attn.compressor.kv_proj.weight"] = w   # layer 0 has none
     with pytest.raises(CheckpointError) as err:
         load_v41_params(_rewrite(tmp_path, folder, tensors), read_model_config(folder))
     text = str(err.value)
     for needle in ("1 missing", "model.layers.2.self_attn.sinks", "1 mis-shaped",
-                   "q_a_proj.weight: found shape (3, 3)", "kv_proj.weight: stored as F8_E4M3",
+                   "q_a_proj.weight: found shape (3, 3)", "kv_norm.weight: stored as F8_E4M3",
                    "1 unexpected", "layers.0.self_attn.compressor.kv_proj.weight"):
         assert needle in text, text

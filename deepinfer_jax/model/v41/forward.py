@@ -5,7 +5,8 @@ single-pass mHC, then the collapse with the last `pre`, the norm and the head.
 The CSA2 group state a KV source publishes (its compressed entries, indexer keys and each
 query's visible-entry count) and the latest index source's selection are carried through the
 layer loop as `_Group`, the cache-free form of the reference's per-forward `shared` dict.
-The Engram row ids come from the host (model/v41/engram_hash.py) with the tokens.
+The Engram row ids come from the host (model/v41/engram_hash.py) with the tokens. Weights
+kept in the release's FP8 / FP4 formats are dequantized to float32 as each layer is reached.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from deepinfer_jax.model.norms import rms_norm
 from deepinfer_jax.model.rope import cos_sin, inv_freq
 from deepinfer_jax.model.v41 import blocks, csa
 from deepinfer_jax.model.v41.params import V41LayerParams, V41ModelParams
+from pallas_kernels.quantized import dequantize_tree
 
 
 @struct.dataclass
@@ -60,6 +62,7 @@ def forward(params: V41ModelParams, cfg: V41Config, tokens: jax.Array, live: jax
     pre = jnp.zeros((*x.shape[:2], cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
     group, top_k = _Group(), []
     for i, layer in enumerate(params.layers):
+        layer = dequantize_tree(layer, jnp.float32)     # FP8 / FP4 weights, a layer at a time
         if cfg.has_engram(i):
             k = cfg.engram.layer_ids.index(i)
             rows = params.engram_tables[k][engram_ids[:, :, k]].astype(jnp.float32)

@@ -33,6 +33,7 @@ from deepinfer_jax.model.v41 import blocks, csa, paged_csa
 from deepinfer_jax.model.v41.kv_format import Fp4Rows, Fp8Rows, decode_fp8, encode_fp8
 from deepinfer_jax.model.v41.params import V41AttentionParams, V41LayerParams, V41ModelParams
 from deepinfer_jax.model.v41.state import WINDOW_BLOCK, V41LayerState, V41State
+from pallas_kernels.quantized import dequantize_tree
 
 Array = jax.Array
 
@@ -84,6 +85,7 @@ def forward_step(params: V41ModelParams, state: V41State, plan, token_ids: Array
     pre = jnp.zeros((x.shape[0], cfg.hc_mult), jnp.float32).at[:, 0].set(1.0)
     group, layers, top_k = _StepGroup(), [], []
     for i, (lp, ls) in enumerate(zip(params.layers, state.layers, strict=True)):
+        lp = dequantize_tree(lp, jnp.float32)           # FP8 / FP4 weights, a layer at a time
         if cfg.has_engram(i):
             k = cfg.engram.layer_ids.index(i)
             rows = params.engram_tables[k][engram_ids[:, k]].astype(jnp.float32)  # [T, C, ed]
