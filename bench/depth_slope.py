@@ -1,0 +1,115 @@
+"""The per-layer cost of a decode step: the slope of ms per step over slices of several depths,
+against the roofline's slope.
+
+    python bench/depth_slope.py --quantized                     # GPU: V4-Flash slices 2, 4, 8
+    python bench/depth_slope.py --layers 1 2 --context 256 --batches 1 --config configs/bench/small-cpu.json
+
+For each slice (random weights at the config's dimensions, the release's formats with
+--quantized) and batch: the engine loop's median ms per decode step at a `--context`-token
+context (bench/e2e.py's decode: a shared prefix, 5+ timed steps). The slope is the least-
+squares fit of ms per step on the layer count; the roofline's slope the same fit of the
+bandwidth roofline's step time (weights and cache bytes the step must read, at the same run's
+copy ceiling and at the datasheet's 4.8 TB/s). A slope near the roofline's means depth costs
+only the bytes each layer must read; a larger one, per-layer overhead (launches, small
+kernels) that a deep model multiplies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.e2e import decode  # noqa: E402
+from bench.lib.ceilings import DATASHEET_TBPS  # noqa: E402
+from bench.lib.ceilings import measure as measure_ceilings  # noqa: E402
+from bench.lib.models import V4_FLASH, slice_config  # noqa: E402
+from bench.lib.results import environment, write_results  # noqa: E402
+from bench.lib.rooflines import decode_roofline, weight_counts  # noqa: E402
+from deepinfer_jax import LLM, Model  # noqa: E402
+from deepinfer_jax.weights import random_params  # noqa: E402
+
+
+def slope(xs: list[int], ys: list[float]) -> float:
+    return float(np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)[0])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", type=Path, default=V4_FLASH)
+    ap.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--quantized", action="store_true")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    args = ap.parse_args()
+    ceilings = measure_ceilings(small=jax.default_backend() != "gpu")
+    print(ceilings, flush=True)
+    rows = []
+    for layers in args.layers:
+        cfg = slice_config(args.config, layers)
+        params = jax.block_until_ready(random_params(cfg, 0, jnp.bfloat16,
+                                                     release_formats=args.quantized))
+        counts = weight_counts(params, cfg)
+        start = time.perf_counter()
+        llm = LLM(Model(cfg, params), max_num_seqs=max(args.batches),
+                  max_model_len=args.context + 64, max_num_batched_tokens=1024,
+                  token_buckets=(16, 1024), enable_prefix_caching=True,
+                  gpu_memory_utilization=args.gpu_memory_utilization,
+                  compilation_cache_dir=str(REPO / ".cache" / "xla-bench"))
+        engine_s = time.perf_counter() - start
+        rng = np.random.default_rng(layers)
+        for batch in args.batches:
+            row = decode(llm, batch, args.context, args.steps, rng)
+            roof = decode_roofline(counts, cfg, batch, args.context, ceilings["copy_tbps"])
+            ms = 1e3 * batch / row["tokens_per_s"]
+            rows.append({"layers": layers, "batch": batch, "ms_per_step": ms,
+                         "itl_p50_ms": 1e3 * row["itl_p50_s"], "itl_p90_ms": 1e3 * row["itl_p90_s"],
+                         "roofline_ms": 1e3 * batch / roof["tokens_per_s"],
+                         "datasheet_roofline_ms": 1e3 * batch / roof["tokens_per_s"]
+                         * ceilings["copy_tbps"] / DATASHEET_TBPS,
+                         "bytes_per_step": roof["bytes_per_step"], "engine_s": engine_s})
+            print(rows[-1], flush=True)
+        del llm, params
+        gc.collect()
+    slopes = {}
+    for batch in args.batches:
+        mine = [r for r in rows if r["batch"] == batch]
+        xs = [r["layers"] for r in mine]
+        slopes[batch] = {key: slope(xs, [r[key] for r in mine])
+                         for key in ("ms_per_step", "roofline_ms", "datasheet_roofline_ms")}
+        slopes[batch]["ratio"] = slopes[batch]["ms_per_step"] / slopes[batch]["roofline_ms"]
+    label = f"{args.config.name} slices, {'release formats (FP8/FP4)' if args.quantized else 'bf16'}"
+    lines = [f"Model: {label}, random weights; decode at a {args.context}-token context; mean ms "
+             f"per step over {args.steps} loop steps (bench/e2e.py decode); copy ceiling "
+             f"{ceilings['copy_tbps']:.2f} TB/s measured in this run.", "",
+             "| layers | batch | ms/step | ITL p50 / p90 ms | roofline ms (measured copy) | "
+             "roofline ms (4.8 TB/s) |", "|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['layers']} | {r['batch']} | {r['ms_per_step']:.3f} | "
+                     f"{r['itl_p50_ms']:.3f} / {r['itl_p90_ms']:.3f} | {r['roofline_ms']:.3f} | "
+                     f"{r['datasheet_roofline_ms']:.3f} |")
+    lines += ["", "| batch | slope ms/layer | roofline slope (measured copy) | (4.8 TB/s) | "
+              "slope / roofline slope |", "|---:|---:|---:|---:|---:|"]
+    for batch, s in slopes.items():
+        lines.append(f"| {batch} | {s['ms_per_step']:.3f} | {s['roofline_ms']:.3f} | "
+                     f"{s['datasheet_roofline_ms']:.3f} | {s['ratio']:.2f}x |")
+    name = f"depth-slope-{'quantized-' if args.quantized else ''}{jax.devices()[0].platform}"
+    write_results(name, {"environment": environment(), "model": label, "ceilings": ceilings,
+                         "context": args.context, "rows": rows, "slopes": slopes},
+                  "\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
