@@ -76,7 +76,7 @@ V41 = FamilyFacts(
     page_bytes=lambda cfg, page_size, dtype_bytes: memory_v41.v41_page_bytes(cfg, page_size),
     fixed_cache_bytes=_v41_fixed_cache_bytes, activation_estimate=_v41_activation_estimate,
     engram_shape=_v41_engram_shape, has_mtp=lambda cfg: False,
-    unbuilt=("speculative decoding", "prefix caching", "batch-invariant mode",
+    unbuilt=("speculative decoding", "prefix caching",
              "a device mesh (parallel)", "several processes (distributed)"))
 
 FAMILIES = (V4, V41)

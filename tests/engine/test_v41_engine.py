@@ -113,7 +113,6 @@ def test_v41_engine_runs_synchronously():
 @pytest.mark.parametrize("option", [
     {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}},
     {"enable_prefix_caching": True},
-    {"batch_invariant": True},
     {"parallel": {"ep": 2}},
 ])
 def test_v41_unbuilt_features_are_refused_by_name(option):
