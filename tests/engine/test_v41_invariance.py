@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -69,3 +71,35 @@ def test_v41_the_default_mode_moves_with_the_chunks():
     prompts, _, _ = _prompts(FIXTURES[0])
     small, large = _engine(FIXTURES[0], 16, False), _engine(FIXTURES[0], 64, False)
     assert not _same(_alone(small, prompts), _alone(large, prompts))
+
+
+def test_v41_the_invariant_step_lowers_for_a_gpu(monkeypatch):
+    """The GPU formulation of V4.1's batch-invariant step (its segments still in row tiles,
+    the Pallas kernels asked for and falling through where the tiny shapes do not fit) lowers
+    for CUDA on the CPU; its kernel-free jnp is what the CPU tests above run."""
+    from deepinfer_jax.config.engine import EngineConfig
+    from deepinfer_jax.device.step import step
+    from deepinfer_jax.engine.transfer import Wire
+    from deepinfer_jax.host.decision import ScheduleDecision
+    from deepinfer_jax.host.plan_builder import build_plan
+    from deepinfer_jax.model.family import model_family
+    from pallas_kernels.common import abstract_gpu
+    from tests.model.v41_oracle import case
+
+    monkeypatch.setenv("DEEPINFER_STEP_FORMULATION", "gpu")
+    monkeypatch.setenv("DEEPINFER_KERNELS", "mosaic_gpu")
+    cfg, params, _ = case(FIXTURES[0])
+    loops = {}
+    for invariant in (False, True):
+        step_cfg = EngineConfig(batch_invariant=invariant, max_num_seqs=4, max_model_len=96,
+                                max_num_batched_tokens=16, token_buckets=(16,)).resolve(cfg)
+        assert step_cfg.compute.launch_bound
+        wire = Wire.of(build_plan(ScheduleDecision(()), 16, step_cfg))
+        state = model_family(cfg).init_state(cfg, step_cfg, jnp.float32)
+        traced = jax.jit(lambda p, s, b, wire=wire, step_cfg=step_cfg: step(
+            p, s, wire.unpack_device(b), cfg=cfg, step_cfg=step_cfg))
+        with abstract_gpu():
+            module = jax.export.export(traced, platforms=["cuda"])(params, state,
+                                                                   wire.spec()).mlir_module()
+        loops[invariant] = module.count("stablehlo.while")
+    assert loops[True] > loops[False]        # the row tiles' loops
