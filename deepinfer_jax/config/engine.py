@@ -142,6 +142,9 @@ class EngineConfig:
         refuse_unbuilt(model, {
             "speculative decoding": self.speculative_config is not None,
             "prefix caching": self.enable_prefix_caching,
+            "a bounded prefix replay": (self.enable_prefix_caching
+                                        and self.prefix_replay == "bounded"),
+            "KV tiers": self.kv_tiers.enabled,
             "batch-invariant mode": bool(self.batch_invariant),
             "a device mesh (parallel)": self.parallel.size > 1 or self.parallel.eplb is not None,
             "several processes (distributed)": device.process_count > 1})

@@ -39,8 +39,10 @@ def _v4_rates(cfg: ModelConfig) -> tuple[int, ...]:
 
 
 def _v41_fixed_cache_bytes(cfg: V41Config, step_cfg: StepConfig, dtype_bytes: int) -> int:
-    # the open-group tails are float32 whatever the compute dtype (model/family.py)
-    return step_cfg.max_num_seqs * memory_v41.v41_slot_bytes(cfg, step_cfg.spec_tokens)
+    # the open-group tails are float32 whatever the compute dtype (model/family.py); the
+    # prefix cache's snapshots hold the same rings (device/snapshots.py)
+    return (step_cfg.max_num_seqs * memory_v41.v41_slot_bytes(cfg, step_cfg.spec_tokens)
+            + step_cfg.num_snapshots * memory_v41.v41_snapshot_bytes(cfg, step_cfg.spec_tokens))
 
 
 def _v41_activation_estimate(cfg: V41Config, step_cfg: StepConfig) -> int:
@@ -76,7 +78,7 @@ V41 = FamilyFacts(
     page_bytes=lambda cfg, page_size, dtype_bytes: memory_v41.v41_page_bytes(cfg, page_size),
     fixed_cache_bytes=_v41_fixed_cache_bytes, activation_estimate=_v41_activation_estimate,
     engram_shape=_v41_engram_shape, has_mtp=lambda cfg: False,
-    unbuilt=("speculative decoding", "prefix caching", "batch-invariant mode",
+    unbuilt=("speculative decoding", "a bounded prefix replay", "KV tiers",
              "a device mesh (parallel)", "several processes (distributed)"))
 
 FAMILIES = (V4, V41)

@@ -51,18 +51,26 @@ def v41_page_bytes(cfg: V41Config, page_size: int) -> int:
     return total
 
 
-def v41_slot_bytes(cfg: V41Config, spec_tokens: int = 0, tail_bytes: int = _F32) -> int:
-    """One slot's state: window rings, open-group tails, last token, prompt mask, counts."""
+def v41_snapshot_bytes(cfg: V41Config, spec_tokens: int = 0, tail_bytes: int = _F32) -> int:
+    """One slot's rings, what a prefix-cache snapshot holds: every layer's window ring and each
+    ratio > 1 source's open-group tails."""
     total = cfg.num_layers * (cfg.sliding_window + spec_tokens) * window_row_bytes(cfg)
     for i in cfg.kv_source_layer_ids:
         ratio = cfg.compress_ratios[i]
         if ratio > 1:
             total += 2 * (ratio + spec_tokens) * cfg.head_dim * tail_bytes
-    return total + _I32 + cfg.vocab_size * (1 + _I32)
+    return total
+
+
+def v41_slot_bytes(cfg: V41Config, spec_tokens: int = 0, tail_bytes: int = _F32) -> int:
+    """One slot's state: its rings (v41_snapshot_bytes), last token, prompt mask, counts."""
+    return (v41_snapshot_bytes(cfg, spec_tokens, tail_bytes) + _I32
+            + cfg.vocab_size * (1 + _I32))
 
 
 def v41_cache_bytes(cfg: V41Config, step_cfg: StepConfig, tail_bytes: int = _F32) -> int:
-    """The whole paged state for `step_cfg`'s shapes (no prefix-cache snapshots yet)."""
+    """The whole paged state for `step_cfg`'s shapes (the prefix cache's snapshots, which are
+    not in the state's pytree, are counted by config/family.py)."""
     return (step_cfg.num_pages * v41_page_bytes(cfg, step_cfg.page_size)
             + step_cfg.max_num_seqs * v41_slot_bytes(cfg, step_cfg.spec_tokens, tail_bytes))
 

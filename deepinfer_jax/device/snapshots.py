@@ -21,13 +21,18 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.model.state import StateCache
+from deepinfer_jax.model.v41.state import V41State
 
 # (per layer: (window [S, W, hd], tail CompressorTail | None, index_tail CompressorTail | None),
 #  the MTP block's window [S, W', hd] or None), S = slots in the state, snapshots in the pool.
+# DeepSeek-V4.1 (V41State): per layer (window Fp8Rows [S, W, hd] as stored, the KV source's
+# open-group tail GroupTail | None, None), and None: what its slot holds besides the pages.
 SlotRings = tuple
 
 
-def slot_rings(state: StateCache, windows: bool = True) -> SlotRings:
+def slot_rings(state: StateCache | V41State, windows: bool = True) -> SlotRings:
+    if isinstance(state, V41State):    # exact snapshots only (EngineConfig refuses a replay)
+        return tuple((ls.window, ls.tail, None) for ls in state.layers), None
     if not windows:   # None leaves: nothing kept, nothing restored
         return (tuple((None, ls.tail if ls.index_tail is not None else None, ls.index_tail)
                       for ls in state.layers), None)
@@ -59,8 +64,10 @@ def restore(state: StateCache, pool: SlotRings, snapshots: jax.Array, slots: jax
     layers = tuple(dataclasses.replace(ls, **{k: v for k, v in zip(
                        ("window", "tail", "index_tail"), ring, strict=True) if v is not None})
                    for ls, ring in zip(state.layers, rings, strict=True))
-    mtp = (state.mtp if state.mtp is None or mtp_window is None
-           else dataclasses.replace(state.mtp, window=mtp_window))
+    # V4.1's state has no MTP block (and the family refuses speculation)
+    mtp = {} if isinstance(state, V41State) else {"mtp": (
+        state.mtp if state.mtp is None or mtp_window is None
+        else dataclasses.replace(state.mtp, window=mtp_window))}
     n_slots = state.last_tokens.shape[0]
     prompt_mask = state.prompt_mask.at[slots].set(False, mode="drop", unique_indices=True)
     counts = state.output_counts.at[slots].set(0, mode="drop", unique_indices=True)
@@ -71,8 +78,8 @@ def restore(state: StateCache, pool: SlotRings, snapshots: jax.Array, slots: jax
     prompt_mask = prompt_mask.at[jnp.where(real & ~generated, row_slot, n_slots), ids].max(
         True, mode="drop")
     counts = counts.at[jnp.where(real & generated, row_slot, n_slots), ids].add(1, mode="drop")
-    return dataclasses.replace(state, layers=layers, mtp=mtp, prompt_mask=prompt_mask,
-                               output_counts=counts)
+    return dataclasses.replace(state, layers=layers, prompt_mask=prompt_mask,
+                               output_counts=counts, **mtp)
 
 
 def compile_copies(state: StateCache, pool: SlotRings, width: int, max_len: int,

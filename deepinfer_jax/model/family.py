@@ -52,7 +52,7 @@ def _v41_forward(params, state, plan, token_ids, cfg, step_cfg):
 def _v41_logits(params, final, rows, cfg, step_cfg):
     sampled = final.replace(streams=final.streams[rows], pre=final.pre[rows], top_k=(),
                             candidates=None)
-    return v41_forward.final_logits(params, sampled, cfg)
+    return v41_forward.final_logits(params, sampled, cfg, step_cfg.compute)
 
 
 _FAMILIES = {

@@ -112,8 +112,8 @@ def test_v41_engine_runs_synchronously():
 
 @pytest.mark.parametrize("option", [
     {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}},
-    {"enable_prefix_caching": True},
-    {"batch_invariant": True},
+    {"enable_prefix_caching": True, "prefix_replay": "bounded"},
+    {"enable_prefix_caching": True, "kv_host_tier_bytes": 1 << 20},
     {"parallel": {"ep": 2}},
 ])
 def test_v41_unbuilt_features_are_refused_by_name(option):

@@ -34,7 +34,7 @@ CHUNK, BUCKET, PAGE, BLOCKS = 13, 40, 16, 6      # 6 pages of 16 positions: 96 >
 @functools.partial(jax.jit, static_argnums=(5, 6))
 def _step(params, state, plan, token_ids, engram_ids, cfg, step_cfg):
     state, final = forward_step(params, state, plan, token_ids, engram_ids, cfg, step_cfg)
-    return state, final_logits(params, final, cfg), (final.top_k, final.candidates)
+    return state, final_logits(params, final, cfg, step_cfg.compute), (final.top_k, final.candidates)
 
 
 def _step_config(cfg, num_seqs: int) -> StepConfig:

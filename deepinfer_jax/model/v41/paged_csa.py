@@ -20,6 +20,7 @@ import numpy as np
 
 from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.config.v41 import V41Config
+from deepinfer_jax.model.invariant import rowwise
 from deepinfer_jax.model.norms import rms_norm
 from deepinfer_jax.model.ragged import (
     TokenContext,
@@ -29,7 +30,7 @@ from deepinfer_jax.model.ragged import (
     write_ring,
 )
 from deepinfer_jax.model.rope import apply_rope, cos_sin
-from deepinfer_jax.model.v41 import csa
+from deepinfer_jax.model.v41 import segments
 from deepinfer_jax.model.v41.kv_format import (
     Fp4Rows,
     decode_fp4,
@@ -37,12 +38,11 @@ from deepinfer_jax.model.v41.kv_format import (
     gather,
     scatter,
 )
-from deepinfer_jax.model.v41.params import V41AttentionParams, V41CompressorParams
+from deepinfer_jax.model.v41.params import V41AttentionParams
 from deepinfer_jax.model.v41.state import ENTRY_BLOCK, KEY_BLOCK, GroupTail, V41LayerState
 from pallas_kernels.indexer import api as indexer_op
 
 Array = jax.Array
-Rope = csa.Rope
 
 
 def _closing_tokens(ctx: TokenContext, ratio: int, max_new: int) -> tuple[Array, Array]:
@@ -54,19 +54,17 @@ def _closing_tokens(ctx: TokenContext, ratio: int, max_new: int) -> tuple[Array,
     return jnp.minimum(closer, num_tokens - 1), closer < num_tokens
 
 
-def close_groups(x: Array, p: V41CompressorParams, tail: GroupTail | None, ctx: TokenContext,
-                 ratio: int, cfg: V41Config, order_free: bool
-                 ) -> tuple[Array, Array, Array, Array, GroupTail | None]:
-    """x f32[T, D] (the normed attention input) -> (latents f32[n, hd] before RoPE, their
-    entry index i32[n], closing token i32[n], real bool[n], the tail with this step's tokens).
-    The pooling is the cache-free `csa.compress`'s, group by group (order_free: the ring
-    writes' indices declared unique, as `ragged.write_ring` says)."""
-    num_tokens = x.shape[0]
-    kv = x @ p.wkv
+def close_groups(kv: Array, gate: Array | None, tail: GroupTail | None, ctx: TokenContext,
+                 ratio: int, order_free: bool
+                 ) -> tuple[Array, Array | None, Array, Array, Array, GroupTail | None]:
+    """The compressor's projections of this step's tokens, kv and gate f32[T, hd] (gate None
+    at ratio 1) -> (each closing group's tokens f32[n, ratio, hd] and their pooling logits,
+    its entry index i32[n], closing token i32[n], real bool[n], the tail with this step's
+    tokens). The grouping is the cache-free `csa.compress`'s (order_free: the ring writes'
+    indices declared unique, as `ragged.write_ring` says)."""
+    num_tokens = kv.shape[0]
     if ratio == 1:   # every token is its own group: no gate, no tail
-        return (rms_norm(kv, p.norm, cfg.rms_norm_eps), ctx.positions,
-                jnp.arange(num_tokens), ctx.valid, None)
-    gate = x @ p.wgate
+        return kv[:, None], None, ctx.positions, jnp.arange(num_tokens), ctx.valid, None
     max_new = num_tokens // ratio + ctx.block_table.shape[0]   # + one split group per row
     closer, real = _closing_tokens(ctx, ratio, max_new)
     closer_pos = ctx.positions[closer]
@@ -78,30 +76,42 @@ def close_groups(x: Array, p: V41CompressorParams, tail: GroupTail | None, ctx: 
                                                          num_tokens, closer))
     grouped = jnp.concatenate([kv, tail.kv.reshape(-1, kv.shape[-1])])[index]   # [n, ratio, hd]
     logits = jnp.concatenate([gate, tail.gate.reshape(-1, gate.shape[-1])])[index]
-    latent = jnp.sum(grouped * jax.nn.softmax(logits, axis=1), axis=1)
     tail = GroupTail(kv=write_ring(tail.kv, kv.astype(tail.kv.dtype), ctx, order_free),
                      gate=write_ring(tail.gate, gate.astype(tail.gate.dtype), ctx, order_free))
-    return rms_norm(latent, p.norm, cfg.rms_norm_eps), row, closer, real, tail
+    return grouped, logits, row, closer, real, tail
 
 
-def publish(x: Array, p: V41AttentionParams, ls: V41LayerState, ctx: TokenContext, ratio: int,
-            compress_freqs: np.ndarray, cfg: V41Config, step_cfg: StepConfig) -> V41LayerState:
-    """A KV source: close this step's groups, write their entries (and, at an index source,
-    their indexer keys) into the sequence's pages."""
-    order_free = step_cfg.batch_invariant     # each closed entry has its own page row
-    latent, row, closer, real, tail = close_groups(x, p.compressor, ls.tail, ctx, ratio, cfg,
-                                                   order_free)
+def _new_entries(p: V41AttentionParams, ratio: int, compress_freqs: np.ndarray, keys: bool,
+                 cfg: V41Config, grouped: Array, logits: Array | None, row: Array
+                 ) -> tuple[Fp4Rows, Fp4Rows | None]:
+    """Rows of closing groups -> their entries (and indexer keys), as the pages store them."""
+    latent = rms_norm(segments.pooled(grouped, logits), p.compressor.norm, cfg.rms_norm_eps)
     rope = cos_sin(row * ratio, compress_freqs)          # a group sits at its first position
     entries = encode_fp4(apply_rope(latent, *rope), ENTRY_BLOCK, e4m3_scales=True)
+    if not keys:
+        return entries, None
+    ip = p.indexer
+    k = apply_rope(rms_norm(latent @ ip.wk, ip.k_norm, cfg.rms_norm_eps), *rope)
+    return entries, encode_fp4(k, KEY_BLOCK, e4m3_scales=False)
+
+
+def publish(kv: Array, gate: Array | None, p: V41AttentionParams, ls: V41LayerState,
+            ctx: TokenContext, ratio: int, compress_freqs: np.ndarray, cfg: V41Config,
+            step_cfg: StepConfig) -> V41LayerState:
+    """A KV source: close this step's groups, write their entries (and, at an index source,
+    their indexer keys) into the sequence's pages. The closing groups are pooled and coded in
+    row tiles in batch-invariant mode (their number follows the batch)."""
+    order_free = step_cfg.batch_invariant     # each closed entry has its own page row
+    grouped, logits, row, closer, real, tail = close_groups(kv, gate, ls.tail, ctx, ratio,
+                                                            order_free)
+    entries, keys = rowwise(step_cfg.compute)(
+        lambda g, lg, r: _new_entries(p, ratio, compress_freqs, ls.index_keys is not None, cfg,
+                                      g, lg, r), grouped, logits, row)
     dest = row_index(ctx.block_table, ctx.seq[closer], row, ratio, step_cfg.page_size)
     dest = settled(ctx.launch_bound, jnp.where(real, dest, ls.entries.codes.shape[0]))
     ls = ls.replace(entries=scatter(ls.entries, dest, entries, order_free), tail=tail)
-    if ls.index_keys is not None:
-        ip = p.indexer
-        k = apply_rope(rms_norm(latent @ ip.wk, ip.k_norm, cfg.rms_norm_eps), *rope)
-        ls = ls.replace(index_keys=scatter(ls.index_keys, dest,
-                                           encode_fp4(k, KEY_BLOCK, e4m3_scales=False),
-                                           order_free))
+    if keys is not None:
+        ls = ls.replace(index_keys=scatter(ls.index_keys, dest, keys, order_free))
     return ls
 
 
@@ -110,14 +120,15 @@ def visible_counts(ctx: TokenContext, ratio: int) -> Array:
     return jnp.where(ctx.valid, (ctx.positions + 1) // ratio, 0)
 
 
-def index_scores(x: Array, q_residual: Array, keys: Fp4Rows, ctx: TokenContext, rope: Rope,
-                 p: V41AttentionParams, ratio: int, cfg: V41Config,
+def index_scores(q: Array, weights: Array, keys: Fp4Rows, ctx: TokenContext, ratio: int,
                  step_cfg: StepConfig) -> Array:
-    """f32[T, R]: each token's scores over its sequence's entries, -inf past what it sees.
+    """f32[T, R]: each token's scores (queries f32[T, IH, Id], head weights f32[T, IH]) over
+    its sequence's entries, -inf past what it sees.
 
     V4's indexer op scores the same sum_h w_h * relu(q_h . k) / sqrt(Id) against keys
-    gathered once per sequence, not per token. The FP4 keys and queries are exact in bf16
-    (2-bit mantissas times powers of two), so its bf16 kernel would see the same values."""
+    gathered once per sequence, not per token (in row tiles in batch-invariant mode). The FP4
+    keys and queries are exact in bf16 (2-bit mantissas times powers of two), so its bf16
+    kernel would see the same values."""
     compute = step_cfg.compute
     max_rows = step_cfg.max_rows(ratio)
     rows = jnp.arange(max_rows)
@@ -125,7 +136,6 @@ def index_scores(x: Array, q_residual: Array, keys: Fp4Rows, ctx: TokenContext, 
     index = settled(ctx.launch_bound, row_index(ctx.block_table, jnp.arange(n)[:, None], rows,
                                                 ratio, step_cfg.page_size))
     seq_keys = decode_fp4(gather(keys, index))                               # [N, R, Id]
-    q, weights = csa.index_queries(x, q_residual, rope, p.indexer, cfg, True)
     scores = indexer_op.indexer_scores(
         q, seq_keys, weights, jnp.where(ctx.valid, ctx.seq, -1),
         implementation=compute.kernels.indexer,

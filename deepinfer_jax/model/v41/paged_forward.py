@@ -9,9 +9,12 @@ reference's per-forward `shared` dict: the source's updated pools (consumers rea
 own none), the latest index source's choice, and the candidate source's block mask, which
 later index sources (Reindex) score inside.
 
-Per-token blocks (mHC, Engram, MoE) are V4.1's `blocks`, run on the flat batch as a batch of
-one row. The Engram row ids come from the host (`engram_hash.hash_ids` with the sequence's
-look-back) as i32[T, L_e, C]; the tables are gathered on the device for now.
+Per-token work (mHC, projections, Engram, attention, MoE) runs in segments (segments.py),
+V4.1's `blocks` on rows of the flat batch, in fixed row tiles in batch-invariant mode; the
+cross-token part (window gathers, closing groups, the indexer's scores and choice) is exact or
+tiled on its own (paged_csa.py), so a row's bits do not depend on the batch. The Engram row
+ids come from the host (`engram_hash.hash_ids` with the sequence's look-back) as
+i32[T, L_e, C]; the tables are gathered on the device for now.
 """
 
 from __future__ import annotations
@@ -23,16 +26,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from deepinfer_jax.config.compute import ComputeConfig
 from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.config.v41 import V41Config
-from deepinfer_jax.model.attention import sink_attention_parts
-from deepinfer_jax.model.norms import rms_norm
+from deepinfer_jax.model.invariant import rowwise
 from deepinfer_jax.model.ragged import TokenContext, token_context, window_keys, write_ring
 from deepinfer_jax.model.rope import cos_sin, inv_freq
-from deepinfer_jax.model.v41 import blocks, csa, paged_csa
-from deepinfer_jax.model.v41.kv_format import Fp4Rows, Fp8Rows, decode_fp8, encode_fp8
-from deepinfer_jax.model.v41.params import V41AttentionParams, V41LayerParams, V41ModelParams
-from deepinfer_jax.model.v41.state import WINDOW_BLOCK, V41LayerState, V41State
+from deepinfer_jax.model.v41 import csa, paged_csa, segments
+from deepinfer_jax.model.v41.kv_format import Fp4Rows, Fp8Rows, decode_fp8
+from deepinfer_jax.model.v41.params import V41LayerParams, V41ModelParams
+from deepinfer_jax.model.v41.state import V41LayerState, V41State
 from pallas_kernels.quantized import dequantize_tree
 
 Array = jax.Array
@@ -65,17 +68,13 @@ class _Token:
     compress_freqs: np.ndarray
 
 
-def _one_row(fn, *args):
-    """Run a [B, S, ...] block of the reference on the flat batch as B = 1."""
-    return jax.tree.map(lambda out: out[0], fn(*[a[None] for a in args]))
-
-
 def forward_step(params: V41ModelParams, state: V41State, plan, token_ids: Array,
                  engram_ids: Array | None, cfg: V41Config, step_cfg: StepConfig
                  ) -> tuple[V41State, FinalStreams]:
     """One ragged step over token_ids i32[T] (engram_ids i32[T, L_e, C], None without Engram)
     -> (new state, FinalStreams)."""
     ctx = token_context(plan, step_cfg.compute.launch_bound)
+    rows = rowwise(step_cfg.compute)
     freqs = {False: inv_freq(cfg.rope_head_dim, cfg.rope_theta, None),
              True: inv_freq(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.compress_yarn)}
     tok = _Token(ctx=ctx, rope={k: cos_sin(ctx.positions, f) for k, f in freqs.items()},
@@ -88,8 +87,9 @@ def forward_step(params: V41ModelParams, state: V41State, plan, token_ids: Array
         lp = dequantize_tree(lp, jnp.float32)           # FP8 / FP4 weights, a layer at a time
         if cfg.has_engram(i):
             k = cfg.engram.layer_ids.index(i)
-            rows = params.engram_tables[k][engram_ids[:, k]].astype(jnp.float32)  # [T, C, ed]
-            streams = blocks.engram(streams, rows, ctx.valid, lp.engram, cfg)
+            table_rows = params.engram_tables[k][engram_ids[:, k]].astype(jnp.float32)
+            streams = rows(lambda *a, lp=lp: segments.engram_outputs(lp, cfg, *a), streams,
+                           table_rows, ctx.valid)                            # rows [T, C, ed]
         streams, pre, ls, group = layer_step(lp, streams, pre, ls, group, i, tok, cfg, step_cfg)
         layers.append(ls)
         top_k.append(group.selected if cfg.is_index_source(i) else None)
@@ -98,49 +98,48 @@ def forward_step(params: V41ModelParams, state: V41State, plan, token_ids: Array
                                candidates=group.candidates)
 
 
-def final_logits(params: V41ModelParams, final: FinalStreams, cfg: V41Config) -> Array:
-    """FinalStreams of some tokens [t, ...] -> logits f32[t, V] (the last collapse, norm, head)."""
-    out = rms_norm(blocks.hc_collapse(final.streams, final.pre), params.norm, cfg.rms_norm_eps)
-    return out @ params.head
+def final_logits(params: V41ModelParams, final: FinalStreams, cfg: V41Config,
+                 compute: ComputeConfig) -> Array:
+    """FinalStreams of some tokens [t, ...] -> logits f32[t, V] (the last collapse, norm, head),
+    in row tiles in batch-invariant mode."""
+    return rowwise(compute)(lambda s, p: segments.head_logits(params.norm, params.head, cfg, s, p),
+                            final.streams, final.pre)
 
 
 def layer_step(p: V41LayerParams, streams: Array, pre: Array, ls: V41LayerState,
                group: _StepGroup, i: int, tok: _Token, cfg: V41Config, step_cfg: StepConfig):
     """One block on the flat batch's streams [T, hc, D] -> (streams, the next collapse's pre,
-    the layer's state, the group state for the layers after it)."""
-    ctx, ratio, attn = tok.ctx, cfg.compress_ratios[i], p.attn
+    the layer's state, the group state for the layers after it). The per-token segments run
+    through `rows` (row tiles in batch-invariant mode, segments.py)."""
+    ctx, ratio, compute = tok.ctx, cfg.compress_ratios[i], step_cfg.compute
+    rows = rowwise(compute)
     rope = tok.rope[ratio > 0]
-    a_pre, a_post, a_comb = _one_row(lambda s: blocks.hc_site(s, p.attn_hc, cfg), streams)
-    x = rms_norm(blocks.hc_collapse(streams, pre), p.attn_norm, cfg.rms_norm_eps)
-    q_residual = rms_norm(x @ attn.wq_a, attn.q_norm, cfg.rms_norm_eps)
-    window, window_visible, ls = _window(x, rope, attn, ls, ctx, cfg, step_cfg)
+    t = rows(lambda *a: segments.token_inputs(p, i, cfg, *a), streams, pre, *rope,
+             *tok.rope[True])
+    window, window_visible, ls = _window(t.window, ls, ctx, cfg, step_cfg)
     if cfg.is_kv_source(i):
-        ls = paged_csa.publish(x, attn, ls, ctx, ratio, tok.compress_freqs, cfg, step_cfg)
+        ls = paged_csa.publish(t.comp_kv, t.comp_gate, p.attn, ls, ctx, ratio, tok.compress_freqs,
+                               cfg, step_cfg)
         group = dataclasses.replace(group, entries=ls.entries, keys=ls.index_keys)
     if cfg.is_index_source(i):
-        group = _select(x, q_residual, attn, group, i, ratio, tok, cfg, step_cfg)
+        group = _select(t, group, i, ratio, tok, cfg, step_cfg)
     picked = picked_visible = None
     if ratio > 0:
         picked, picked_visible = paged_csa.selected_entries(group.entries, group.selected, ctx,
                                                             ratio, step_cfg)
-    q = csa.attention_queries(q_residual, rope, attn, cfg)
-    keys, visible = ((window,), (window_visible,)) if picked is None else (
-        (window, picked), (window_visible, picked_visible))
-    out = sink_attention_parts(q, keys, visible, attn.sinks, step_cfg.compute)
-    y = csa.output_projection(out, rope, attn, cfg)
-    streams = _one_row(blocks.hc_expand, y, streams, a_post, a_comb)
-    f_pre, f_post, f_comb = _one_row(lambda s: blocks.hc_site(s, p.ffn_hc, cfg), streams)
-    x = rms_norm(blocks.hc_collapse(streams, a_pre), p.ffn_norm, cfg.rms_norm_eps)
-    streams = _one_row(blocks.hc_expand, blocks.moe(x, p.moe, cfg), streams, f_post, f_comb)
+    streams = rows(lambda *a: segments.attention_outputs(p, cfg, compute, *a), t.q, window,
+                   window_visible, picked, picked_visible, streams, t.a_post, t.a_comb, *rope)
+    streams, f_pre = rows(lambda s, a_pre: segments.ffn_outputs(p, cfg, s, a_pre), streams,
+                          t.a_pre)
     return streams, f_pre, ls, group
 
 
-def _window(x: Array, rope, p: V41AttentionParams, ls: V41LayerState, ctx: TokenContext, cfg: V41Config,
+def _window(kv: Fp8Rows, ls: V41LayerState, ctx: TokenContext, cfg: V41Config,
             step_cfg: StepConfig) -> tuple[Array, Array, V41LayerState]:
-    """This step's roped K=V latents, FP8-coded as the ring stores them; each token's window
-    (read before the ring is written: a long chunk overwrites rows its first tokens need)
-    -> (rows f32[T, W, hd], visible bool[T, W], the layer state with the ring written)."""
-    kv = encode_fp8(csa.window_latents(x, rope, p, cfg), WINDOW_BLOCK)
+    """This step's roped K=V latents, FP8-coded as the ring stores them ([T, hd]) -> each
+    token's window (read before the ring is written: a long chunk overwrites rows its first
+    tokens need) as (rows f32[T, W, hd], visible bool[T, W], the layer state with the ring
+    written). Decoding is exact (kv_format), so it needs no row tiles."""
     codes, visible = window_keys(kv.codes, ls.window.codes, ctx, cfg.sliding_window)
     exps, _ = window_keys(kv.exps, ls.window.exps, ctx, cfg.sliding_window)
     order_free = step_cfg.batch_invariant
@@ -149,12 +148,13 @@ def _window(x: Array, rope, p: V41AttentionParams, ls: V41LayerState, ctx: Token
     return decode_fp8(Fp8Rows(codes=codes, exps=exps)), visible, ls.replace(window=ring)
 
 
-def _select(x: Array, q_residual: Array, p: V41AttentionParams, group: _StepGroup, i: int, ratio: int,
-            tok: _Token, cfg: V41Config, step_cfg: StepConfig) -> _StepGroup:
+def _select(t: segments.TokenInputs, group: _StepGroup, i: int, ratio: int, tok: _Token,
+            cfg: V41Config, step_cfg: StepConfig) -> _StepGroup:
     """An index source: score against the group's keys (inside the candidate blocks after the
-    candidate source), publish the top-k (and, at the candidate source, the blocks)."""
-    scores = paged_csa.index_scores(x, q_residual, group.keys, tok.ctx, tok.rope[True], p,
-                                    ratio, cfg, step_cfg)                       # [T, R]
+    candidate source), publish the top-k (and, at the candidate source, the blocks). Block
+    maxima and top-k are selections, exact in any batch."""
+    scores = paged_csa.index_scores(t.index_q, t.index_w, group.keys, tok.ctx, ratio,
+                                    step_cfg)                                  # [T, R]
     candidates = group.candidates
     if i == cfg.candidate_source_layer_id:
         candidates = csa.candidate_blocks(scores, paged_csa.visible_counts(tok.ctx, ratio), cfg)
