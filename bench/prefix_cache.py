@@ -60,7 +60,7 @@ def bytes_per_page(cfg: ModelConfig, step_cfg: StepConfig, itemsize: int) -> int
 
 def bytes_per_snapshot(cfg: ModelConfig, step_cfg: StepConfig, dtype) -> int:
     state = jax.eval_shape(lambda: init_state(cfg, step_cfg, dtype))
-    pool = jax.eval_shape(lambda: init_pool(state, 1))
+    pool = jax.eval_shape(lambda: init_pool(state, 1, spare=step_cfg.spec_tokens))
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pool))
 
 

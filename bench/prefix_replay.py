@@ -3,6 +3,7 @@ the sliding windows by replaying the last R cached tokens changes in the output 
 trained model, and what it saves per cached token.
 
     python bench/prefix_replay.py                 # CPU: 1536-token shared prefix, 4 prompts
+    python bench/prefix_replay.py --footprint-only  # the byte table again, the stored rows kept
 
 Each prompt is a shared prefix (the start of a standard-library module, cached first by a
 request made of it alone) followed by its own suffix (the start of another module); each
@@ -18,6 +19,7 @@ the slot snapshots kept, one at each chunk end, for the shipped model and DeepSe
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import sysconfig
 import time
@@ -31,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.lib.models import V4_FLASH  # noqa: E402
-from bench.lib.results import write_results  # noqa: E402
+from bench.lib.results import RESULTS, command, commit, write_results  # noqa: E402
 from bench.prefix_cache import bytes_per_page  # noqa: E402
 from deepinfer_jax import LLM, SamplingParams  # noqa: E402
 from deepinfer_jax.config.engine import EngineConfig, StepConfig  # noqa: E402
@@ -46,7 +48,7 @@ SUFFIX_MODULES = ("textwrap.py", "shlex.py", "fractions.py", "heapq.py")
 
 def snapshot_bytes(cfg: ModelConfig, step_cfg: StepConfig, windows: bool) -> int:
     state = jax.eval_shape(lambda: init_state(cfg, step_cfg, jnp.bfloat16))
-    pool = jax.eval_shape(lambda: init_pool(state, 1, windows))
+    pool = jax.eval_shape(lambda: init_pool(state, 1, windows, spare=step_cfg.spec_tokens))
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pool))
 
 
@@ -112,10 +114,14 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--replay", type=int, nargs="+", default=[128, 140, 256, 512, 1024],
                     help="replay lengths; the exactness bound L*(W-1) and one less are added")
+    ap.add_argument("--footprint-only", action="store_true",
+                    help="keep the stored run's rows (its prefix, chunk, measurements and "
+                         "stamp) and recompute only the bytes per token (a new snapshot layout "
+                         "changes what is stored, not what a hit computes)")
     args = ap.parse_args()
-    engine = dict(max_num_seqs=4, max_model_len=2048 + 256, max_num_batched_tokens=args.chunk,
-                  page_size=64, show_progress=False, batch_invariant=True,
-                  enable_prefix_caching=True)
+    if args.footprint_only:
+        return footprint_only()
+    engine = engine_options(args.chunk)
     exact = LLM(TINY, **engine)
     prefix, prompts = prompts_of(exact, args.prefix, args.suffix)
     want = run(exact, prefix, prompts, args.tokens)
@@ -129,13 +135,8 @@ def main() -> None:
                                      **compare(got, want)}
         print(replay, rows[f"bounded_{replay}"], flush=True)
         del llm
-    tiny_cfg = exact.model.config
-    tiny_fp = per_token(tiny_cfg, EngineConfig(**engine).resolve(tiny_cfg), args.prefix,
-                        args.chunk)
-    flash = read_model_config(V4_FLASH).replace(num_mtp_layers=0, quantization=None)
-    flash_step = EngineConfig(max_num_seqs=1, max_model_len=16384 + 1024,
-                              max_num_batched_tokens=8192).resolve(flash)
-    flash_fp = per_token(flash, flash_step, 16384, 8192)
+    tiny_fp, flash_fp = footprints(args.prefix, args.chunk)
+    flash = read_model_config(V4_FLASH)
     payload = {"model": "deepinfer-tiny-v4 (shipped)", "prefix": args.prefix,
                "exactness_bound": bound, "exactness_bound_v4_flash": exactness_bound(flash),
                "suffix": args.suffix, "tokens": args.tokens, "chunk": args.chunk,
@@ -143,6 +144,38 @@ def main() -> None:
                "footprint_v4_flash_16k": flash_fp}
     write_results("prefix-replay-cpu", payload,
                   table(args, len(prompts), rows, tiny_fp, flash_fp, bound, exactness_bound(flash)))
+
+
+def engine_options(chunk: int) -> dict:
+    return dict(max_num_seqs=4, max_model_len=2048 + 256, max_num_batched_tokens=chunk,
+                page_size=64, show_progress=False, batch_invariant=True,
+                enable_prefix_caching=True)
+
+
+def footprints(prefix: int, chunk: int) -> tuple[dict, dict]:
+    """Bytes per cached token: the shipped model as run, V4-Flash with a 16k prefix."""
+    tiny_cfg = read_model_config(TINY)
+    tiny_fp = per_token(tiny_cfg, EngineConfig(**engine_options(chunk)).resolve(tiny_cfg),
+                        prefix, chunk)
+    flash = read_model_config(V4_FLASH).replace(num_mtp_layers=0, quantization=None)
+    flash_step = EngineConfig(max_num_seqs=1, max_model_len=16384 + 1024,
+                              max_num_batched_tokens=8192).resolve(flash)
+    return tiny_fp, per_token(flash, flash_step, 16384, 8192)
+
+
+def footprint_only() -> None:
+    """Rewrite bench/results/prefix-replay-cpu with its stored rows and fresh byte figures."""
+    payload = json.loads((RESULTS / "prefix-replay-cpu.json").read_text())
+    payload["footprint_tiny"], payload["footprint_v4_flash_16k"] = footprints(
+        payload["prefix"], payload["chunk"])
+    payload["footprint_recomputed"] = {"commit": commit(), "command": command()}
+    args = argparse.Namespace(**{k: payload[k] for k in ("prefix", "suffix", "tokens")})
+    text = table(args, payload["prompts"], payload["rows"], payload["footprint_tiny"],
+                 payload["footprint_v4_flash_16k"], payload["exactness_bound"],
+                 payload["exactness_bound_v4_flash"])
+    text += (f"\nThe byte table recomputed at commit {commit()} (`{command()}`); the rows "
+             f"above are the stamped run's.\n")
+    write_results("prefix-replay-cpu", payload, text)
 
 
 def table(args, n: int, rows: dict, tiny_fp: dict, flash_fp: dict, bound: int,
@@ -165,7 +198,8 @@ def table(args, n: int, rows: dict, tiny_fp: dict, flash_fp: dict, bound: int,
                  f"{', '.join(map(str, row['greedy_agree_tokens']))} | "
                  f"{row['logprob_abs_diff_max']:.2e} | {row['logprob_abs_diff_mean']:.2e} |\n")
     text += ("\nBytes per cached token (pages + one snapshot per chunk end; bf16 pages and "
-             "windows, f32 compressor tails):\n\n| model | prefix | snapshots | pages B/token | "
+             "windows, the CSA compressors' closed-block halves in f32, "
+             "device/snapshot_layout.py):\n\n| model | prefix | snapshots | pages B/token | "
              "exact: snapshot B | exact B/token | bounded: snapshot B | bounded B/token |\n"
              "|---|---|---|---|---|---|---|---|\n")
     for name, fp in (("tiny (shipped)", tiny_fp), ("DeepSeek-V4-Flash", flash_fp)):

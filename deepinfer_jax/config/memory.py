@@ -10,7 +10,8 @@ part that follows the page pool and a part fixed by the slots:
   compressed layer's compressor tails (float32 kv and score rings; the indexer's too on CSA
   layers), the MTP block's window with speculation, and the sampler's per-slot vocabulary
   rows (a bool prompt mask and int32 output counts) and last token;
-* with prefix caching, `num_snapshots` copies of a slot's rings (device/snapshots.py).
+* with prefix caching, `num_snapshots` snapshots of a slot's rings at a block end, compacted
+  to what a later token reads (device/snapshot_layout.py).
 
 `plan_pool` gives the pool from the memory left after weights, activations and the slots'
 state; `cache_bytes` is checked against `init_state`'s real pytree in the tests, so that the
@@ -55,19 +56,29 @@ def _tail_bytes(rate: int, overlap: bool, dim: int, spare: int) -> int:
     return 2 * (ring + spare) * width * _F32          # kv and score rings
 
 
-def slot_ring_bytes(cfg: ModelConfig, spec_tokens: int = 0, dtype_bytes: int = 2,
-                    windows: bool = True) -> int:
-    """One slot's rings: what a prefix-cache snapshot copies (device/snapshots.py); without
-    windows (bounded prefix replay), only the overlapping compressors' tails."""
-    window = (cfg.sliding_window + spec_tokens) * cfg.head_dim * dtype_bytes if windows else 0
+def slot_ring_bytes(cfg: ModelConfig, spec_tokens: int = 0, dtype_bytes: int = 2) -> int:
+    """One slot's rings in the state: every layer's window and compressor tails, the MTP
+    block's window with speculation."""
+    window = (cfg.sliding_window + spec_tokens) * cfg.head_dim * dtype_bytes
     total = 0
     for kind in cfg.layer_types:
         total += window
-        if kind is not AttentionKind.SLIDING and (windows or kind is AttentionKind.CSA):
+        if kind is not AttentionKind.SLIDING:
             rate = cfg.compress_rate(kind)
             total += _tail_bytes(rate, kind is AttentionKind.CSA, cfg.head_dim, spec_tokens)
         if kind is AttentionKind.CSA:
             total += _tail_bytes(cfg.compress_rate_csa, True, cfg.index_head_dim, spec_tokens)
+    return total + (window if spec_tokens else 0)            # the MTP block's window
+
+
+def snapshot_bytes(cfg: ModelConfig, spec_tokens: int = 0, dtype_bytes: int = 2,
+                   windows: bool = True) -> int:
+    """One prefix-cache snapshot (device/snapshot_layout.py): every window ring (none for a
+    bounded prefix replay) and, per CSA layer, its and its indexer's last closed block's first
+    halves (float32 kv and score, m rows of d)."""
+    window = (cfg.sliding_window + spec_tokens) * cfg.head_dim * dtype_bytes if windows else 0
+    halves = 2 * cfg.compress_rate_csa * (cfg.head_dim + cfg.index_head_dim) * _F32
+    total = sum(window + (halves if kind is AttentionKind.CSA else 0) for kind in cfg.layer_types)
     return total + (window if spec_tokens else 0)            # the MTP block's window
 
 
@@ -82,8 +93,8 @@ def fixed_cache_bytes(cfg: ModelConfig, step_cfg: StepConfig, dtype_bytes: int =
     cache's snapshots."""
     spare = step_cfg.spec_tokens
     return (step_cfg.max_num_seqs * slot_bytes(cfg, spare, dtype_bytes)
-            + step_cfg.num_snapshots * slot_ring_bytes(cfg, spare, dtype_bytes,
-                                                       windows=not step_cfg.bounded_replay))
+            + step_cfg.num_snapshots * snapshot_bytes(cfg, spare, dtype_bytes,
+                                                      windows=not step_cfg.bounded_replay))
 
 
 def cache_bytes(cfg: ModelConfig, step_cfg: StepConfig, dtype_bytes: int = 2) -> int:

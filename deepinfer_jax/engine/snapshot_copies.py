@@ -22,7 +22,7 @@ class SnapshotCopies:
         # a bounded prefix replay rebuilds the windows: snapshots keep none (not with ranks)
         self.windows = self.ranked or not step_cfg.bounded_replay
         extra = () if self.ranked else (self.windows,)
-        self.pool = pool(state, step_cfg.num_snapshots, *extra)
+        self.pool = pool(state, step_cfg.num_snapshots, *extra, spare=step_cfg.spec_tokens)
         self._save, self._restore = copies(state, self.pool, step_cfg.max_num_seqs,
                                            step_cfg.max_model_len, *extra)
 
@@ -43,19 +43,20 @@ class SnapshotCopies:
         slots = np.full(width, step_cfg.max_num_seqs, np.int32)
         snapshots = np.zeros(width, np.int32)
         tokens = np.full((width, step_cfg.max_model_len), -1, np.int32)
-        prompt_len = np.zeros(width, np.int32)
+        prompt_len, ends = np.zeros(width, np.int32), np.zeros(width, np.int32)
         for i, r in enumerate(restores):
             slots[i], snapshots[i], prompt_len[i] = r.slot, r.snapshot, r.prompt_len
             tokens[i, : len(r.tokens)] = r.tokens
-        return snapshots, slots, tokens, prompt_len
+            ends[i] = r.end
+        return snapshots, slots, tokens, prompt_len, ends
 
     def _save_arrays(self, saves: tuple[SnapshotSave, ...]) -> tuple[np.ndarray, ...]:
         width = self.step_cfg.max_num_seqs
-        slots = np.zeros(width, np.int32)
+        slots, ends = np.zeros(width, np.int32), np.zeros(width, np.int32)
         snapshots = np.full(width, self.step_cfg.num_snapshots, np.int32)   # padding: dropped
         for i, save in enumerate(saves):
-            slots[i], snapshots[i] = save.slot, save.snapshot
-        return slots, snapshots
+            slots[i], snapshots[i], ends[i] = save.slot, save.snapshot, save.end
+        return slots, snapshots, ends
 
     def _per_rank(self, copies: tuple) -> tuple:
         return copies if self.ranked else (copies,)

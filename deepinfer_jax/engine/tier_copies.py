@@ -15,6 +15,7 @@ import numpy as np
 
 from deepinfer_jax.config.kv_tiers import KVTierConfig
 from deepinfer_jax.config.step import StepConfig
+from deepinfer_jax.device.snapshot_layout import SNAPSHOT_LAYOUT
 from deepinfer_jax.device.snapshots import SlotRings
 from deepinfer_jax.device.tier_copies import compile_tier_copies, page_pools
 from deepinfer_jax.engine.snapshot_copies import SnapshotCopies
@@ -47,7 +48,9 @@ class TierCopies:
             return None
         shapes = [(a.shape, str(a.dtype)) for a in
                   jax.tree.leaves((page_pools(state), snapshots.pool))]
-        digest = hashlib.blake2b(repr((model, step_cfg.page_size, shapes)).encode(),
+        # the layout's name too: a snapshot's shapes alone need not tell two layouts apart
+        digest = hashlib.blake2b(repr((model, step_cfg.page_size, shapes,
+                                       SNAPSHOT_LAYOUT)).encode(),
                                  digest_size=16).hexdigest()
         store = TierStore(dataclasses.replace(config, namespace=digest))
         return cls(state, snapshots, step_cfg, store)

@@ -40,7 +40,8 @@ class Restore:
 
     slot: int
     snapshot: int
-    tokens: tuple[int, ...]       # the tokens the snapshot covers (penalty counters)
+    end: int                      # the block end it was taken at (its ring order)
+    tokens: tuple[int, ...]       # the tokens before the first one computed (penalty counters)
     prompt_len: int
 
 
@@ -50,6 +51,7 @@ class SnapshotSave:
 
     slot: int
     snapshot: int
+    end: int                      # the block end: tokens the snapshot covers (its ring order)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -169,7 +169,7 @@ class KVCacheManager:
                 self.pages.share(seq.pages[index])
                 self._pending.append(PendingBlock(req, index, seq.pages[index], snapshot))
                 if snapshot is not None:
-                    saves.append(SnapshotSave(seq.slot, snapshot))
+                    saves.append(SnapshotSave(seq.slot, snapshot, end))
         return tuple(saves)
 
     def cache_completed(self) -> None:

@@ -80,6 +80,8 @@ class Match:
     snapshot: int | None          # the snapshot at the end of the last one
     num_tokens: int               # tokens the sequence need not compute
     num_cached: int               # tokens in cached blocks (those past num_tokens lack a snapshot)
+    snapshot_end: int             # tokens the snapshot covers (num_tokens unless a bounded
+                                  # replay computes some of them again)
 
 
 @dataclasses.dataclass
@@ -121,8 +123,9 @@ class PrefixCache:
         now = next(self._clock)
         for block in chain:
             block.last_used = now
+        end = len(chain) * self.block_size
         return Match(tuple(b.page for b in chain), chain[-1].snapshot if chain else None,
-                     len(chain) * self.block_size, cached)
+                     end, cached, end)
 
     def _snapshot_serves(self, block: CachedBlock, num_blocks: int, following) -> bool:
         if block.snapshot is None:

@@ -193,7 +193,7 @@ class Scheduler:
             if match is not None:
                 self.kv_cache.count_lookup(req, match)
                 if match.snapshot is not None:
-                    restores.append(Restore(req.slot, match.snapshot,
+                    restores.append(Restore(req.slot, match.snapshot, match.snapshot_end,
                                             tuple(req.tokens[: match.num_tokens]), len(req.prompt)))
             scheduled.append(self._row(req, n, n == req.num_pending, 0, cap, speculative))
             budget -= n

@@ -29,10 +29,10 @@ def per_rank(fn, arguments: int):
                          check_vma=False)
 
 
-def init_rank_pool(state: StateCache, count: int) -> SlotRings:
+def init_rank_pool(state: StateCache, count: int, *, spare: int) -> SlotRings:
     """A pool of `count` snapshots per rank, for rank-stacked `state`."""
     mesh = jax.tree.leaves(state)[0].sharding.mesh
-    return jax.jit(per_rank(lambda s: snapshots.init_pool(s, count), 1),
+    return jax.jit(per_rank(lambda s: snapshots.init_pool(s, count, spare=spare), 1),
                    out_shardings=NamedSharding(mesh, RANK))(state)
 
 
@@ -46,8 +46,8 @@ def compile_rank_copies(state: StateCache, pool: SlotRings, width: int, max_len:
         return jax.ShapeDtypeStruct((ranks, *shape), jnp.int32,
                                     sharding=NamedSharding(mesh, RANK))
     ids, tokens = spec(width), spec(width, max_len)
-    save = jax.jit(per_rank(snapshots.save, 4), donate_argnums=(1,)).lower(
-        snapshots.slot_rings(state), pool, ids, ids).compile()
-    restore = jax.jit(per_rank(snapshots.restore, 6), donate_argnums=(0,)).lower(
-        state, pool, ids, ids, tokens, ids).compile()
+    save = jax.jit(per_rank(snapshots.save, 5), donate_argnums=(1,)).lower(
+        snapshots.slot_rings(state), pool, ids, ids, ids).compile()
+    restore = jax.jit(per_rank(snapshots.restore, 7), donate_argnums=(0,)).lower(
+        state, pool, ids, ids, tokens, ids, ids).compile()
     return save, restore

@@ -115,8 +115,8 @@ def test_invariant_steps_scatter_without_order():
         assert order_dependent_scatters(module) == [], step_fn.__name__
     ids = jax.ShapeDtypeStruct((4,), "int32")
     tokens = jax.ShapeDtypeStruct((4, 128), "int32")
-    pool = snapshots.init_pool(state, step_cfg.num_snapshots)
-    save = jax.jit(snapshots.save).lower(snapshots.slot_rings(state), pool, ids, ids)
-    restore = jax.jit(snapshots.restore).lower(state, pool, ids, ids, tokens, ids)
+    pool = snapshots.init_pool(state, step_cfg.num_snapshots, spare=step_cfg.spec_tokens)
+    save = jax.jit(snapshots.save).lower(snapshots.slot_rings(state), pool, ids, ids, ids)
+    restore = jax.jit(snapshots.restore).lower(state, pool, ids, ids, tokens, ids, ids)
     assert order_dependent_scatters(save.as_text()) == []
     assert order_dependent_scatters(restore.as_text()) == []

@@ -50,12 +50,18 @@ def _abstract_state(cfg, step_cfg, dtype=jnp.bfloat16):
       "enable_prefix_caching": True, "num_pages": 7}, jnp.bfloat16),
     ("configs/deepseek-v4-flash.json", {"max_num_seqs": 4, "max_model_len": 8192},
      jnp.bfloat16),
+    # the snapshot pool, compact (device/snapshot_layout.py), exact and bounded
+    ("configs/deepseek-v4-flash.json", {"max_num_seqs": 4, "max_model_len": 8192,
+                                        "enable_prefix_caching": True}, jnp.bfloat16),
+    ("configs/tiny/tiny-mixed.json", {"enable_prefix_caching": True, "prefix_replay": "bounded"},
+     jnp.float32),
 ])
 def test_cache_bytes_equal_the_state_pytree(model, options, dtype):
     cfg = read_model_config(REPO / model)
     step_cfg = EngineConfig(**options).resolve(cfg)
     state = _abstract_state(cfg, step_cfg, dtype)
-    snapshots = jax.eval_shape(lambda s: init_pool(s, step_cfg.num_snapshots), state)
+    snapshots = jax.eval_shape(lambda s: init_pool(
+        s, step_cfg.num_snapshots, not step_cfg.bounded_replay, spare=step_cfg.spec_tokens), state)
     expected = _nbytes(state) + (_nbytes(snapshots) if step_cfg.num_snapshots else 0)
     assert cache_bytes(cfg, step_cfg, jnp.dtype(dtype).itemsize) == expected
 

@@ -16,7 +16,7 @@ from deepinfer_jax import SamplingParams
 from deepinfer_jax.config.engine import EngineConfig
 from deepinfer_jax.config.errors import EngineConfigError
 from deepinfer_jax.config.hf import read_model_config
-from deepinfer_jax.config.memory import slot_ring_bytes
+from deepinfer_jax.config.memory import snapshot_bytes
 from tests.conftest import REPO
 from tests.engine.test_prefix_cache import ENGINE, TINY, assert_same, run_alone, tokens
 
@@ -67,7 +67,7 @@ def test_a_replay_covering_the_windows_reach_equals_the_cold_run_bitwise(mixed, 
     assert all(w is None for w, _, _ in pool[0])
     step_cfg = warm.engine.step_cfg
     assert sum(x.nbytes for x in jax.tree.leaves(pool)) == step_cfg.num_snapshots * (
-        slot_ring_bytes(model.config, 0, 2, windows=False))
+        snapshot_bytes(model.config, 0, 2, windows=False))
 
 
 def test_a_short_replay_serves_hits_close_to_the_exact_run():

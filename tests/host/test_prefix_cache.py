@@ -159,12 +159,14 @@ def test_scheduler_cuts_chunks_at_blocks_and_reuses_the_cached_prefix():
     first = _run(sched, Request("a", prompt, SamplingParams(max_tokens=2), 0))
     assert [d.seqs[0].num_tokens for d in first] == [16, 16, 16, 16, 11, 1]  # cut at block ends
     # each chunk that ends on a block end has its slot snapshotted after the step
-    assert [[(s.slot, s.snapshot) for s in d.saves] for d in first] == [
-        [(0, 0)], [(0, 1)], [(0, 2)], [(0, 3)], [], []]
+    # (at its block end, which orders its rings: device/snapshot_layout.py)
+    assert [[(s.slot, s.snapshot, s.end) for s in d.saves] for d in first] == [
+        [(0, 0, 16)], [(0, 1, 32)], [(0, 2, 48)], [(0, 3, 64)], [], []]
     again = _run(sched, Request("b", prompt + [50], SamplingParams(max_tokens=1), 1))
     seq = again[0].seqs[0]
     assert seq.start == 64 and again[0].restores[0].tokens == tuple(prompt[:64])
     assert again[0].restores[0].snapshot == 3 and again[0].restores[0].slot == seq.slot
+    assert again[0].restores[0].end == 64
     stats = sched.kv_cache.prefix_stats()
     assert stats.queries == 2 and stats.hits == 1 and stats.hit_tokens == 64
     # every page is either free or held by the cache alone
@@ -182,6 +184,7 @@ def test_a_bounded_replay_hit_recomputes_the_last_tokens_without_writing_rows():
     match = kv.match_prefix(req)
     # the snapshot at 12 serves; the last 5 cached tokens are computed again
     assert len(match.pages) == 3 and match.num_tokens == 7 and match.snapshot is not None
+    assert match.snapshot_end == 12         # the snapshot still restores at its block end
     assert (req.num_computed, req.window_from, req.rows_from) == (7, 7, 12)
     kv.release(req)
     short = Request("s", tokens[:4] + [9], SamplingParams(max_tokens=4), 1)
