@@ -1,0 +1,89 @@
+"""The Ascend backend's engine: the JAX engine's host side (scheduler, plan builder, stop
+handling, postprocess) unchanged, driving the torch step (step.py) synchronously: schedule,
+build the plan, run the step, postprocess its output.
+
+Start-up checks the features the options turn on against the platform table
+(deepinfer_jax/config/platforms.py): batch-invariant mode, speculative decoding and prefix
+caching fail there with an UnsupportedFeatureError naming the feature and "ascend"."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from ascend_backend.device import torch_device
+from ascend_backend.model.state import init_state
+from ascend_backend.step import step
+from deepinfer_jax.config.compute import ComputeConfig
+from deepinfer_jax.config.model import ModelConfig
+from deepinfer_jax.config.platforms import require_features
+from deepinfer_jax.config.step import StepConfig
+from deepinfer_jax.host.buckets import token_bucket
+from deepinfer_jax.host.plan_builder import build_plan, suppress_stops
+from deepinfer_jax.host.request import Request, SamplingParams
+from deepinfer_jax.host.scheduler import Scheduler
+
+PLATFORM = "ascend"
+
+
+def requested_features(step_cfg: StepConfig) -> list[str]:
+    """The platform-gated features a step configuration turns on."""
+    wanted = {"batch_invariant": step_cfg.batch_invariant,
+              "speculative_decoding": step_cfg.spec_tokens > 0,
+              "prefix_caching": step_cfg.enable_prefix_caching}
+    return [feature for feature, on in wanted.items() if on]
+
+
+def step_config(cfg: ModelConfig, *, max_num_seqs: int, max_model_len: int, page_size: int,
+                num_pages: int, max_num_batched_tokens: int, token_buckets: tuple[int, ...],
+                max_logprobs: int = 20, batch_invariant: bool = False) -> StepConfig:
+    """The step's shapes for the torch backend (no compiled buckets: torch runs any shape,
+    but the plan still comes in the host's buckets, so both backends see the same plans)."""
+    return StepConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                      page_size=page_size, num_pages=num_pages,
+                      max_blocks_per_seq=-(-max_model_len // page_size),
+                      max_num_batched_tokens=max_num_batched_tokens,
+                      token_buckets=tuple(token_buckets), max_logprobs=max_logprobs,
+                      vocab_size=cfg.vocab_size, speculative=None,
+                      compute=ComputeConfig(batch_invariant=batch_invariant))
+
+
+class AscendEngine:
+    def __init__(self, cfg: ModelConfig, params, step_cfg: StepConfig, *,
+                 device: str = "cpu", seed: int = 0):
+        """params: the tree of params.py (on `device`); device "cpu" or "npu[:i]"."""
+        require_features(PLATFORM, requested_features(step_cfg))
+        self.cfg, self.params, self.step_cfg = cfg, params, step_cfg
+        self.state = init_state(cfg, step_cfg, torch_device(device))
+        self.scheduler = Scheduler(step_cfg, cfg.eos_token_ids)
+        self._arrivals = itertools.count()
+        self._seeds = np.random.default_rng(seed)
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> Request:
+        seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
+        request = Request(request_id, list(prompt), params, next(self._arrivals), seed=seed)
+        self.scheduler.add(request)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[Request]:
+        """One step: schedule, run, postprocess -> the requests that received tokens."""
+        decision = self.scheduler.schedule()
+        if not decision.seqs:
+            return []
+        plan = build_plan(decision, token_bucket(self.step_cfg.token_buckets,
+                                                 decision.num_tokens), self.step_cfg)
+        suppress_stops(plan, decision, self.cfg.eos_token_ids)
+        self.state, output = step(self.params, self.state, plan, cfg=self.cfg,
+                                  step_cfg=self.step_cfg)
+        return self.scheduler.postprocess(decision, output)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
+        """Every prompt to completion -> its request (tokens in `generated`), in prompt order."""
+        requests = [self.add_request(str(i), p, params) for i, p in enumerate(prompts)]
+        while self.has_unfinished():
+            self.step()
+        return requests

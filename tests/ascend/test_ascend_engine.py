@@ -1,0 +1,64 @@
+"""The Ascend engine (the shared scheduler driving the torch step, in .venv-ascend) against
+the JAX engine: greedy outputs of 64 tokens equal, with continuous batching (six prompts, four
+slots), chunked prefill (a 64-token budget) and admission held back by a small page pool
+(12 pages: not four of the long sequences at once); and its start-up refusal of
+batch-invariant mode. (Preemption needs prefix caching or drafts, host/scheduler.py, which
+the Ascend backend does not support yet.)"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import deepinfer_jax
+from deepinfer_jax import SamplingParams
+from tests.ascend.ascend_env import needs_ascend_env, run_in_ascend_env
+from tests.ascend.test_torch_step import flat_params
+from tests.conftest import oracle_case
+
+pytestmark = [needs_ascend_env, pytest.mark.oracle]
+
+MAX_TOKENS = 64
+ENGINE = dict(max_num_seqs=4, max_model_len=320, page_size=64, num_pages=12,
+              max_num_batched_tokens=64, token_buckets=(16, 64), show_progress=False)
+
+
+def test_greedy_outputs_match_the_jax_engine(tmp_path):
+    case = oracle_case("tiny-mixed")
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(2, 512, size=int(n)).tolist() for n in (150, 23, 200, 90, 170, 41)]
+    llm = deepinfer_jax.LLM(case.model, **ENGINE)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+                           use_tqdm=False)
+    expected = [list(o.outputs[0].token_ids) for o in outputs]
+    sc = llm.engine.step_cfg
+    np.savez(tmp_path / "params.npz", **flat_params(case.model.params))
+    (tmp_path / "case.json").write_text(json.dumps({
+        "config": str(case.checkpoint / "config.json"), "prompts": prompts,
+        "max_tokens": MAX_TOKENS,
+        "step": dict(max_num_seqs=sc.max_num_seqs, max_model_len=sc.max_model_len,
+                     page_size=sc.page_size, num_pages=sc.num_pages,
+                     max_num_batched_tokens=sc.max_num_batched_tokens,
+                     token_buckets=list(sc.token_buckets), max_logprobs=sc.max_logprobs)}))
+    run_in_ascend_env("tests/ascend/torch_generate.py", str(tmp_path))
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert all(len(t) == MAX_TOKENS for t in result["tokens"])
+    assert result["tokens"] == expected
+
+
+def test_batch_invariant_mode_fails_at_start_up_on_ascend():
+    code = (
+        "from ascend_backend.engine import AscendEngine, step_config\n"
+        "from deepinfer_jax.config.hf import read_model_config\n"
+        "from deepinfer_jax.config.platforms import UnsupportedFeatureError\n"
+        "cfg = read_model_config('configs/tiny/tiny-mixed.json')\n"
+        "sc = step_config(cfg, max_num_seqs=2, max_model_len=128, page_size=64, num_pages=4,\n"
+        "                 max_num_batched_tokens=16, token_buckets=(16,), batch_invariant=True)\n"
+        "try:\n"
+        "    AscendEngine(cfg, None, sc)\n"
+        "except UnsupportedFeatureError as err:\n"
+        "    print(type(err).__name__, err.feature, err.platform)\n")
+    assert run_in_ascend_env("-c", code).split() == ["UnsupportedFeatureError",
+                                                     "batch_invariant", "ascend"]
