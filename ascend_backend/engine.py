@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import torch
 
 from ascend_backend.device import torch_device
 from ascend_backend.model.state import init_state
@@ -55,7 +56,8 @@ class AscendEngine:
         """params: the tree of params.py (on `device`); device "cpu" or "npu[:i]"."""
         require_features(PLATFORM, requested_features(step_cfg))
         self.cfg, self.params, self.step_cfg = cfg, params, step_cfg
-        self.state = init_state(cfg, step_cfg, torch_device(device))
+        dtype = params.embed.dtype if params is not None else torch.float32
+        self.state = init_state(cfg, step_cfg, torch_device(device), dtype)
         self.scheduler = Scheduler(step_cfg, cfg.eos_token_ids)
         self._arrivals = itertools.count()
         self._seeds = np.random.default_rng(seed)

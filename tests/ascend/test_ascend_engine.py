@@ -1,9 +1,9 @@
-"""The Ascend engine (the shared scheduler driving the torch step, in .venv-ascend) against
-the JAX engine: greedy outputs of 64 tokens equal, with continuous batching (six prompts, four
-slots), chunked prefill (a 64-token budget) and admission held back by a small page pool
-(12 pages: not four of the long sequences at once); and its start-up refusal of
-batch-invariant mode. (Preemption needs prefix caching or drafts, host/scheduler.py, which
-the Ascend backend does not support yet.)"""
+"""The Ascend backend's LLM (in .venv-ascend: its own checkpoint reading, the shared scheduler
+driving the torch step) against the JAX engine on the same checkpoint: greedy outputs of 64
+tokens equal, with continuous batching (six prompts, four slots), chunked prefill (a 64-token
+budget) and admission held back by a small page pool (12 pages: not four of the long
+sequences at once); and its start-up refusal of batch-invariant mode. (Preemption needs
+prefix caching or drafts, host/scheduler.py, which the Ascend backend does not support yet.)"""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import pytest
 import deepinfer_jax
 from deepinfer_jax import SamplingParams
 from tests.ascend.ascend_env import needs_ascend_env, run_in_ascend_env
-from tests.ascend.test_torch_step import flat_params
 from tests.conftest import oracle_case
 
 pytestmark = [needs_ascend_env, pytest.mark.oracle]
@@ -33,15 +32,13 @@ def test_greedy_outputs_match_the_jax_engine(tmp_path):
     outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
                            use_tqdm=False)
     expected = [list(o.outputs[0].token_ids) for o in outputs]
-    sc = llm.engine.step_cfg
-    np.savez(tmp_path / "params.npz", **flat_params(case.model.params))
+    sc = llm.engine.step_cfg        # the same shapes (the pool, the buckets) on both sides
     (tmp_path / "case.json").write_text(json.dumps({
-        "config": str(case.checkpoint / "config.json"), "prompts": prompts,
-        "max_tokens": MAX_TOKENS,
-        "step": dict(max_num_seqs=sc.max_num_seqs, max_model_len=sc.max_model_len,
-                     page_size=sc.page_size, num_pages=sc.num_pages,
-                     max_num_batched_tokens=sc.max_num_batched_tokens,
-                     token_buckets=list(sc.token_buckets), max_logprobs=sc.max_logprobs)}))
+        "checkpoint": str(case.checkpoint), "prompts": prompts, "max_tokens": MAX_TOKENS,
+        "engine": dict(max_num_seqs=sc.max_num_seqs, max_model_len=sc.max_model_len,
+                       page_size=sc.page_size, num_pages=sc.num_pages,
+                       max_num_batched_tokens=sc.max_num_batched_tokens,
+                       token_buckets=list(sc.token_buckets), max_logprobs=sc.max_logprobs)}))
     run_in_ascend_env("tests/ascend/torch_generate.py", str(tmp_path))
     result = json.loads((tmp_path / "result.json").read_text())
     assert all(len(t) == MAX_TOKENS for t in result["tokens"])
