@@ -3,8 +3,9 @@ handling, postprocess) unchanged, driving the torch step (step.py) synchronously
 build the plan, run the step, postprocess its output.
 
 Start-up checks the features the options turn on against the platform table
-(deepinfer_jax/config/platforms.py): batch-invariant mode, speculative decoding and prefix
-caching fail there with an UnsupportedFeatureError naming the feature and "ascend"."""
+(deepinfer_jax/config/platforms.py): batch-invariant mode and prefix caching fail there with
+an UnsupportedFeatureError naming the feature and "ascend". Speculative steps (the MTP
+verify and draft, speculative.py) run where the scheduler plans them."""
 
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ import torch
 
 from ascend_backend.device import torch_device
 from ascend_backend.model.state import init_state
+from ascend_backend.speculative import spec_step
 from ascend_backend.step import step
 from deepinfer_jax.config.compute import ComputeConfig
+from deepinfer_jax.config.errors import EngineConfigError
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.platforms import require_features
+from deepinfer_jax.config.speculative import SpeculativeConfig
 from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.host.buckets import token_bucket
 from deepinfer_jax.host.plan_builder import build_plan, suppress_stops
@@ -31,14 +35,14 @@ PLATFORM = "ascend"
 def requested_features(step_cfg: StepConfig) -> list[str]:
     """The platform-gated features a step configuration turns on."""
     wanted = {"batch_invariant": step_cfg.batch_invariant,
-              "speculative_decoding": step_cfg.spec_tokens > 0,
               "prefix_caching": step_cfg.enable_prefix_caching}
     return [feature for feature, on in wanted.items() if on]
 
 
 def step_config(cfg: ModelConfig, *, max_num_seqs: int, max_model_len: int, page_size: int,
                 num_pages: int, max_num_batched_tokens: int, token_buckets: tuple[int, ...],
-                max_logprobs: int = 20, batch_invariant: bool = False) -> StepConfig:
+                max_logprobs: int = 20, batch_invariant: bool = False,
+                speculative: SpeculativeConfig | None = None) -> StepConfig:
     """The step's shapes for the torch backend (no compiled buckets: torch runs any shape,
     but the plan still comes in the host's buckets, so both backends see the same plans)."""
     return StepConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
@@ -46,7 +50,7 @@ def step_config(cfg: ModelConfig, *, max_num_seqs: int, max_model_len: int, page
                       max_blocks_per_seq=-(-max_model_len // page_size),
                       max_num_batched_tokens=max_num_batched_tokens,
                       token_buckets=tuple(token_buckets), max_logprobs=max_logprobs,
-                      vocab_size=cfg.vocab_size, speculative=None,
+                      vocab_size=cfg.vocab_size, speculative=speculative,
                       compute=ComputeConfig(batch_invariant=batch_invariant))
 
 
@@ -55,6 +59,9 @@ class AscendEngine:
                  device: str = "cpu", seed: int = 0):
         """params: the tree of params.py (on `device`); device "cpu" or "npu[:i]"."""
         require_features(PLATFORM, requested_features(step_cfg))
+        if step_cfg.spec_tokens and params is not None and not params.mtp:
+            raise EngineConfigError("speculative decoding needs the checkpoint's MTP weights "
+                                    "(mtp.* tensors); this checkpoint has none")
         self.cfg, self.params, self.step_cfg = cfg, params, step_cfg
         dtype = params.embed.dtype if params is not None else torch.float32
         self.state = init_state(cfg, step_cfg, torch_device(device), dtype)
@@ -79,8 +86,9 @@ class AscendEngine:
         plan = build_plan(decision, token_bucket(self.step_cfg.token_buckets,
                                                  decision.num_tokens), self.step_cfg)
         suppress_stops(plan, decision, self.cfg.eos_token_ids)
-        self.state, output = step(self.params, self.state, plan, cfg=self.cfg,
-                                  step_cfg=self.step_cfg)
+        run = spec_step if decision.speculative else step
+        self.state, output = run(self.params, self.state, plan, cfg=self.cfg,
+                                 step_cfg=self.step_cfg)
         return self.scheduler.postprocess(decision, output)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Request]:

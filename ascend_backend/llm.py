@@ -16,6 +16,7 @@ from ascend_backend.engine import AscendEngine, step_config
 from ascend_backend.params import params_from_flat
 from ascend_backend.weights import flat_params
 from deepinfer_jax.config.hf import read_model_config
+from deepinfer_jax.config.speculative import SpeculativeConfig
 from deepinfer_jax.host.request import Request, SamplingParams
 
 
@@ -24,7 +25,8 @@ class LLM:
                  max_num_seqs: int = 8, max_model_len: int = 1024, page_size: int = 64,
                  num_pages: int | None = None, max_num_batched_tokens: int = 256,
                  token_buckets: tuple[int, ...] | None = None, max_logprobs: int = 20,
-                 batch_invariant: bool = False, seed: int = 0):
+                 batch_invariant: bool = False, speculative_config: dict | None = None,
+                 seed: int = 0):
         """num_pages None: every slot can hold max_model_len tokens; token_buckets None: powers
         of two up to max_num_batched_tokens (the plan's padded sizes). The model computes in
         float32 (bf16 is not tested against the JAX step yet)."""
@@ -37,7 +39,9 @@ class LLM:
                                page_size=page_size, num_pages=num_pages or max_num_seqs * blocks,
                                max_num_batched_tokens=max_num_batched_tokens,
                                token_buckets=buckets, max_logprobs=max_logprobs,
-                               batch_invariant=batch_invariant)
+                               batch_invariant=batch_invariant,
+                               speculative=SpeculativeConfig.from_options(speculative_config)
+                               if speculative_config is not None else None)
         params = params_from_flat(flat_params(cfg, read_checkpoint(model)), torch_device(device))
         self.engine = AscendEngine(cfg, params, step_cfg, device=device, seed=seed)
 

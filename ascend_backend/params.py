@@ -27,9 +27,10 @@ class Node:
 
 
 def _as_tensor(array: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    # a copy: the arrays may be read-only views of a checkpoint file
     if np.issubdtype(array.dtype, np.integer):
-        return torch.as_tensor(np.asarray(array, np.int64), device=device)
-    return torch.as_tensor(np.asarray(array, np.float32), device=device).to(dtype)
+        return torch.as_tensor(np.array(array, np.int64), device=device)
+    return torch.as_tensor(np.array(array, np.float32), device=device).to(dtype)
 
 
 def _build(tree):

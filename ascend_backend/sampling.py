@@ -9,10 +9,36 @@ does not depend on its batch; the JAX step's threefry stream is not reproduced, 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-_SEED_STRIDE = 1 << 32
 
+@dataclasses.dataclass(frozen=True)
+class SamplingRows:
+    """Per-row sampling controls (device/sampling.SamplingRows)."""
+
+    temperature: torch.Tensor         # f32[N]   0 = greedy
+    top_k: torch.Tensor               # int[N]   <= 0: off
+    top_p: torch.Tensor               # f32[N]   1: off
+    min_p: torch.Tensor               # f32[N]   0: off
+    repetition_penalty: torch.Tensor  # f32[N]
+    presence_penalty: torch.Tensor    # f32[N]
+    frequency_penalty: torch.Tensor   # f32[N]
+    seed: torch.Tensor                # int[N]
+    position: torch.Tensor            # int[N]   position of the token whose logits are sampled
+    allowed: torch.Tensor             # int32[N, ceil(V/32)] token bitmask
+
+
+def sampling_rows(plan, positions: torch.Tensor) -> SamplingRows:
+    """The plan's controls (torch tensors) for positions int[N, S]: each row's fields repeated
+    for its S sampled positions (S = 1: the plain step)."""
+    s = positions.shape[1]
+    rep = lambda a: a.repeat_interleave(s, dim=0)  # noqa: E731
+    return SamplingRows(rep(plan.temperature), rep(plan.top_k), rep(plan.top_p),
+                        rep(plan.min_p), rep(plan.repetition_penalty),
+                        rep(plan.presence_penalty), rep(plan.frequency_penalty),
+                        rep(plan.seed), positions.reshape(-1), rep(plan.allowed))
 
 def unpack_bitmask(bits: torch.Tensor, vocab: int) -> torch.Tensor:
     """int32[N, W] -> bool[N, vocab]: bit j of word w allows token 32 w + j."""
@@ -48,20 +74,40 @@ def filter_logits(logits: torch.Tensor, rows) -> torch.Tensor:
     return scaled.masked_fill(~kept, float("-inf"))
 
 
-def draw(logits: torch.Tensor, seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """One token per row from softmax(logits), each row's generator seeded by (seed,
-    position) (the Gumbel-max trick over the row's own noise)."""
-    tokens = []
-    for row in range(logits.shape[0]):
+def row_uniforms(seed: torch.Tensor, position: torch.Tensor, size: int, purpose: int = 0
+                 ) -> torch.Tensor:
+    """f32[N, size] uniforms in (0, 1), row i's from a generator seeded by (seed, position,
+    purpose) alone: purpose 0 samples a token; the speculative verifier uses 1 (accept or
+    not) and 2 (resample after a rejection), as device/sampling.row_keys."""
+    out = torch.empty((seed.shape[0], size))
+    for row in range(seed.shape[0]):
+        # the hash of a tuple of ints is the same in every process (no hash randomisation)
         gen = torch.Generator(device="cpu").manual_seed(
-            int(seed[row]) * _SEED_STRIDE + int(position[row]) % _SEED_STRIDE)
-        u = torch.rand(logits.shape[-1], generator=gen).clamp_min(1e-20).to(logits.device)
-        tokens.append(torch.argmax(logits[row] - torch.log(-torch.log(u))))
-    return torch.stack(tokens) if tokens else torch.zeros(0, dtype=torch.int64)
+            hash((int(seed[row]), int(position[row]), purpose)))
+        out[row] = torch.rand(size, generator=gen)
+    return out.clamp(1e-20, 1.0 - 1e-7).to(seed.device)
 
 
-def sample(logits: torch.Tensor, rows, prompt_mask: torch.Tensor, output_counts: torch.Tensor,
-           num_logprobs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def draw(logits: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
+         purpose: int = 0) -> torch.Tensor:
+    """One token per row from softmax(logits) (the Gumbel-max trick over the row's own
+    uniforms)."""
+    u = row_uniforms(seed, position, logits.shape[-1], purpose)
+    return torch.argmax(logits - torch.log(-torch.log(u)), dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_logprobs: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw logprobs: (of the chosen tokens f32[N], top ids int[N, L], top logprobs f32[N, L])."""
+    raw = torch.log_softmax(logits, dim=-1)
+    top = torch.sort(raw, dim=-1, descending=True, stable=True)
+    chosen = torch.gather(raw, -1, tokens[:, None])[:, 0]
+    return chosen, top.indices[:, :num_logprobs], top.values[:, :num_logprobs]
+
+
+def sample(logits: torch.Tensor, rows: SamplingRows, prompt_mask: torch.Tensor,
+           output_counts: torch.Tensor, num_logprobs: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits f32[N, V] -> (tokens int[N], their raw logprob f32[N], top ids int[N, L],
     top logprobs f32[N, L])."""
     processed = process_logits(logits, rows, prompt_mask, output_counts)
@@ -70,7 +116,4 @@ def sample(logits: torch.Tensor, rows, prompt_mask: torch.Tensor, output_counts:
     if bool(hot.any()):
         drawn = draw(filter_logits(processed, rows), rows.seed, rows.position)
         tokens = torch.where(hot, drawn, tokens)
-    raw = torch.log_softmax(logits, dim=-1)
-    top = torch.sort(raw, dim=-1, descending=True, stable=True)
-    chosen = torch.gather(raw, -1, tokens[:, None])[:, 0]
-    return tokens, chosen, top.indices[:, :num_logprobs], top.values[:, :num_logprobs]
+    return (tokens, *token_logprobs(logits, tokens, num_logprobs))

@@ -16,7 +16,7 @@ import torch
 from ascend_backend.model.forward import forward_step, project_logits
 from ascend_backend.model.ragged import gather, token_context
 from ascend_backend.model.state import StateCache
-from ascend_backend.sampling import sample
+from ascend_backend.sampling import sample, sampling_rows
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.contract import BatchPlan, StepOutput
@@ -61,20 +61,6 @@ def record_fed_tokens(state: StateCache, plan: BatchPlan, token_ids: torch.Tenso
                                    torch.ones_like(token_ids[counted]), accumulate=True)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Rows:
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    min_p: torch.Tensor
-    repetition_penalty: torch.Tensor
-    presence_penalty: torch.Tensor
-    frequency_penalty: torch.Tensor
-    seed: torch.Tensor
-    position: torch.Tensor
-    allowed: torch.Tensor
-
-
 def step_with_logits(params, state: StateCache, plan: BatchPlan, *, cfg: ModelConfig,
                      step_cfg: StepConfig) -> tuple[StateCache, StepOutput, torch.Tensor]:
     """`step`, also returning every token's logits f32[T, V] (tests and diagnostics)."""
@@ -83,10 +69,8 @@ def step_with_logits(params, state: StateCache, plan: BatchPlan, *, cfg: ModelCo
     token_ids = resolve_placeholders(plan, state.last_tokens)
     record_fed_tokens(state, plan, token_ids)
     final = forward_step(params, state, token_context(plan), token_ids, cfg, step_cfg)
-    logits = project_logits(final, params, cfg)                                   # [T, V]
-    rows = _Rows(plan.temperature, plan.top_k, plan.top_p, plan.min_p,
-                 plan.repetition_penalty, plan.presence_penalty, plan.frequency_penalty,
-                 plan.seed, plan.positions[plan.sample_index], plan.allowed)
+    logits = project_logits(final, params.hc_head, params.norm, params.head, cfg)  # [T, V]
+    rows = sampling_rows(plan, plan.positions[plan.sample_index][:, None])
     slots = state.last_tokens.shape[0]
     slot = plan.seq_slot.clamp(max=slots - 1)
     tokens, logprob, top_ids, top_logprobs = sample(

@@ -102,7 +102,9 @@ def forward_step(params, state: StateCache, ctx: TokenContext, token_ids: torch.
     return streams
 
 
-def project_logits(streams: torch.Tensor, params, cfg: ModelConfig) -> torch.Tensor:
-    """Residual streams [..., hc, D] -> f32 logits [..., V] (hc head, final norm, lm head)."""
-    y = hc_head(streams, params.hc_head, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
-    return rms_norm(y, params.norm, cfg.rms_norm_eps).float() @ params.head.float()
+def project_logits(streams: torch.Tensor, head_params, norm: torch.Tensor, head: torch.Tensor,
+                   cfg: ModelConfig) -> torch.Tensor:
+    """Residual streams [..., hc, D] -> f32 logits [..., V] (hc head, final norm, lm head);
+    the model's own head params, or the MTP block's hc head and norm."""
+    y = hc_head(streams, head_params, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+    return rms_norm(y, norm, cfg.rms_norm_eps).float() @ head.float()

@@ -31,6 +31,7 @@ class LayerState:
 @dataclasses.dataclass
 class StateCache:
     layers: list[LayerState]
+    mtp: LayerState | None         # the MTP block's window ring (speculative decoding only)
     last_tokens: torch.Tensor      # int64[slots]
     prompt_mask: torch.Tensor      # bool[slots, V]
     output_counts: torch.Tensor    # int64[slots, V]
@@ -61,7 +62,11 @@ def init_state(cfg: ModelConfig, step_cfg: StepConfig, device: torch.device,
             index_keys = torch.zeros((n_rows, cfg.index_head_dim), dtype=dtype, device=device)
             index_tail = _tail(slots, rate, True, cfg.index_head_dim, spare, device)
         layers.append(LayerState(window, rows, tail, index_keys, index_tail))
-    return StateCache(layers, last_tokens=torch.zeros(slots, dtype=torch.int64, device=device),
+    mtp = None
+    if spare:   # the MTP block's own window (a window-only layer)
+        mtp = LayerState(torch.zeros((slots, cfg.sliding_window + spare, cfg.head_dim),
+                                     dtype=dtype, device=device), None, None, None, None)
+    return StateCache(layers, mtp, last_tokens=torch.zeros(slots, dtype=torch.int64, device=device),
                       prompt_mask=torch.zeros((slots, cfg.vocab_size), dtype=torch.bool,
                                               device=device),
                       output_counts=torch.zeros((slots, cfg.vocab_size), dtype=torch.int64,

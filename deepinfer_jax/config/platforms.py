@@ -23,7 +23,7 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "continuous_batching": ("nvidia", "ascend", "cpu"),
     "chunked_prefill": ("nvidia", "ascend", "cpu"),
     "batch_invariant": ("nvidia", "cpu"),
-    "speculative_decoding": ("nvidia", "cpu"),
+    "speculative_decoding": ("nvidia", "ascend", "cpu"),
     "prefix_caching": ("nvidia", "cpu"),
     "structured_output": ("nvidia", "cpu"),
     "quantized_weights": ("nvidia", "cpu"),

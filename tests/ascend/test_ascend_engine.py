@@ -24,23 +24,31 @@ ENGINE = dict(max_num_seqs=4, max_model_len=320, page_size=64, num_pages=12,
               max_num_batched_tokens=64, token_buckets=(16, 64), show_progress=False)
 
 
-def test_greedy_outputs_match_the_jax_engine(tmp_path):
-    case = oracle_case("tiny-mixed")
-    rng = np.random.default_rng(7)
-    prompts = [rng.integers(2, 512, size=int(n)).tolist() for n in (150, 23, 200, 90, 170, 41)]
-    llm = deepinfer_jax.LLM(case.model, **ENGINE)
+def both_engines(tmp_path, checkpoint, model, prompts, **options) -> tuple[list, dict, object]:
+    """-> (the JAX engine's greedy tokens per prompt, the Ascend side's result.json, the JAX
+    LLM), both engines on the checkpoint (the JAX one's float32 `model` of it) with the same
+    shapes and options."""
+    llm = deepinfer_jax.LLM(model, **{**ENGINE, **options})
     outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
                            use_tqdm=False)
-    expected = [list(o.outputs[0].token_ids) for o in outputs]
     sc = llm.engine.step_cfg        # the same shapes (the pool, the buckets) on both sides
     (tmp_path / "case.json").write_text(json.dumps({
-        "checkpoint": str(case.checkpoint), "prompts": prompts, "max_tokens": MAX_TOKENS,
+        "checkpoint": str(checkpoint), "prompts": prompts, "max_tokens": MAX_TOKENS,
         "engine": dict(max_num_seqs=sc.max_num_seqs, max_model_len=sc.max_model_len,
                        page_size=sc.page_size, num_pages=sc.num_pages,
                        max_num_batched_tokens=sc.max_num_batched_tokens,
-                       token_buckets=list(sc.token_buckets), max_logprobs=sc.max_logprobs)}))
+                       token_buckets=list(sc.token_buckets), max_logprobs=sc.max_logprobs,
+                       **{k: v for k, v in options.items() if k not in ENGINE})}))
     run_in_ascend_env("tests/ascend/torch_generate.py", str(tmp_path))
     result = json.loads((tmp_path / "result.json").read_text())
+    return [list(o.outputs[0].token_ids) for o in outputs], result, llm
+
+
+def test_greedy_outputs_match_the_jax_engine(tmp_path):
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(2, 512, size=int(n)).tolist() for n in (150, 23, 200, 90, 170, 41)]
+    case = oracle_case("tiny-mixed")
+    expected, result, _ = both_engines(tmp_path, case.checkpoint, case.model, prompts)
     assert all(len(t) == MAX_TOKENS for t in result["tokens"])
     assert result["tokens"] == expected
 

@@ -5,7 +5,8 @@ JAX-side test wrote.
     python tests/ascend/torch_generate.py DIR
 
 DIR holds case.json (the checkpoint, the engine's shapes, prompts, max_tokens); this writes
-result.json: each prompt's generated tokens."""
+result.json: each prompt's generated tokens and the speculative counters summed over the
+requests (verify steps, drafts verified, drafts accepted)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ def main(directory: Path) -> None:
                                      "token_buckets": tuple(case["engine"]["token_buckets"])})
     done = llm.generate(case["prompts"], SamplingParams(max_tokens=case["max_tokens"],
                                                         ignore_eos=True))
-    (directory / "result.json").write_text(json.dumps({"tokens": [r.generated for r in done]}))
+    (directory / "result.json").write_text(json.dumps({
+        "tokens": [r.generated for r in done],
+        "spec": [sum(getattr(r.spec, f) for r in done) for f in ("steps", "drafted", "accepted")]}))
 
 
 if __name__ == "__main__":
