@@ -3,9 +3,10 @@ handling, postprocess) unchanged, driving the torch step (step.py) synchronously
 build the plan, run the step, postprocess its output.
 
 Start-up checks the features the options turn on against the platform table
-(deepinfer_jax/config/platforms.py): batch-invariant mode and prefix caching fail there with
-an UnsupportedFeatureError naming the feature and "ascend". Speculative steps (the MTP
-verify and draft, speculative.py) run where the scheduler plans them."""
+(deepinfer_jax/config/platforms.py): batch-invariant mode fails there with an
+UnsupportedFeatureError naming the feature and "ascend". Speculative steps (the MTP verify
+and draft, speculative.py) run where the scheduler plans them, and the prefix cache's
+snapshot copies (snapshots.py) around the steps that ask for them."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 
 from ascend_backend.device import torch_device
 from ascend_backend.model.state import init_state
+from ascend_backend.snapshots import SnapshotPool
 from ascend_backend.speculative import spec_step
 from ascend_backend.step import step
 from deepinfer_jax.config.compute import ComputeConfig
@@ -34,24 +36,29 @@ PLATFORM = "ascend"
 
 def requested_features(step_cfg: StepConfig) -> list[str]:
     """The platform-gated features a step configuration turns on."""
-    wanted = {"batch_invariant": step_cfg.batch_invariant,
-              "prefix_caching": step_cfg.enable_prefix_caching}
+    wanted = {"batch_invariant": step_cfg.batch_invariant}
     return [feature for feature, on in wanted.items() if on]
 
 
 def step_config(cfg: ModelConfig, *, max_num_seqs: int, max_model_len: int, page_size: int,
                 num_pages: int, max_num_batched_tokens: int, token_buckets: tuple[int, ...],
                 max_logprobs: int = 20, batch_invariant: bool = False,
-                speculative: SpeculativeConfig | None = None) -> StepConfig:
+                speculative: SpeculativeConfig | None = None,
+                enable_prefix_caching: bool = False, num_snapshots: int | None = None
+                ) -> StepConfig:
     """The step's shapes for the torch backend (no compiled buckets: torch runs any shape,
-    but the plan still comes in the host's buckets, so both backends see the same plans)."""
+    but the plan still comes in the host's buckets, so both backends see the same plans).
+    num_snapshots: the prefix cache's snapshot pool (None: 4 per slot, as the JAX engine)."""
     return StepConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                       page_size=page_size, num_pages=num_pages,
                       max_blocks_per_seq=-(-max_model_len // page_size),
                       max_num_batched_tokens=max_num_batched_tokens,
                       token_buckets=tuple(token_buckets), max_logprobs=max_logprobs,
                       vocab_size=cfg.vocab_size, speculative=speculative,
-                      compute=ComputeConfig(batch_invariant=batch_invariant))
+                      compute=ComputeConfig(batch_invariant=batch_invariant),
+                      enable_prefix_caching=enable_prefix_caching,
+                      num_snapshots=((num_snapshots or 4 * max_num_seqs)
+                                     if enable_prefix_caching else 0))
 
 
 class AscendEngine:
@@ -66,6 +73,8 @@ class AscendEngine:
         dtype = params.embed.dtype if params is not None else torch.float32
         self.state = init_state(cfg, step_cfg, torch_device(device), dtype)
         self.scheduler = Scheduler(step_cfg, cfg.eos_token_ids)
+        self.snapshots = (SnapshotPool(self.state, step_cfg.num_snapshots)
+                          if step_cfg.enable_prefix_caching else None)
         self._arrivals = itertools.count()
         self._seeds = np.random.default_rng(seed)
 
@@ -86,9 +95,13 @@ class AscendEngine:
         plan = build_plan(decision, token_bucket(self.step_cfg.token_buckets,
                                                  decision.num_tokens), self.step_cfg)
         suppress_stops(plan, decision, self.cfg.eos_token_ids)
+        if decision.restores:
+            self.snapshots.restore(self.state, decision.restores)
         run = spec_step if decision.speculative else step
         self.state, output = run(self.params, self.state, plan, cfg=self.cfg,
                                  step_cfg=self.step_cfg)
+        if decision.saves:
+            self.snapshots.save(self.state, decision.saves)
         return self.scheduler.postprocess(decision, output)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Request]:

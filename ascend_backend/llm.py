@@ -26,6 +26,7 @@ class LLM:
                  num_pages: int | None = None, max_num_batched_tokens: int = 256,
                  token_buckets: tuple[int, ...] | None = None, max_logprobs: int = 20,
                  batch_invariant: bool = False, speculative_config: dict | None = None,
+                 enable_prefix_caching: bool = False, num_prefix_snapshots: int | None = None,
                  seed: int = 0):
         """num_pages None: every slot can hold max_model_len tokens; token_buckets None: powers
         of two up to max_num_batched_tokens (the plan's padded sizes). The model computes in
@@ -41,7 +42,9 @@ class LLM:
                                token_buckets=buckets, max_logprobs=max_logprobs,
                                batch_invariant=batch_invariant,
                                speculative=SpeculativeConfig.from_options(speculative_config)
-                               if speculative_config is not None else None)
+                               if speculative_config is not None else None,
+                               enable_prefix_caching=enable_prefix_caching,
+                               num_snapshots=num_prefix_snapshots)
         params = params_from_flat(flat_params(cfg, read_checkpoint(model)), torch_device(device))
         self.engine = AscendEngine(cfg, params, step_cfg, device=device, seed=seed)
 

@@ -24,7 +24,7 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "chunked_prefill": ("nvidia", "ascend", "cpu"),
     "batch_invariant": ("nvidia", "cpu"),
     "speculative_decoding": ("nvidia", "ascend", "cpu"),
-    "prefix_caching": ("nvidia", "cpu"),
+    "prefix_caching": ("nvidia", "ascend", "cpu"),
     "structured_output": ("nvidia", "cpu"),
     "quantized_weights": ("nvidia", "cpu"),
     "deepseek_v41": ("nvidia", "cpu"),

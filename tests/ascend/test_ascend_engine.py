@@ -24,16 +24,16 @@ ENGINE = dict(max_num_seqs=4, max_model_len=320, page_size=64, num_pages=12,
               max_num_batched_tokens=64, token_buckets=(16, 64), show_progress=False)
 
 
-def both_engines(tmp_path, checkpoint, model, prompts, **options) -> tuple[list, dict, object]:
+def both_engines(tmp_path, checkpoint, model, rounds, **options) -> tuple[list, dict, object]:
     """-> (the JAX engine's greedy tokens per prompt, the Ascend side's result.json, the JAX
     LLM), both engines on the checkpoint (the JAX one's float32 `model` of it) with the same
-    shapes and options."""
+    shapes and options; each round of prompts is one `generate` call."""
     llm = deepinfer_jax.LLM(model, **{**ENGINE, **options})
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
-                           use_tqdm=False)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = [o for prompts in rounds for o in llm.generate(prompts, params, use_tqdm=False)]
     sc = llm.engine.step_cfg        # the same shapes (the pool, the buckets) on both sides
     (tmp_path / "case.json").write_text(json.dumps({
-        "checkpoint": str(checkpoint), "prompts": prompts, "max_tokens": MAX_TOKENS,
+        "checkpoint": str(checkpoint), "rounds": rounds, "max_tokens": MAX_TOKENS,
         "engine": dict(max_num_seqs=sc.max_num_seqs, max_model_len=sc.max_model_len,
                        page_size=sc.page_size, num_pages=sc.num_pages,
                        max_num_batched_tokens=sc.max_num_batched_tokens,
@@ -48,9 +48,27 @@ def test_greedy_outputs_match_the_jax_engine(tmp_path):
     rng = np.random.default_rng(7)
     prompts = [rng.integers(2, 512, size=int(n)).tolist() for n in (150, 23, 200, 90, 170, 41)]
     case = oracle_case("tiny-mixed")
-    expected, result, _ = both_engines(tmp_path, case.checkpoint, case.model, prompts)
+    expected, result, _ = both_engines(tmp_path, case.checkpoint, case.model, [prompts])
     assert all(len(t) == MAX_TOKENS for t in result["tokens"])
     assert result["tokens"] == expected
+
+
+def test_prefix_cache_hits_match_the_jax_engine(tmp_path):
+    """Prefix caching on both engines: prompts sharing a 150-token prefix over two generate
+    calls (the second one's prompts hit the first's cached blocks, one of them a whole prompt
+    again): the same tokens, and the same cache hits and hit tokens (the snapshots restored
+    into the slots give the steps the same state as computing the prefix)."""
+    case = oracle_case("tiny-mixed")
+    rng = np.random.default_rng(9)
+    base = rng.integers(2, 512, size=150).tolist()
+    prompts = [base + rng.integers(2, 512, size=int(n)).tolist() for n in (20, 45, 70)]
+    rounds = [prompts[:2], [prompts[2], prompts[0]]]
+    expected, result, llm = both_engines(tmp_path, case.checkpoint, case.model, rounds,
+                                         enable_prefix_caching=True, num_pages=24)
+    assert result["tokens"] == expected
+    stats = llm.engine.scheduler.kv_cache.prefix_stats()
+    assert stats.hits >= 2 and stats.hit_tokens >= 2 * 128
+    assert result["prefix"] == [stats.hits, stats.hit_tokens]
 
 
 def test_batch_invariant_mode_fails_at_start_up_on_ascend():

@@ -27,7 +27,7 @@ def test_mtp_speculation_matches_the_jax_engine(tmp_path):
                                        "for line in open(path):")]
     model = deepinfer_jax.load(SHIPPED, dtype=np.float32)
     # one token bucket: three rows of a token and three drafts fit in 16
-    expected, result, llm = both_engines(tmp_path, SHIPPED, model, prompts,
+    expected, result, llm = both_engines(tmp_path, SHIPPED, model, [prompts],
                                          speculative_config={"num_speculative_tokens": 3},
                                          max_num_batched_tokens=16, token_buckets=(16,))
     assert result["tokens"] == expected

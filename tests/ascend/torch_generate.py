@@ -4,9 +4,10 @@ JAX-side test wrote.
 
     python tests/ascend/torch_generate.py DIR
 
-DIR holds case.json (the checkpoint, the engine's shapes, prompts, max_tokens); this writes
-result.json: each prompt's generated tokens and the speculative counters summed over the
-requests (verify steps, drafts verified, drafts accepted)."""
+DIR holds case.json (the checkpoint, the engine's shapes and options, rounds of prompts, each
+one `generate` call, and max_tokens); this writes result.json: each prompt's generated tokens,
+the speculative counters summed over the requests (verify steps, drafts verified, drafts
+accepted) and the prefix cache's hits and hit tokens."""
 
 from __future__ import annotations
 
@@ -25,11 +26,13 @@ def main(directory: Path) -> None:
     case = json.loads((directory / "case.json").read_text())
     llm = LLM(case["checkpoint"], **{**case["engine"],
                                      "token_buckets": tuple(case["engine"]["token_buckets"])})
-    done = llm.generate(case["prompts"], SamplingParams(max_tokens=case["max_tokens"],
-                                                        ignore_eos=True))
+    params = SamplingParams(max_tokens=case["max_tokens"], ignore_eos=True)
+    done = [r for prompts in case["rounds"] for r in llm.generate(prompts, params)]
+    stats = llm.engine.scheduler.kv_cache.prefix_stats()
     (directory / "result.json").write_text(json.dumps({
         "tokens": [r.generated for r in done],
-        "spec": [sum(getattr(r.spec, f) for r in done) for f in ("steps", "drafted", "accepted")]}))
+        "spec": [sum(getattr(r.spec, f) for r in done) for f in ("steps", "drafted", "accepted")],
+        "prefix": None if stats is None else [stats.hits, stats.hit_tokens]}))
 
 
 if __name__ == "__main__":
