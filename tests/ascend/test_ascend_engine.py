@@ -2,46 +2,19 @@
 driving the torch step) against the JAX engine on the same checkpoint: greedy outputs of 64
 tokens equal, with continuous batching (six prompts, four slots), chunked prefill (a 64-token
 budget) and admission held back by a small page pool (12 pages: not four of the long
-sequences at once); and its start-up refusal of batch-invariant mode. (Preemption needs
-prefix caching or drafts, host/scheduler.py, which the Ascend backend does not support yet.)"""
+sequences at once); with prefix caching; and its start-up refusal of batch-invariant mode.
+(MTP speculation: test_ascend_speculative.py.)"""
 
 from __future__ import annotations
-
-import json
 
 import numpy as np
 import pytest
 
-import deepinfer_jax
-from deepinfer_jax import SamplingParams
 from tests.ascend.ascend_env import needs_ascend_env, run_in_ascend_env
+from tests.ascend.jax_side import MAX_TOKENS, both_engines
 from tests.conftest import oracle_case
 
 pytestmark = [needs_ascend_env, pytest.mark.oracle]
-
-MAX_TOKENS = 64
-ENGINE = dict(max_num_seqs=4, max_model_len=320, page_size=64, num_pages=12,
-              max_num_batched_tokens=64, token_buckets=(16, 64), show_progress=False)
-
-
-def both_engines(tmp_path, checkpoint, model, rounds, **options) -> tuple[list, dict, object]:
-    """-> (the JAX engine's greedy tokens per prompt, the Ascend side's result.json, the JAX
-    LLM), both engines on the checkpoint (the JAX one's float32 `model` of it) with the same
-    shapes and options; each round of prompts is one `generate` call."""
-    llm = deepinfer_jax.LLM(model, **{**ENGINE, **options})
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = [o for prompts in rounds for o in llm.generate(prompts, params, use_tqdm=False)]
-    sc = llm.engine.step_cfg        # the same shapes (the pool, the buckets) on both sides
-    (tmp_path / "case.json").write_text(json.dumps({
-        "checkpoint": str(checkpoint), "rounds": rounds, "max_tokens": MAX_TOKENS,
-        "engine": dict(max_num_seqs=sc.max_num_seqs, max_model_len=sc.max_model_len,
-                       page_size=sc.page_size, num_pages=sc.num_pages,
-                       max_num_batched_tokens=sc.max_num_batched_tokens,
-                       token_buckets=list(sc.token_buckets), max_logprobs=sc.max_logprobs,
-                       **{k: v for k, v in options.items() if k not in ENGINE})}))
-    run_in_ascend_env("tests/ascend/torch_generate.py", str(tmp_path))
-    result = json.loads((tmp_path / "result.json").read_text())
-    return [list(o.outputs[0].token_ids) for o in outputs], result, llm
 
 
 def test_greedy_outputs_match_the_jax_engine(tmp_path):

@@ -1,5 +1,5 @@
 """MTP speculative decoding on the Ascend backend (ascend_backend/speculative.py, in
-.venv-ascend) against the JAX engine's, through both engines (tests/ascend/test_ascend_engine.py
+.venv-ascend) against the JAX engine's, through both engines (tests/ascend/jax_side.py
 runs them). A file of its own so that it runs on another test worker."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import deepinfer_jax
 from deepinfer_jax.host.tokenizer import TextTokenizer
 from tests.ascend.ascend_env import needs_ascend_env
-from tests.ascend.test_ascend_engine import both_engines
+from tests.ascend.jax_side import both_engines
 from tests.conftest import REPO
 
 pytestmark = needs_ascend_env

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tests.ascend.ascend_env import needs_ascend_env, run_in_ascend_env
-from tests.ascend.test_torch_step import flat_params
+from tests.ascend.jax_side import flat_params
 from tests.conftest import ORACLE_CASES, oracle_case
 
 pytestmark = [needs_ascend_env, pytest.mark.oracle]

@@ -30,6 +30,7 @@ from deepinfer_jax.host.request import Request, SamplingParams
 from deepinfer_jax.model.family import model_family
 from deepinfer_jax.model.reference_forward import project_logits
 from tests.ascend.ascend_env import needs_ascend_env, run_in_ascend_env
+from tests.ascend.jax_side import flat_params
 from tests.conftest import oracle_case
 
 pytestmark = [needs_ascend_env, pytest.mark.oracle]
@@ -39,17 +40,6 @@ SLOTS, PAGES = (2, 0), ((7, 1, 10, 4, 2, 11), (3, 8, 0, 5, 9, 6))
 STEP = dict(max_num_seqs=4, max_model_len=PAGE * BLOCKS, page_size=PAGE,
             num_pages=2 * BLOCKS, max_blocks_per_seq=BLOCKS, max_num_batched_tokens=BUCKET,
             token_buckets=[BUCKET], max_logprobs=LOGPROBS, vocab_size=512)
-
-
-def flat_params(params) -> dict[str, np.ndarray]:
-    """The parameter tree's leaves by dotted path ("layers.0.attn.wq_a")."""
-    def name(key):
-        for attr in ("name", "idx", "key"):
-            if hasattr(key, attr):
-                return str(getattr(key, attr))
-        raise TypeError(key)
-    leaves, _ = jax.tree_util.tree_flatten_with_path(params)
-    return {".".join(name(k) for k in path): np.asarray(leaf) for path, leaf in leaves}
 
 
 def _plans(prompts, sampling, step_fn):
