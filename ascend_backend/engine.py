@@ -6,11 +6,13 @@ Start-up checks the features the options turn on against the platform table
 (deepinfer_jax/config/platforms.py): batch-invariant mode fails there with an
 UnsupportedFeatureError naming the feature and "ascend". Speculative steps (the MTP verify
 and draft, speculative.py) run where the scheduler plans them, and the prefix cache's
-snapshot copies (snapshots.py) around the steps that ask for them."""
+snapshot copies (snapshots.py) around the steps that ask for them; constrained requests get
+the grammar masks of the host's matchers (host/grammar.py) in the plan."""
 
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -27,11 +29,23 @@ from deepinfer_jax.config.platforms import require_features
 from deepinfer_jax.config.speculative import SpeculativeConfig
 from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.host.buckets import token_bucket
+from deepinfer_jax.host.grammar import StructuredOutputs, grammar_spec
 from deepinfer_jax.host.plan_builder import build_plan, suppress_stops
-from deepinfer_jax.host.request import Request, SamplingParams
+from deepinfer_jax.host.request import InvalidRequestError, Request, SamplingParams
 from deepinfer_jax.host.scheduler import Scheduler
 
 PLATFORM = "ascend"
+
+
+def compiled_matcher(structured: StructuredOutputs, spec):
+    """A matcher for the grammar `spec`, waiting for its compile (GrammarError if it fails)."""
+    matcher = structured.lookup(spec)
+    while matcher is StructuredOutputs.PENDING:
+        for done, error in structured.poll(wait_s=0.05):
+            if done == spec and error is not None:
+                raise error
+        matcher = structured.lookup(spec)
+    return matcher
 
 
 def requested_features(step_cfg: StepConfig) -> list[str]:
@@ -63,8 +77,10 @@ def step_config(cfg: ModelConfig, *, max_num_seqs: int, max_model_len: int, page
 
 class AscendEngine:
     def __init__(self, cfg: ModelConfig, params, step_cfg: StepConfig, *,
-                 device: str = "cpu", seed: int = 0):
-        """params: the tree of params.py (on `device`); device "cpu" or "npu[:i]"."""
+                 device: str = "cpu", seed: int = 0, tokenizer_json: Path | None = None):
+        """params: the tree of params.py (on `device`); device "cpu" or "npu[:i]";
+        tokenizer_json: the model's tokenizer, for structured output (None: constrained
+        requests are refused)."""
         require_features(PLATFORM, requested_features(step_cfg))
         if step_cfg.spec_tokens and params is not None and not params.mtp:
             raise EngineConfigError("speculative decoding needs the checkpoint's MTP weights "
@@ -75,12 +91,25 @@ class AscendEngine:
         self.scheduler = Scheduler(step_cfg, cfg.eos_token_ids)
         self.snapshots = (SnapshotPool(self.state, step_cfg.num_snapshots)
                           if step_cfg.enable_prefix_caching else None)
-        self._arrivals = itertools.count()
+        self._arrivals, self._ids = itertools.count(), itertools.count()
         self._seeds = np.random.default_rng(seed)
+        self.structured = (StructuredOutputs(tokenizer_json, cfg.vocab_size, cfg.eos_token_ids)
+                           if tokenizer_json is not None and cfg.eos_token_ids else None)
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> Request:
+        """Queue a request; a constrained one's grammar is compiled first (GrammarError if it
+        does not compile), where the JAX engine queues it until its compile finishes."""
+        problems = params.problems(self.cfg.vocab_size, self.step_cfg.max_logprobs,
+                                   self.structured is not None)
+        if params.stop:      # no detokenizer here: they would be ignored
+            problems.append("stop strings are not supported by the Ascend engine yet")
+        if problems:
+            raise InvalidRequestError("; ".join(problems))
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
         request = Request(request_id, list(prompt), params, next(self._arrivals), seed=seed)
+        spec = grammar_spec(params) if self.structured is not None else None
+        if spec is not None:
+            request.matcher = compiled_matcher(self.structured, spec)
         self.scheduler.add(request)
         return request
 
@@ -94,6 +123,12 @@ class AscendEngine:
             return []
         plan = build_plan(decision, token_bucket(self.step_cfg.token_buckets,
                                                  decision.num_tokens), self.step_cfg)
+        # token bitmasks of the constrained rows that sample (their matchers have seen every
+        # token so far: the loop is synchronous), then min_tokens
+        rows = [(seq.request.matcher, row) for row, seq in enumerate(decision.seqs)
+                if seq.samples and seq.request.matcher is not None]
+        if rows:
+            self.structured.fill_masks(rows, plan.allowed)
         suppress_stops(plan, decision, self.cfg.eos_token_ids)
         if decision.restores:
             self.snapshots.restore(self.state, decision.restores)
@@ -104,9 +139,13 @@ class AscendEngine:
             self.snapshots.save(self.state, decision.saves)
         return self.scheduler.postprocess(decision, output)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
-        """Every prompt to completion -> its request (tokens in `generated`), in prompt order."""
-        requests = [self.add_request(str(i), p, params) for i, p in enumerate(prompts)]
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams]) -> list[Request]:
+        """Every prompt to completion (one SamplingParams for all, or one each) -> its request
+        (tokens in `generated`), in prompt order."""
+        each = params if isinstance(params, list) else [params] * len(prompts)
+        requests = [self.add_request(str(next(self._ids)), p, q)
+                    for p, q in zip(prompts, each, strict=True)]
         while self.has_unfinished():
             self.step()
         return requests

@@ -46,9 +46,13 @@ class LLM:
                                enable_prefix_caching=enable_prefix_caching,
                                num_snapshots=num_prefix_snapshots)
         params = params_from_flat(flat_params(cfg, read_checkpoint(model)), torch_device(device))
-        self.engine = AscendEngine(cfg, params, step_cfg, device=device, seed=seed)
+        tokenizer = Path(model) / "tokenizer.json"
+        self.engine = AscendEngine(cfg, params, step_cfg, device=device, seed=seed,
+                                   tokenizer_json=tokenizer if tokenizer.exists() else None)
 
-    def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | None = None
+    def generate(self, prompts: list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[Request]:
-        """Token-id prompts to completion -> their requests (`generated`), in prompt order."""
+        """Token-id prompts to completion (one SamplingParams for all, or one each) -> their
+        requests (`generated`), in prompt order."""
         return self.engine.generate(prompts, sampling_params or SamplingParams())

@@ -17,15 +17,15 @@ PLATFORMS = ("nvidia", "ascend", "cpu")
 
 # feature -> the platforms that support it. Batch invariance is NVIDIA's and the CPU's (the
 # jnp formulations of model/invariant.py); the Ascend step has no invariant formulation (as
-# in the reference engine, where it is NVIDIA-only). The Ascend backend's first step is the
-# DeepSeek-V4 model in float32/bf16 with the shared scheduler: the rest is not ported yet.
+# in the reference engine, where it is NVIDIA-only). The Ascend backend runs the DeepSeek-V4
+# model with the shared scheduler (docs/ascend.md): the features marked no are not ported yet.
 FEATURES: dict[str, tuple[str, ...]] = {
     "continuous_batching": ("nvidia", "ascend", "cpu"),
     "chunked_prefill": ("nvidia", "ascend", "cpu"),
     "batch_invariant": ("nvidia", "cpu"),
     "speculative_decoding": ("nvidia", "ascend", "cpu"),
     "prefix_caching": ("nvidia", "ascend", "cpu"),
-    "structured_output": ("nvidia", "cpu"),
+    "structured_output": ("nvidia", "ascend", "cpu"),
     "quantized_weights": ("nvidia", "cpu"),
     "deepseek_v41": ("nvidia", "cpu"),
     "pallas_kernels": ("nvidia",),

@@ -26,8 +26,10 @@ def main(directory: Path) -> None:
     case = json.loads((directory / "case.json").read_text())
     llm = LLM(case["checkpoint"], **{**case["engine"],
                                      "token_buckets": tuple(case["engine"]["token_buckets"])})
-    params = SamplingParams(max_tokens=case["max_tokens"], ignore_eos=True)
-    done = [r for prompts in case["rounds"] for r in llm.generate(prompts, params)]
+    default = SamplingParams(max_tokens=case["max_tokens"], ignore_eos=True)
+    each = case.get("sampling")       # per prompt of the one round, or the default for all
+    done = [r for prompts in case["rounds"] for r in llm.generate(
+        prompts, [SamplingParams(**kw) for kw in each] if each else default)]
     stats = llm.engine.scheduler.kv_cache.prefix_stats()
     (directory / "result.json").write_text(json.dumps({
         "tokens": [r.generated for r in done],
