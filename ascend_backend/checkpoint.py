@@ -3,8 +3,11 @@ it cannot use deepinfer_jax/weights/): a file is an 8-byte little-endian header 
 JSON header {name: {dtype, shape, data_offsets}}, then the tensors' bytes. Shards follow
 `model.safetensors.index.json`, or every `*.safetensors` file of the directory.
 
-Plain float and integer tensors only: quantized releases (FP8 / FP4 codes with scales) are
-not supported by the Ascend backend yet (config/platforms.py, "quantized_weights")."""
+A quantized release is dequantized here, exactly, to float32 (the Ascend step computes with
+plain weights; pallas_kernels/quantized.py has the formats): FP8 E4M3 codes times one scale
+per 128 x 128 block, FP4 E2M1 codes packed two a byte (low nibble first) times one scale per
+32 inputs of a row, the scales E8M0 (2 ** (byte - 127)) or float32.
+"""
 
 from __future__ import annotations
 
@@ -14,11 +17,26 @@ from pathlib import Path
 
 import numpy as np
 
-from deepinfer_jax.config.platforms import UnsupportedFeatureError
-
 _NUMPY = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64,
           "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8}
-_QUANTIZED = ("F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "I4")
+FP8_BLOCK, FP4_GROUP = 128, 32
+# E2M1 values by 4-bit code (bit 3: sign; bits 2-1: exponent, bias 1; bit 0: mantissa)
+_FP4 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def _e4m3_table() -> np.ndarray:
+    """f32[256]: the value of each E4M3 (fn) byte: sign, 4 exponent bits (bias 7), 3 mantissa
+    bits; exponent 0 is subnormal; 0x7F and 0xFF are NaN."""
+    code = np.arange(256)
+    sign = np.where(code & 0x80, -1.0, 1.0)
+    exponent, mantissa = (code >> 3) & 0xF, code & 0x7
+    value = np.where(exponent == 0, mantissa / 8 * 2.0 ** -6,
+                     (1 + mantissa / 8) * 2.0 ** (exponent - 7))
+    value[(code & 0x7F) == 0x7F] = np.nan
+    return (sign * value).astype(np.float32)
+
+
+_E4M3 = _e4m3_table()
 
 # transformers' save_pretrained writes the official DeepSeek names but for these few
 _HF_RENAMES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
@@ -36,7 +54,9 @@ def official_name(key: str) -> str:
     return _HF_KV_NORM.sub(r"\1kv_norm.weight", _HF_RENAMES.get(key, key))
 
 
-def _read_file(path: Path) -> dict[str, np.ndarray]:
+def _read_file(path: Path) -> dict[str, tuple[str, np.ndarray]]:
+    """{name: (safetensors dtype, the tensor's bytes viewed as its numpy type, or as bytes for
+    the 8-bit float formats)}."""
     data = np.memmap(path, dtype=np.uint8, mode="r")
     size = int.from_bytes(bytes(data[:8]), "little")
     try:
@@ -50,21 +70,45 @@ def _read_file(path: Path) -> dict[str, np.ndarray]:
         kind, shape = info["dtype"], tuple(info["shape"])
         start, end = info["data_offsets"]
         raw = data[base + start: base + end]
-        if kind in _QUANTIZED or name.endswith(".scale"):
-            raise UnsupportedFeatureError("quantized_weights", "ascend")
         if kind == "BF16":      # the top 16 bits of a float32
             array = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
         elif kind in _NUMPY:
             array = raw.view(_NUMPY[kind])
+        elif kind in ("F8_E4M3", "F8_E8M0"):
+            array = raw
         else:
             raise CheckpointFormatError(f"{path}: tensor {name} has dtype {kind}, which the "
                                         "Ascend backend does not read")
-        out[official_name(name)] = np.asarray(array).reshape(shape)
+        out[name] = (kind, np.asarray(array).reshape(shape))
     return out
 
 
+def _scale(kind: str, scale: np.ndarray) -> np.ndarray:
+    if kind == "F8_E8M0":
+        return (scale.astype(np.uint32) << 23).view(np.float32)
+    return scale.astype(np.float32)
+
+
+def dequantize(kind: str, codes: np.ndarray, scale_kind: str, scale: np.ndarray) -> np.ndarray:
+    """A quantized [out, in] weight -> float32: FP8 (E4M3 codes, a scale per 128 x 128 block)
+    or FP4 (packed in I8, a scale per 32 inputs)."""
+    scale = _scale(scale_kind, scale)
+    if kind == "F8_E4M3":
+        out, inp = codes.shape
+        full = np.repeat(np.repeat(scale, FP8_BLOCK, axis=0), FP8_BLOCK, axis=1)[:out, :inp]
+        return _E4M3[codes] * full
+    if kind in ("I8", "U8"):
+        packed = codes.view(np.uint8)
+        values = _FP4[np.stack([packed & 0x0F, packed >> 4], axis=-1)].reshape(
+            *packed.shape[:-1], 2 * packed.shape[-1])
+        return values * np.repeat(scale, FP4_GROUP, axis=-1)
+    raise CheckpointFormatError(f"a quantized weight stored as {kind} (expected F8_E4M3 or "
+                                "FP4 packed in I8)")
+
+
 def read_checkpoint(directory: str | Path) -> dict[str, np.ndarray]:
-    """Every tensor of a checkpoint directory by its official name."""
+    """Every tensor of a checkpoint directory by its official name, quantized weights
+    dequantized to float32 (their .scale tensors consumed)."""
     directory = Path(directory)
     index = directory / "model.safetensors.index.json"
     if index.exists():
@@ -73,7 +117,17 @@ def read_checkpoint(directory: str | Path) -> dict[str, np.ndarray]:
         files = sorted(p.name for p in directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no safetensors files in {directory}")
-    tensors: dict[str, np.ndarray] = {}
+    stored: dict[str, tuple[str, np.ndarray]] = {}
     for name in files:
-        tensors.update(_read_file(directory / name))
+        stored.update(_read_file(directory / name))
+    tensors = {}
+    for name, (kind, array) in stored.items():
+        if name.endswith(".scale") and name[: -len("scale")] + "weight" in stored:
+            continue
+        scale = stored.get(name[: -len("weight")] + "scale") if name.endswith(".weight") else None
+        if scale is not None:
+            array = dequantize(kind, array, *scale)
+        elif kind in ("F8_E4M3", "F8_E8M0"):
+            raise CheckpointFormatError(f"{directory}: {name} is {kind} without a .scale")
+        tensors[official_name(name)] = array
     return tensors

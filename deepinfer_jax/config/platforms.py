@@ -26,6 +26,8 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "speculative_decoding": ("nvidia", "ascend", "cpu"),
     "prefix_caching": ("nvidia", "ascend", "cpu"),
     "structured_output": ("nvidia", "ascend", "cpu"),
+    # FP8 / FP4 weights kept quantized on the device (the Ascend backend reads a quantized
+    # release, dequantized to float32 at load)
     "quantized_weights": ("nvidia", "cpu"),
     "deepseek_v41": ("nvidia", "cpu"),
     "pallas_kernels": ("nvidia",),
