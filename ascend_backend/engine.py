@@ -101,8 +101,12 @@ class AscendEngine:
         does not compile), where the JAX engine queues it until its compile finishes."""
         problems = params.problems(self.cfg.vocab_size, self.step_cfg.max_logprobs,
                                    self.structured is not None)
-        if params.stop:      # no detokenizer here: they would be ignored
-            problems.append("stop strings are not supported by the Ascend engine yet")
+        # what the JAX engine's LLM layer and detokenizer add, not here yet: refused, not ignored
+        unsupported = {"stop": bool(params.stop), "n": params.n != 1,
+                       "best_of": params.best_of is not None,
+                       "prompt_logprobs": params.prompt_logprobs is not None}
+        problems += [f"{name} is not supported by the Ascend engine yet"
+                     for name, asked in unsupported.items() if asked]
         if problems:
             raise InvalidRequestError("; ".join(problems))
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))

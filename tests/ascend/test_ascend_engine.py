@@ -44,6 +44,33 @@ def test_prefix_cache_hits_match_the_jax_engine(tmp_path):
     assert result["prefix"] == [stats.hits, stats.hit_tokens]
 
 
+def test_options_the_ascend_engine_lacks_are_refused_per_request():
+    code = (
+        "from ascend_backend.engine import AscendEngine, step_config\n"
+        "from deepinfer_jax.config.hf import read_model_config\n"
+        "from deepinfer_jax.host.request import InvalidRequestError, SamplingParams\n"
+        "cfg = read_model_config('configs/tiny/tiny-mixed.json')\n"
+        "sc = step_config(cfg, max_num_seqs=2, max_model_len=128, page_size=64, num_pages=4,\n"
+        "                 max_num_batched_tokens=16, token_buckets=(16,))\n"
+        "engine = AscendEngine(cfg, None, sc)\n"
+        "for kw in ({'stop': ('x',)}, {'n': 2}, {'best_of': 2}, {'prompt_logprobs': 1},\n"
+        "           {'regex': 'a+'}, {'max_tokens': 0}):\n"
+        "    try:\n"
+        "        engine.add_request('r', [5, 6], SamplingParams(**kw))\n"
+        "        print('accepted', kw)\n"
+        "    except InvalidRequestError as err:\n"
+        "        print('refused:', err)\n"
+        "print(engine.scheduler.has_work())\n")
+    lines = run_in_ascend_env("-c", code).splitlines()
+    assert len(lines) == 7 and lines[-1] == "False"       # nothing was queued
+    for line, name in zip(lines, ("stop", "n", "best_of", "prompt_logprobs")):
+        assert line.startswith("refused:")
+        assert line.endswith(f"{name} is not supported by the Ascend engine yet")
+    # a regex without a tokenizer (none given here)
+    assert lines[4] == "refused: stop strings and structured output need the model's tokenizer.json"
+    assert lines[5].startswith("refused: max_tokens must be > 0")
+
+
 def test_batch_invariant_mode_fails_at_start_up_on_ascend():
     code = (
         "from ascend_backend.engine import AscendEngine, step_config\n"
