@@ -25,9 +25,10 @@ from ascend_backend.step import step
 from deepinfer_jax.config.compute import ComputeConfig
 from deepinfer_jax.config.errors import EngineConfigError
 from deepinfer_jax.config.model import ModelConfig
-from deepinfer_jax.config.platforms import require_features
+from deepinfer_jax.config.platforms import UnsupportedFeatureError, require_features
 from deepinfer_jax.config.speculative import SpeculativeConfig
 from deepinfer_jax.config.step import StepConfig
+from deepinfer_jax.config.v41 import V41Config
 from deepinfer_jax.host.buckets import token_bucket
 from deepinfer_jax.host.grammar import StructuredOutputs, grammar_spec
 from deepinfer_jax.host.plan_builder import build_plan, suppress_stops
@@ -81,6 +82,8 @@ class AscendEngine:
         """params: the tree of params.py (on `device`); device "cpu" or "npu[:i]";
         tokenizer_json: the model's tokenizer, for structured output (None: constrained
         requests are refused)."""
+        if isinstance(cfg, V41Config):       # only DeepSeek-V4's model is written in torch
+            raise UnsupportedFeatureError("deepseek_v41", PLATFORM)
         require_features(PLATFORM, requested_features(step_cfg))
         if step_cfg.spec_tokens and params is not None and not params.mtp:
             raise EngineConfigError("speculative decoding needs the checkpoint's MTP weights "

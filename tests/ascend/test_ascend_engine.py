@@ -12,7 +12,7 @@ import pytest
 
 from tests.ascend.ascend_env import needs_ascend_env, run_in_ascend_env
 from tests.ascend.jax_side import MAX_TOKENS, both_engines
-from tests.conftest import oracle_case
+from tests.conftest import V41_ORACLE_DIR, oracle_case
 
 pytestmark = [needs_ascend_env, pytest.mark.oracle]
 
@@ -69,6 +69,26 @@ def test_options_the_ascend_engine_lacks_are_refused_per_request():
     # a regex without a tokenizer (none given here)
     assert lines[4] == "refused: stop strings and structured output need the model's tokenizer.json"
     assert lines[5].startswith("refused: max_tokens must be > 0")
+
+
+@pytest.mark.skipif(not (V41_ORACLE_DIR / "deepseek-v41-tiny-a").exists(),
+                    reason="no V4.1 fixtures")
+def test_a_deepseek_v41_model_fails_at_start_up_on_ascend():
+    code = (
+        "import sys\n"
+        "from ascend_backend.engine import AscendEngine, step_config\n"
+        "from deepinfer_jax.config.hf import read_model_config\n"
+        "from deepinfer_jax.config.platforms import UnsupportedFeatureError\n"
+        "cfg = read_model_config(sys.argv[1])\n"
+        "sc = step_config(cfg, max_num_seqs=2, max_model_len=128, page_size=64, num_pages=4,\n"
+        "                 max_num_batched_tokens=16, token_buckets=(16,))\n"
+        "try:\n"
+        "    AscendEngine(cfg, None, sc)\n"
+        "except UnsupportedFeatureError as err:\n"
+        "    print(type(cfg).__name__, err.feature, err.platform)\n")
+    config = V41_ORACLE_DIR / "deepseek-v41-tiny-a" / "config.json"
+    assert run_in_ascend_env("-c", code, str(config)).split() == [
+        "V41Config", "deepseek_v41", "ascend"]
 
 
 def test_batch_invariant_mode_fails_at_start_up_on_ascend():
