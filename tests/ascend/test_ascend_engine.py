@@ -2,8 +2,8 @@
 driving the torch step) against the JAX engine on the same checkpoint: greedy outputs of 64
 tokens equal, with continuous batching (six prompts, four slots), chunked prefill (a 64-token
 budget) and admission held back by a small page pool (12 pages: not four of the long
-sequences at once); with prefix caching; and its start-up refusal of batch-invariant mode.
-(MTP speculation: test_ascend_speculative.py.)"""
+sequences at once); and what it refuses, per request or at start-up. (Prefix caching, MTP
+speculation, structured output: test_ascend_prefix_cache.py, _speculative.py, _structured.py.)"""
 
 from __future__ import annotations
 
@@ -24,24 +24,6 @@ def test_greedy_outputs_match_the_jax_engine(tmp_path):
     expected, result, _ = both_engines(tmp_path, case.checkpoint, case.model, [prompts])
     assert all(len(t) == MAX_TOKENS for t in result["tokens"])
     assert result["tokens"] == expected
-
-
-def test_prefix_cache_hits_match_the_jax_engine(tmp_path):
-    """Prefix caching on both engines: prompts sharing a 150-token prefix over two generate
-    calls (the second one's prompts hit the first's cached blocks, one of them a whole prompt
-    again): the same tokens, and the same cache hits and hit tokens (the snapshots restored
-    into the slots give the steps the same state as computing the prefix)."""
-    case = oracle_case("tiny-mixed")
-    rng = np.random.default_rng(9)
-    base = rng.integers(2, 512, size=150).tolist()
-    prompts = [base + rng.integers(2, 512, size=int(n)).tolist() for n in (20, 45, 70)]
-    rounds = [prompts[:2], [prompts[2], prompts[0]]]
-    expected, result, llm = both_engines(tmp_path, case.checkpoint, case.model, rounds,
-                                         enable_prefix_caching=True, num_pages=24)
-    assert result["tokens"] == expected
-    stats = llm.engine.scheduler.kv_cache.prefix_stats()
-    assert stats.hits >= 2 and stats.hit_tokens >= 2 * 128
-    assert result["prefix"] == [stats.hits, stats.hit_tokens]
 
 
 def test_options_the_ascend_engine_lacks_are_refused_per_request():
