@@ -4,12 +4,15 @@
 #   .venv          the engine (Python 3.12, jax 0.11.2 CPU)
 #   .venv-oracle   the numerics oracle (Python 3.11, CPU torch 2.13.0 + transformers 5.23.0);
 #                  it only writes fixtures under .cache/oracle, the engine never imports torch.
+#   .venv-ascend   the Ascend backend on torch's CPU device (Python 3.11, CPU torch 2.13.0, numpy;
+#                  no jax, as on an Ascend machine): tests/ascend drive it in a subprocess.
 
 PY312 ?= $(firstword $(wildcard $(shell pyenv prefix 3.12.1 2>/dev/null)/bin/python3.12 \
                                  $(HOME)/.pyenv/versions/3.12.1/bin/python3.12) python3.12)
 PY311 ?= python3.11
 VENV := .venv
 ORACLE_VENV := .venv-oracle
+ASCEND_VENV := .venv-ascend
 ORACLE_DIR ?= .cache/oracle
 PYTEST_ARGS ?=
 # Test files run on two workers (pytest-xdist), a file's tests on one worker so that its module
@@ -23,7 +26,7 @@ PYTEST_WORKERS ?= 2
 export JAX_PLATFORMS ?= cpu
 export DEEPINFER_ORACLE_DIR := $(abspath $(ORACLE_DIR))
 
-.PHONY: test demo oracle env clean
+.PHONY: test demo oracle env ascend-env clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PY312) -m venv $(VENV)
@@ -36,13 +39,20 @@ $(ORACLE_VENV)/.installed: tests/oracle/requirements.txt
 	$(ORACLE_VENV)/bin/pip install -q -r tests/oracle/requirements.txt
 	touch $@
 
+$(ASCEND_VENV)/.installed: tests/ascend/requirements.txt
+	$(PY311) -m venv $(ASCEND_VENV)
+	$(ASCEND_VENV)/bin/pip install -q -r tests/ascend/requirements.txt
+	touch $@
+
 env: $(VENV)/.installed
+
+ascend-env: $(ASCEND_VENV)/.installed
 
 oracle: $(ORACLE_VENV)/.installed
 	$(ORACLE_VENV)/bin/python tests/oracle/build.py --out $(ORACLE_DIR)
 	$(ORACLE_VENV)/bin/python tests/oracle/build_quantized.py --out $(ORACLE_DIR)
 
-test: $(VENV)/.installed oracle
+test: $(VENV)/.installed oracle ascend-env
 	$(VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --max-worker-restart=0 \
 		--durations=15 \
 		$(PYTEST_ARGS)
@@ -51,4 +61,4 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/python -m deepinfer_jax.api.demo
 
 clean:
-	rm -rf $(VENV) $(ORACLE_VENV) .cache
+	rm -rf $(VENV) $(ORACLE_VENV) $(ASCEND_VENV) .cache

@@ -1,0 +1,31 @@
+"""The Ascend backend's test environment: .venv-ascend (Python 3.11, CPU torch 2.13.0, numpy;
+no jax, as on an Ascend machine), built by `make ascend-env`. Tests in the engine's
+environment (jax) drive it in a subprocess; without it they skip, saying so."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PYTHON = REPO / ".venv-ascend" / "bin" / "python"
+
+needs_ascend_env = pytest.mark.skipif(
+    not PYTHON.exists(), reason=f"no Ascend test environment at {PYTHON.parent.parent}: "
+                                "`make ascend-env` builds it (`make test` does)")
+
+
+def run_in_ascend_env(*args: str, timeout: float = 600) -> str:
+    """Run `python args...` in .venv-ascend from the repository root -> its stdout; a failure
+    fails the calling test with the subprocess's output."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    done = subprocess.run([str(PYTHON), *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    if done.returncode != 0:
+        pytest.fail(f"{' '.join(args)} failed in .venv-ascend (exit {done.returncode}):\n"
+                    f"{done.stdout[-4000:]}\n{done.stderr[-8000:]}")
+    return done.stdout
