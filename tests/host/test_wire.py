@@ -1,10 +1,12 @@
 """The step's wire format, both ways: a plan packed on the host and unpacked inside jit, an
 output packed inside jit and unpacked on the host, give back every array bit for bit (int32,
-float32 incl. NaN and -0.0, uint32 seeds past 2**31, bools)."""
+float32 incl. NaN and -0.0, uint32 seeds past 2**31, bools, bfloat16 Engram rows two to a
+word)."""
 
 import dataclasses
 
 import jax
+import ml_dtypes
 import numpy as np
 
 import deepinfer_jax.device  # noqa: F401  (registers the plan and outputs as pytrees)
@@ -19,7 +21,9 @@ def random_plan(rng: np.random.Generator) -> BatchPlan:
         shape = {"block_table": (n, 3), "allowed": (n, words), "engram_ids": (t, 2, 3)}.get(f.name)
         per_token = f.name in ("token_ids", "positions", "token_seq", "next_token_ids")
         shape = shape or ((t,) if per_token else (n,))
-        if f.name in ("temperature", "top_p", "min_p", "repetition_penalty",
+        if f.name == "engram_rows":      # host-gathered table rows, the tables' bf16
+            arrays[f.name] = rng.normal(size=(t, 2, 3, 4)).astype(ml_dtypes.bfloat16)
+        elif f.name in ("temperature", "top_p", "min_p", "repetition_penalty",
                       "presence_penalty", "frequency_penalty"):
             arrays[f.name] = rng.normal(size=shape).astype(np.float32)
         elif f.name == "seed":
