@@ -8,6 +8,7 @@ import dataclasses
 import jax
 import ml_dtypes
 import numpy as np
+import pytest
 
 import deepinfer_jax.device  # noqa: F401  (registers the plan and outputs as pytrees)
 from deepinfer_jax.contract import BatchPlan, StepOutput
@@ -42,11 +43,13 @@ def test_pack_then_unpack_in_jit_is_exact():
     wire = Wire.of(plan)
     buffer = wire.pack_host(plan)
     assert buffer.shape == (wire.size,) and buffer.dtype == np.int32
-    back = jax.jit(wire.unpack_device)(buffer)
+    back, host_back = jax.jit(wire.unpack_device)(buffer), wire.unpack_host(buffer)
     for f in dataclasses.fields(BatchPlan):
-        want, got = getattr(plan, f.name), np.asarray(getattr(back, f.name))
-        assert got.dtype == want.dtype and got.shape == want.shape, f.name
-        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8), err_msg=f.name)
+        want = getattr(plan, f.name)
+        for got in (np.asarray(getattr(back, f.name)), getattr(host_back, f.name)):
+            assert got.dtype == want.dtype and got.shape == want.shape, f.name
+            np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8),
+                                          err_msg=f.name)
 
 
 def test_output_packed_in_jit_unpacks_on_the_host():
@@ -74,3 +77,11 @@ def test_a_zero_size_field_costs_nothing():
     back = jax.jit(wire.unpack_device)(wire.pack_host(plan))
     assert back.engram_ids.shape == (16, 0, 0)
     np.testing.assert_array_equal(np.asarray(back.token_ids), plan.token_ids)
+
+
+def test_an_odd_two_byte_field_is_refused():
+    """2-byte fields go two to a word; an odd count would leave half a word: a typed error."""
+    plan = dataclasses.replace(random_plan(np.random.default_rng(3)),
+                               engram_rows=np.zeros((3, 1, 1, 1), ml_dtypes.bfloat16))
+    with pytest.raises(ValueError, match="even-sized 2-byte"):
+        Wire.of(plan).size
