@@ -16,8 +16,10 @@ asynchronous jax.device_put issued on the launcher's thread just before the step
 the engine is synchronous with Engram, so the hash, the gather and the packing run on the
 host while the device is idle between steps (after the previous step's tokens were read),
 and the copy runs ahead of the step on the device's transfer stream; the step starts when its
-plan (rows included) has landed. The rows are T x L_e x C x ed values a step: for the released
-model's tables of about 10^7 rows a layer, far less than the tables themselves.
+plan (rows included) has landed. The rows are T x L_e x C x ed values a step, whatever the
+tables' size. (Prefetching the next step's rows while a step runs would need the next step's
+tokens, which the synchronous loop only has after this step; a mesh would shard the tables by
+rows over the devices instead; V4.1 refuses a mesh for now.)
 """
 
 from __future__ import annotations

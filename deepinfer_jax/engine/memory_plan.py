@@ -6,6 +6,9 @@ the cache's layout and the pool's rule; this module supplies the figures only ja
   the pytree is the one the loader builds from a released checkpoint: FP8 dense projections
   (1 byte a parameter + a float32 scale per 128 x 128 block), FP4 routed experts (half a byte
   + one scale byte per 32 inputs), everything else as the builder has it.
+* Host memory: DeepSeek-V4.1's Engram tables with engram_tables="host" are not in the
+  device's pytree; they are reported apart (`MemoryPlan.host_weights`), and the step's
+  gathered rows, an input the plan carries, count with the activations.
 * Devices: DeepSeek's serving layout, routed experts split N ways (expert parallel),
   everything else replicated (data-parallel attention); figures are per device.
 * Activations: XLA's memory analysis of the largest token bucket's compiled step, compiled
