@@ -57,6 +57,9 @@ class BatchPlan:
     # DeepSeek-V4.1's Engram: each token's row ids into each Engram layer's table, hashed on the
     # host over the sequence's look-back (StepConfig.engram_shape); i32[T, 0, 0] without Engram
     engram_ids: Array      # i32[T, L_e, C]
+    # ... and, with the tables in host memory (StepConfig.engram_row_dim), those rows gathered
+    # by the host, in the tables' dtype; [T, L_e, C, 0] when the tables are on the device
+    engram_rows: Array     # [T, L_e, C, ed]
     # a bounded prefix replay (config/prefix_replay.py): window rows of positions below
     # window_from are not visible (the replay starts there), and positions below rows_from
     # write no compressed rows or compressor tails (theirs are cached); 0 elsewhere

@@ -226,7 +226,7 @@ def plan(args) -> int:
     cfg = read_model_config(path)              # DeepSeek-V4 or V4.1
     engine = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                           max_num_batched_tokens=args.max_num_batched_tokens or max(
-                              256, args.max_num_seqs))
+                              256, args.max_num_seqs), engram_tables=args.engram_tables)
     step_cfg = engine.resolve(cfg)
     quantized = (args.weights or ("quantized" if cfg.quantization else "bf16")) == "quantized"
     device_bytes = options.device_memory(args.device_memory_gib, options.CPU)
@@ -330,6 +330,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, help="default: max(256, max-num-seqs)")
     p.add_argument("--weights", choices=["quantized", "bf16"],
                    help="default: quantized for an FP8 checkpoint's config, else bf16")
+    p.add_argument("--engram-tables", choices=["host", "device"],
+                   help="DeepSeek-V4.1's Engram tables in host memory (default) or on the device")
     p.set_defaults(func=plan)
     c = sub.add_parser("convert", help="write a checkpoint once as an orbax store that "
                                        "restores straight into a device mesh")

@@ -130,10 +130,13 @@ class LLM:
             step_config = options.resolve(config, device)
             if memory is not None:        # weights that cannot fit fail before they load
                 check_checkpoint_fits(model, memory, quantized=weights == "quantized",
-                                      dtype=dtype or checkpoint_dtype(model))
+                                      dtype=dtype or checkpoint_dtype(model),
+                                      engram_on_host=step_config.engram_rows_on_host)
             if isinstance(config, V41Config):
                 self.model = load_v41(model, dtype=dtype or checkpoint_dtype(model),
-                                      weights=weights)
+                                      weights=weights, engram_tables=(
+                                          "host" if step_config.engram_rows_on_host
+                                          else "device"))
             else:
                 self.model = load(model, dtype=dtype, weights=weights,
                                   mesh=make_mesh(step_config.compute.parallel))

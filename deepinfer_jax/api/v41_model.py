@@ -80,10 +80,14 @@ class V41Model:
 
 
 def load_v41(path: str | Path, dtype=np.float32, pad_to: int = 128,
-             weights: str = "quantized") -> V41Model:
+             weights: str = "quantized", engram_tables: str = "device") -> V41Model:
     """A V4.1 checkpoint directory (config.json, safetensors, tokenizer.json) -> V41Model.
     weights: "quantized" keeps the release's FP8 projections and FP4 routed experts as stored
-    (weights/v41_reader.py), "bf16" dequantizes them to `dtype` at load."""
+    (weights/v41_reader.py), "bf16" dequantizes them to `dtype` at load. engram_tables:
+    "host" leaves the Engram tables numpy arrays in host memory (the engine's default; the
+    cache-free `logits` then passes them to each call), "device" places them too."""
+    if engram_tables not in ("host", "device"):
+        raise ValueError(f"engram_tables must be 'host' or 'device', got {engram_tables!r}")
     if weights not in ("quantized", "bf16"):
         raise ValueError(f"weights must be 'quantized' or 'bf16', got {weights!r}")
     path = Path(path)
@@ -100,5 +104,6 @@ def load_v41(path: str | Path, dtype=np.float32, pad_to: int = 128,
             raise ConfigError(f"{path}: the tokenizer gives {size} compressed ids, the config's "
                               f"engram_compressed_vocab_size is {cfg.engram.compressed_vocab_size}: "
                               f"every Engram row would be hashed wrongly")
-    params = load_v41_params(path, cfg, dtype, keep_quantized=weights == "quantized")
+    params = load_v41_params(path, cfg, dtype, keep_quantized=weights == "quantized",
+                             engram_on_host=engram_tables == "host")
     return V41Model(config=cfg, params=params, token_map=token_map, pad_to=pad_to)

@@ -95,6 +95,10 @@ class EngineConfig:
     kv_disk_tier_dir: str | None = None
     kv_disk_tier_bytes: int = 0
     kv_retention_s: float = DEFAULT_RETENTION_S
+    # DeepSeek-V4.1's Engram tables: "host" keeps them in host memory, the host gathers each
+    # step's rows and the plan carries them to the device; "device" keeps them with the
+    # weights and the step gathers. None: "host" (resolved_engram_tables says why)
+    engram_tables: str | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens"):
@@ -131,6 +135,9 @@ class EngineConfig:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise EngineConfigError(f"gpu_memory_utilization must be in (0, 1], got "
                                     f"{self.gpu_memory_utilization}")
+        if self.engram_tables not in (None, "host", "device"):
+            raise EngineConfigError(f"engram_tables must be 'host' or 'device', got "
+                                    f"{self.engram_tables!r}")
         if self.device_memory_gib is not None and self.device_memory_gib <= 0:
             raise EngineConfigError(f"device_memory_gib must be > 0, got {self.device_memory_gib}")
 
@@ -186,6 +193,8 @@ class EngineConfig:
             max_logprobs=min(self.max_logprobs, model.vocab_size), vocab_size=model.vocab_size,
             speculative=self.speculative_config, compute=compute,
             enable_prefix_caching=self.enable_prefix_caching, engram_shape=family.engram_shape(model),
+            engram_row_dim=(model.engram.head_dim if self.resolved_engram_tables(model) == "host"
+                            else 0),
             num_snapshots=(self.num_prefix_snapshots or 4 * self.max_num_seqs)
             if self.enable_prefix_caching else 0, bounded_replay=bounded_replay_tokens(self))
 
@@ -200,6 +209,17 @@ class EngineConfig:
         if not 0 < utilization <= 1:
             raise EngineConfigError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
         return MemoryLimits(device_bytes, utilization, self.num_pages)
+
+    def resolved_engram_tables(self, model) -> str | None:
+        """Where the model's Engram tables live (None: it has none). The default is the host
+        for every model with Engram: the released tables are far too large for a device's
+        memory beside the weights and the cache, a step needs only T x L_e x C of their rows,
+        and one default (not one that follows the device's memory) keeps the compiled step
+        the same on every machine; "device" is the choice for small models whose tables fit
+        and for comparison."""
+        if getattr(model, "engram", None) is None:
+            return None
+        return self.engram_tables or "host"
 
     @property
     def kv_tiers(self) -> KVTierConfig:

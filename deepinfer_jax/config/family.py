@@ -49,7 +49,8 @@ def _v41_activation_estimate(cfg: V41Config, step_cfg: StepConfig) -> int:
     """As V4's (config/memory.py activation_estimate), with V4.1's terms: per token the mHC
     streams, queries and output, the window and top-k entries gathered (f32, decoded from
     their FP8 / FP4 codes), attention logits, the indexer's scores over every entry, the routed
-    experts and the Engram rows; per sampled row the sampler's vocabulary rows."""
+    experts and the Engram rows (f32); per sampled row the sampler's vocabulary rows; and with
+    host tables the plan's gathered rows, an input of the step."""
     t = max(step_cfg.token_buckets)
     n = step_cfg.seq_bucket(t)
     hd, keys = cfg.head_dim, cfg.sliding_window + cfg.index_topk
@@ -59,7 +60,8 @@ def _v41_activation_estimate(cfg: V41Config, step_cfg: StepConfig) -> int:
                  + cfg.num_heads * keys + cfg.index_n_heads * step_cfg.max_model_len // min(rates)
                  + cfg.num_experts_per_tok * (3 * cfg.moe_intermediate_size + cfg.hidden_size)
                  + engram) * _F32
-    return t * per_token + n * 3 * cfg.vocab_size * _F32
+    return (t * per_token + n * 3 * cfg.vocab_size * _F32
+            + memory_v41.engram_rows_bytes(step_cfg))
 
 
 def _v41_engram_shape(cfg: V41Config) -> tuple[int, int]:

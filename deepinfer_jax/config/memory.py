@@ -170,6 +170,9 @@ class MemoryPlan:
     utilization: float
     devices: int = 1
     notes: tuple[str, ...] = ()   # the layout's assumptions, printed with the plan
+    # weights held in host memory instead (DeepSeek-V4.1's Engram tables with
+    # engram_tables="host"): not in `weights`, not against the device's budget
+    host_weights: int = 0
 
     @property
     def budget(self) -> int | None:
@@ -209,6 +212,8 @@ class MemoryPlan:
         lines = [f"devices          {self.devices}" + (" (per-device figures below)"
                                                           if self.devices > 1 else ""),
                  f"weights          {_gib(self.weights)}",
+                 *([f"host memory      {_gib(self.host_weights)} (Engram tables, not on the "
+                    f"device; each step's rows go with its plan)"] if self.host_weights else []),
                  f"activations      {_gib(self.activations)} ({act}, largest token bucket)",
                  f"slot state       {_gib(self.fixed_cache)} ({self.max_num_seqs} slots)",
                  f"page             {self.page_bytes / 2**20:.3f} MiB for {self.page_size} "

@@ -13,7 +13,9 @@ reference's quantized ones, so the byte counts do not depend on the compute dtyp
 tests/model/test_v41_state.py checks these against `init_v41_state`'s real pytree. The Engram
 tables are weights, not state: `v41_weight_bytes` counts them with the other weights, in the
 formats the loader keeps (weights/v41.py), which tests/weights/test_v41_quantized.py checks
-against a loaded pytree's bytes.
+against a loaded pytree's bytes; with the tables in host memory (engram_tables="host") they
+are counted apart (`engram_table_bytes`, host memory) and the device holds instead each
+step's gathered rows, an input of the step (`engram_rows_bytes`, with the activations).
 """
 
 from __future__ import annotations
@@ -75,12 +77,29 @@ def v41_cache_bytes(cfg: V41Config, step_cfg: StepConfig, tail_bytes: int = _F32
             + step_cfg.max_num_seqs * v41_slot_bytes(cfg, step_cfg.spec_tokens, tail_bytes))
 
 
+def engram_table_bytes(cfg: V41Config, dtype_bytes: int = 2) -> int:
+    """The Engram tables as the loader holds them (FP8 in the release, dequantized on load)."""
+    return 0 if cfg.engram is None else (sum(cfg.engram.num_embeddings) * cfg.engram.head_dim
+                                         * dtype_bytes)
+
+
+def engram_rows_bytes(step_cfg: StepConfig) -> int:
+    """The largest bucket's plan rows gathered by the host ([T, L_e, C, ed] in the tables'
+    dtype; 0 with device tables): device memory the step's input takes besides its
+    temporaries."""
+    per_token = step_cfg.engram_row_np_dtype.itemsize
+    for n in step_cfg.engram_row_shape:
+        per_token *= n
+    return max(step_cfg.token_buckets) * per_token
+
+
 def _fp8_bytes(out_dim: int, in_dim: int, block: tuple[int, int]) -> int:
     """A kept FP8 weight: a byte a code and a float32 scale a tile (Fp8Blocks)."""
     return out_dim * in_dim + -(-out_dim // block[0]) * -(-in_dim // block[1]) * _F32
 
 
-def v41_weight_bytes(cfg: V41Config, quantized: bool, dtype_bytes: int = 2) -> int:
+def v41_weight_bytes(cfg: V41Config, quantized: bool, dtype_bytes: int = 2,
+                     engram_on_host: bool = False) -> int:
     """The bytes of V4.1's weights as the loader holds them (weights/v41.py).
 
     quantized: as released (the architecture notes, section 8) and kept so: FP8 attention
@@ -89,7 +108,8 @@ def v41_weight_bytes(cfg: V41Config, quantized: bool, dtype_bytes: int = 2) -> i
     scale byte per 32 inputs). The rest at `dtype_bytes`: compressor / indexer projections,
     router, embedding, head and the engram tables (FP8 in the release, dequantized on load);
     norms, mHC parameters, sinks, router biases and the engram gate weights in float32.
-    quantized=False: every projection and expert at `dtype_bytes` (the float twin)."""
+    quantized=False: every projection and expert at `dtype_bytes` (the float twin).
+    engram_on_host: the device's share only, the Engram tables left out (engram_table_bytes)."""
     c, b, dt = cfg, cfg.fp8_block, dtype_bytes
     d, hc, e, inter = c.hidden_size, c.hc_mult, c.n_routed_experts, c.moe_intermediate_size
     g, low, rank = c.o_groups, c.o_lora_rank, c.q_lora_rank
@@ -100,8 +120,8 @@ def v41_weight_bytes(cfg: V41Config, quantized: bool, dtype_bytes: int = 2) -> i
 
     n_mix = (2 + hc) * hc
     total = c.vocab_size * d * dt * (1 if c.tie_word_embeddings else 2) + d * _F32
-    if c.engram is not None:
-        total += sum(c.engram.num_embeddings) * c.engram.head_dim * dt
+    if not engram_on_host:
+        total += engram_table_bytes(c, dt)
     for i in range(c.num_layers):
         small = 2 * d + 2 * (n_mix * hc * d + n_mix + 3) + rank + c.head_dim + c.num_heads + 2 * e
         plain = d * e                                                        # router

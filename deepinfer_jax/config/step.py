@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import ml_dtypes
+import numpy as np
+
 from deepinfer_jax.config.compute import ComputeConfig
 from deepinfer_jax.config.speculative import SpeculativeConfig
 
@@ -37,6 +40,12 @@ class StepConfig:
     # (L_e, C): the Engram row ids each plan token carries (BatchPlan.engram_ids), hashed by
     # the host; (0, 0) for a model without Engram (the plan's field is then empty)
     engram_shape: tuple[int, int] = (0, 0)
+    # Engram tables in host memory (EngineConfig.engram_tables="host"): the host gathers each
+    # fed token's table rows and the plan carries them (BatchPlan.engram_rows [T, L_e, C, ed]
+    # in `engram_row_dtype`, the tables' own); 0: the tables are device weights, gathered in
+    # the step, and the plan's rows field is empty
+    engram_row_dim: int = 0
+    engram_row_dtype: str = "float32"
 
     @property
     def batch_invariant(self) -> bool:
@@ -46,6 +55,21 @@ class StepConfig:
     def hashes_tokens(self) -> bool:
         """The host hashes every fed token (Engram): it must know them all when it plans."""
         return self.engram_shape[0] > 0
+
+    @property
+    def engram_rows_on_host(self) -> bool:
+        return self.engram_row_dim > 0
+
+    @property
+    def engram_row_np_dtype(self) -> np.dtype:
+        """The rows' numpy dtype (bfloat16 from ml_dtypes, numpy's home for it; no jax)."""
+        name = self.engram_row_dtype
+        return np.dtype(getattr(ml_dtypes, name) if hasattr(ml_dtypes, name) else name)
+
+    @property
+    def engram_row_shape(self) -> tuple[int, int, int]:
+        """(L_e, C, ed) of a plan token's gathered rows; (L_e, C, 0) with device tables."""
+        return (*self.engram_shape, self.engram_row_dim)
 
     @property
     def spec_tokens(self) -> int:

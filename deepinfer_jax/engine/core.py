@@ -33,7 +33,7 @@ from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.config.v41 import V41Config
 from deepinfer_jax.contract import BatchPlan, SpecStepOutput, StepOutput
 from deepinfer_jax.engine.compile import compile_steps, enable_persistent_cache
-from deepinfer_jax.engine.engram_rows import EngramRows
+from deepinfer_jax.engine.engram_rows import engram_setup, host_table_bytes
 from deepinfer_jax.engine.launch import Launcher
 from deepinfer_jax.engine.memory_plan import check_compiled, engine_plan
 from deepinfer_jax.engine.snapshot_copies import SnapshotCopies
@@ -94,15 +94,9 @@ class EngineCore:
         `step_cfg` has it.
         engram_token_map: i64[V] the tokenizer-derived ids the Engram hash reads (V4.1 with
         Engram; engine/engram_rows.py)."""
-        self.engram_rows = None
-        if step_cfg.hashes_tokens:
-            if engram_token_map is None:
-                raise EngineConfigError("this model's Engram layers need the token map derived "
-                                        "from its tokenizer (engram_token_map)")
-            if host.async_scheduling:
-                raise EngineConfigError("the Engram hash needs every fed token on the host: "
-                                        "asynchronous scheduling must be off for this model")
-            self.engram_rows = EngramRows(cfg.engram, engram_token_map)
+        # with host tables (the default) the params keep none: the plan carries the rows
+        params, step_cfg, self.engram_rows = engram_setup(cfg, params, step_cfg, host,
+                                                          engram_token_map)
         if step_cfg.batch_invariant:
             require_batch_invariant_support()
         if step_cfg.spec_tokens and not params.mtp:
@@ -136,7 +130,7 @@ class EngineCore:
         self.memory_plan: MemoryPlan | None = None
         if memory is not None:
             step_cfg, self.memory_plan = engine_plan(params, cfg, step_cfg, host, memory,
-                                                     self.mesh)
+                                                     self.mesh, host_table_bytes(self.engram_rows))
         self.params, self.step_cfg, self.host = params, step_cfg, host
         self.tokenizer = tokenizer
         # grammars need an end-of-sequence token to accept at (llguidance); a model that

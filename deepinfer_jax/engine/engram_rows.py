@@ -6,12 +6,31 @@ steps (chunked prefill, decode): each row is hashed with the compressed ids of t
 before its span as `history` (DEAD before position 0). The host can only hash tokens it has
 seen, so with Engram the engine runs synchronously (config/engine.py host_options): every
 token a plan feeds is known when it is built, and a placeholder here is a bug, not a wait.
+
+With the tables in host memory (EngineConfig.engram_tables="host", the default) the engine
+keeps them here as numpy arrays in their loaded dtype, never in the device's parameters, and
+`fill` also gathers the fed tokens' rows into the plan (`plan.engram_rows`, one np.take per
+Engram layer). The rows travel inside the plan's one buffer (engine/transfer.py): on a GPU an
+asynchronous jax.device_put issued on the launcher's thread just before the step is enqueued
+(engine/compile.py), on the CPU as the executable's own argument. What overlaps with what:
+the engine is synchronous with Engram, so the hash, the gather and the packing run on the
+host while the device is idle between steps (after the previous step's tokens were read),
+and the copy runs ahead of the step on the device's transfer stream; the step starts when its
+plan (rows included) has landed. The rows are T x L_e x C x ed values a step, whatever the
+tables' size. (Prefetching the next step's rows while a step runs would need the next step's
+tokens, which the synchronous loop only has after this step. Over a mesh the tables could be
+sharded by rows across the devices' memory instead; V4.1 refuses a mesh for now.)
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
+from deepinfer_jax.config.errors import EngineConfigError
+from deepinfer_jax.config.host import HostOptions
+from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.config.v41 import EngramConfig
 from deepinfer_jax.contract import BatchPlan
 from deepinfer_jax.host.decision import ScheduleDecision
@@ -19,14 +38,28 @@ from deepinfer_jax.model.v41 import engram_hash
 
 
 class EngramRows:
-    def __init__(self, cfg: EngramConfig, token_map: np.ndarray):
-        """token_map: i64[V] the tokenizer-derived compressed ids (engram_hash)."""
+    def __init__(self, cfg: EngramConfig, token_map: np.ndarray,
+                 tables: tuple[np.ndarray, ...] | None = None):
+        """token_map: i64[V] the tokenizer-derived compressed ids (engram_hash). tables: the
+        Engram tables in host memory ([N_l, ed] per Engram layer, in layer_ids order), whose
+        rows `fill` gathers into the plan; None where they are device weights."""
         self.cfg, self.token_map = cfg, np.asarray(token_map, np.int64)
         self.tables = engram_hash.hash_tables(cfg)
+        self.host_tables = tables
         self.back = cfg.max_ngram_size - 1
 
     def fill(self, plan: BatchPlan, decision: ScheduleDecision) -> None:
-        """Write every fed token's row ids into plan.engram_ids i32[T, L_e, C] (in place)."""
+        """Write every fed token's row ids into plan.engram_ids i32[T, L_e, C] and, with host
+        tables, its rows into plan.engram_rows [T, L_e, C, ed] (in place; padding tokens keep
+        zero rows, which the step masks)."""
+        self._fill_ids(plan, decision)
+        if self.host_tables is not None:
+            fed = decision.num_tokens
+            for k, table in enumerate(self.host_tables):
+                # one vectorised gather per layer, straight into the plan's buffer
+                np.take(table, plan.engram_ids[:fed, k], axis=0, out=plan.engram_rows[:fed, k])
+
+    def _fill_ids(self, plan: BatchPlan, decision: ScheduleDecision) -> None:
         for row, seq in enumerate(decision.seqs):
             start, n = seq.start, seq.num_tokens
             offset = int(plan.seq_offset[row])
@@ -43,3 +76,39 @@ class EngramRows:
             ids = engram_hash.hash_ids(tokens[None], np.ones((1, n), bool), self.token_map,
                                        self.cfg, self.tables, history)
             plan.engram_ids[offset: offset + n] = ids[0]
+
+
+def engram_setup(cfg, params, step_cfg: StepConfig, host: HostOptions,
+                 token_map: np.ndarray | None):
+    """The engine's Engram hashing, resolved once at start-up -> (params, step_cfg,
+    EngramRows or None without Engram). With host tables (step_cfg.engram_rows_on_host) the
+    tables leave the parameter pytree, which then holds none (`engram_tables == ()`), and the
+    step's rows take their dtype; numpy tables (weights/v41.py's host load) are kept as they
+    are, device ones copied back once."""
+    if not step_cfg.hashes_tokens:
+        return params, step_cfg, None
+    if token_map is None:
+        raise EngineConfigError("this model's Engram layers need the token map derived "
+                                "from its tokenizer (engram_token_map)")
+    if host.async_scheduling:
+        raise EngineConfigError("the Engram hash needs every fed token on the host: "
+                                "asynchronous scheduling must be off for this model")
+    if len(params.engram_tables) != len(cfg.engram.layer_ids):
+        raise EngineConfigError(f"the parameters hold {len(params.engram_tables)} Engram tables "
+                                f"for {len(cfg.engram.layer_ids)} Engram layers")
+    tables = None
+    if step_cfg.engram_rows_on_host:
+        tables = tuple(t if isinstance(t, np.ndarray) else np.array(t)
+                       for t in params.engram_tables)
+        dtypes = {t.dtype for t in tables}
+        if len(dtypes) != 1:
+            raise EngineConfigError(f"the Engram tables mix dtypes {sorted(map(str, dtypes))}")
+        params = params.replace(engram_tables=())
+        step_cfg = dataclasses.replace(step_cfg, engram_row_dtype=tables[0].dtype.name)
+    return params, step_cfg, EngramRows(cfg.engram, token_map, tables)
+
+
+def host_table_bytes(rows: EngramRows | None) -> int:
+    """Bytes of the Engram tables in host memory (0: none there)."""
+    return 0 if rows is None or rows.host_tables is None else sum(
+        t.nbytes for t in rows.host_tables)

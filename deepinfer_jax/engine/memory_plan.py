@@ -6,6 +6,9 @@ the cache's layout and the pool's rule; this module supplies the figures only ja
   the pytree is the one the loader builds from a released checkpoint: FP8 dense projections
   (1 byte a parameter + a float32 scale per 128 x 128 block), FP4 routed experts (half a byte
   + one scale byte per 32 inputs), everything else as the builder has it.
+* Host memory: DeepSeek-V4.1's Engram tables with engram_tables="host" are not in the
+  device's pytree; they are reported apart (`MemoryPlan.host_weights`), and the step's
+  gathered rows, an input the plan carries, count with the activations.
 * Devices: DeepSeek's serving layout, routed experts split N ways (expert parallel),
   everything else replicated (data-parallel attention); figures are per device.
 * Activations: XLA's memory analysis of the largest token bucket's compiled step, compiled
@@ -34,7 +37,11 @@ from deepinfer_jax.config.memory import (
     check_weights,
     plan_pool,
 )
-from deepinfer_jax.config.memory_v41 import v41_weight_bytes
+from deepinfer_jax.config.memory_v41 import (
+    engram_rows_bytes,
+    engram_table_bytes,
+    v41_weight_bytes,
+)
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.config.v41 import V41Config
@@ -109,11 +116,13 @@ def measured_activations(params: ModelParams, cfg: ModelConfig, step_cfg: StepCo
 
 
 def engine_plan(params: ModelParams, cfg: ModelConfig, step_cfg: StepConfig,
-                host: HostOptions, limits: MemoryLimits, mesh: Mesh | None = None
-                ) -> tuple[StepConfig, MemoryPlan]:
+                host: HostOptions, limits: MemoryLimits, mesh: Mesh | None = None,
+                host_weights: int = 0) -> tuple[StepConfig, MemoryPlan]:
     """The step's shapes with the planned pool, and the plan. Raises InsufficientMemoryError
     before the real steps compile: weights alone over the budget before any compile, the
-    rest after the probe's."""
+    rest after the probe's. host_weights: bytes of weights kept in host memory (V4.1's Engram
+    tables), reported apart; the step's gathered rows (an input, which XLA's analysis of its
+    temporaries leaves out) count with the activations."""
     weights = weight_bytes(params)
     check_weights(weights, limits.device_bytes, limits.utilization)
     activations = measured_activations(params, cfg, step_cfg, host, mesh)
@@ -121,6 +130,8 @@ def engine_plan(params: ModelParams, cfg: ModelConfig, step_cfg: StepConfig,
     family = facts_of(cfg)               # the state's bytes: DeepSeek-V4's or V4.1's
     if not measured:
         activations = family.activation_estimate(cfg, step_cfg)
+    elif isinstance(cfg, V41Config):
+        activations += engram_rows_bytes(step_cfg)
     dtype_bytes = jnp.dtype(params.embed.dtype).itemsize
     plan = plan_pool(MemoryPlan(
         weights=weights, activations=activations, activations_measured=measured,
@@ -128,7 +139,8 @@ def engine_plan(params: ModelParams, cfg: ModelConfig, step_cfg: StepConfig,
         page_bytes=family.page_bytes(cfg, step_cfg.page_size, dtype_bytes),
         page_size=step_cfg.page_size, pages=0, max_num_seqs=step_cfg.max_num_seqs,
         max_model_len=step_cfg.max_model_len, blocks_per_seq=step_cfg.max_blocks_per_seq,
-        device_bytes=limits.device_bytes, utilization=limits.utilization), limits.num_pages)
+        device_bytes=limits.device_bytes, utilization=limits.utilization,
+        host_weights=host_weights), limits.num_pages)
     return dataclasses.replace(step_cfg, num_pages=plan.pages), plan
 
 
@@ -140,11 +152,16 @@ def config_plan(cfg: ModelConfig, step_cfg: StepConfig, *, devices: int = 1,
     `plan.fits`). No weights are read and nothing is compiled."""
     dtype_bytes = jnp.dtype(dtype).itemsize
     family = facts_of(cfg)
+    host_weights = 0
     if isinstance(cfg, V41Config):
         if devices > 1:
             raise EngineConfigError("a plan over several devices is not supported for "
                                     "DeepSeek-V4.1 yet (issue 36)")
-        weights = v41_weight_bytes(cfg, quantized, dtype_bytes)
+        on_host = step_cfg.engram_rows_on_host
+        weights = v41_weight_bytes(cfg, quantized, dtype_bytes, engram_on_host=on_host)
+        if on_host:      # the tables, and so the step's rows, in the load's dtype
+            host_weights = engram_table_bytes(cfg, dtype_bytes)
+            step_cfg = dataclasses.replace(step_cfg, engram_row_dtype=jnp.dtype(dtype).name)
     else:
         weights = weight_bytes(abstract_params(cfg, dtype, quantized), devices)
     experts = math.ceil(cfg.n_routed_experts / devices)
@@ -164,19 +181,20 @@ def config_plan(cfg: ModelConfig, step_cfg: StepConfig, *, devices: int = 1,
         page_bytes=family.page_bytes(cfg, step_cfg.page_size, dtype_bytes),
         page_size=step_cfg.page_size, pages=0, max_num_seqs=step_cfg.max_num_seqs,
         max_model_len=step_cfg.max_model_len, blocks_per_seq=step_cfg.max_blocks_per_seq,
-        device_bytes=device_bytes, utilization=utilization, devices=devices, notes=notes))
+        device_bytes=device_bytes, utilization=utilization, devices=devices, notes=notes,
+        host_weights=host_weights))
 
 
 def check_checkpoint_fits(path, limits: MemoryLimits, quantized: bool = True,
-                          dtype=jnp.bfloat16) -> None:
+                          dtype=jnp.bfloat16, engram_on_host: bool = False) -> None:
     """Before a checkpoint loads: its weights counted from its config.json (quantized where
     the checkpoint is and the load keeps it so), which must fit the budget. The exact check
     follows once they are loaded (`engine_plan`). DeepSeek-V4.1: config/memory_v41.py's
-    count in the loader's formats."""
+    count in the loader's formats, less the Engram tables where they stay in host memory."""
     cfg = read_model_config(path)
     if isinstance(cfg, V41Config):
         weights = v41_weight_bytes(cfg, quantized and cfg.quantization is not None,
-                                   jnp.dtype(dtype).itemsize)
+                                   jnp.dtype(dtype).itemsize, engram_on_host)
     else:
         weights = weight_bytes(abstract_params(cfg, quantized=quantized
                                                and cfg.quantization is not None))

@@ -4,9 +4,9 @@ the output per step, instead of one per array.
 A BatchPlan is ~23 small arrays and a step output 4-7; each transfer costs host time (for
 `jax.device_put`, per array), a large part of a small decode step's host budget
 (docs/performance-log.md). A Wire lays a dataclass of arrays out in one int32 buffer
-(float32 / uint32 fields bit-cast, bools widened): the plan is packed by numpy on the host
-and unpacked inside the jitted step, the output packed inside the step and unpacked on the
-host as numpy views.
+(float32 / uint32 fields bit-cast, bools widened, 2-byte fields such as the Engram rows in
+bfloat16 two to a word): the plan is packed by numpy on the host and unpacked inside the
+jitted step, the output packed inside the step and unpacked on the host as numpy views.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Wire:
 
     @property
     def size(self) -> int:
-        return sum(math.prod(shape) for _, shape, _ in self.fields)
+        return sum(_words(shape, dtype) for _, shape, dtype in self.fields)
 
     def spec(self) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((self.size,), jnp.int32)
@@ -43,17 +43,18 @@ class Wire:
         parts = []
         for name, _, dtype in self.fields:
             array = np.ascontiguousarray(getattr(value, name))
-            parts.append((array.astype(np.int32) if dtype == "bool" else array.view(np.int32))
-                         .reshape(-1))
+            parts.append(array.astype(np.int32).reshape(-1) if dtype == "bool" else
+                         array.reshape(-1).view(np.int32))
         return np.concatenate(parts)
 
     def unpack_host(self, buffer: np.ndarray):
         arrays, offset = {}, 0
         for name, shape, dtype in self.fields:
-            n = math.prod(shape)
-            part = buffer[offset: offset + n].reshape(shape)
+            n = _words(shape, dtype)
+            part = buffer[offset: offset + n]
             offset += n
-            arrays[name] = part != 0 if dtype == "bool" else part.view(np.dtype(dtype))
+            arrays[name] = (part.reshape(shape) != 0 if dtype == "bool"
+                            else part.view(jnp.dtype(dtype)).reshape(shape))
         return self.cls(**arrays)
 
     # ---- device (inside jit) --------------------------------------------------------------
@@ -61,19 +62,36 @@ class Wire:
         parts = []
         for name, _, dtype in self.fields:
             array = getattr(value, name)
-            parts.append((array.astype(jnp.int32) if dtype in ("bool", "int32")
-                          else jax.lax.bitcast_convert_type(array, jnp.int32)).reshape(-1))
+            if dtype in ("bool", "int32"):
+                parts.append(array.astype(jnp.int32).reshape(-1))
+            else:      # 4-byte: one word an element; 2-byte: two elements a word
+                per_word = 4 // jnp.dtype(dtype).itemsize
+                parts.append(jax.lax.bitcast_convert_type(
+                    array.reshape(-1) if per_word == 1 else array.reshape(-1, per_word),
+                    jnp.int32))
         return jnp.concatenate(parts)
 
     def unpack_device(self, buffer: jax.Array):
         arrays, offset = {}, 0
         for name, shape, dtype in self.fields:
-            n = math.prod(shape)
-            part = jax.lax.slice_in_dim(buffer, offset, offset + n).reshape(shape)
+            n = _words(shape, dtype)
+            part = jax.lax.slice_in_dim(buffer, offset, offset + n)
             offset += n
             if dtype == "bool":
                 part = part != 0
-            elif dtype != "int32":
+            elif dtype != "int32":     # a 2-byte dtype comes out as [n, 2]
                 part = jax.lax.bitcast_convert_type(part, jnp.dtype(dtype))
-            arrays[name] = part
+            arrays[name] = part.reshape(shape)
         return self.cls(**arrays)
+
+
+def _words(shape: tuple[int, ...], dtype: str) -> int:
+    """int32 words a field takes: one an element (bools widened), or its bytes / 4 for a
+    2-byte dtype, whose element count must then be even (the Engram rows' head_dim is)."""
+    n = math.prod(shape)
+    if dtype == "bool" or jnp.dtype(dtype).itemsize == 4:
+        return n
+    if jnp.dtype(dtype).itemsize != 2 or n % 2:
+        raise ValueError(f"the wire carries 4-byte fields and even-sized 2-byte ones, not "
+                         f"{dtype}{list(shape)}")
+    return n // 2

@@ -49,6 +49,7 @@ def build_plan(decision: ScheduleDecision, token_bucket: int,
     # filled by the engine (engine/engram_rows.py), which may import the hash; zero-size
     # without Engram, so V4's wire carries nothing for it
     engram_ids = np.zeros((t_cap, *step_cfg.engram_shape), np.int32)
+    engram_rows = np.zeros((t_cap, *step_cfg.engram_row_shape), step_cfg.engram_row_np_dtype)
     offset = 0
     for row, seq in enumerate(decision.seqs):
         req, n = seq.request, seq.num_tokens
@@ -76,7 +77,8 @@ def build_plan(decision: ScheduleDecision, token_bucket: int,
     return BatchPlan(token_ids, positions, token_seq, seq_slot, seq_start, seq_len, seq_offset,
                      block_table, sample_index, seq_samples, prompt_len, temperature, top_k,
                      top_p, min_p, repetition, presence, frequency, seed, allowed,
-                     next_token_ids, num_drafts, draft_cap, engram_ids, window_from, rows_from)
+                     next_token_ids, num_drafts, draft_cap, engram_ids, engram_rows, window_from,
+                     rows_from)
 
 
 def suppress_stops(plan: BatchPlan, decision: ScheduleDecision, eos_token_ids) -> None:

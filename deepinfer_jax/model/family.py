@@ -46,7 +46,9 @@ def _v41_state(cfg, step_cfg, dtype):
 
 def _v41_forward(params, state, plan, token_ids, cfg, step_cfg):
     engram_ids = plan.engram_ids if cfg.engram is not None else None
-    return v41_forward.forward_step(params, state, plan, token_ids, engram_ids, cfg, step_cfg)
+    engram_rows = plan.engram_rows if step_cfg.engram_rows_on_host else None
+    return v41_forward.forward_step(params, state, plan, token_ids, engram_ids, cfg, step_cfg,
+                                    engram_rows)
 
 
 def _v41_logits(params, final, rows, cfg, step_cfg):

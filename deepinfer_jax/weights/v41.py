@@ -37,16 +37,21 @@ from pallas_kernels import quantized as q
 
 
 def load_v41_params(path: str | Path, cfg: V41Config, dtype=np.float32,
-                    keep_quantized: bool = True) -> V41ModelParams:
+                    keep_quantized: bool = True, engram_on_host: bool = False
+                    ) -> V41ModelParams:
     """A checkpoint directory -> V41ModelParams on the default device. Norms, mHC
     parameters, sinks, router biases and engram gate weights are float32; the rest `dtype`.
 
     keep_quantized: FP8 projections and FP4 routed experts stay in their formats
-    (`Fp8Blocks` / `Fp4Blocks`); False dequantizes them to `dtype` here (the float twin)."""
+    (`Fp8Blocks` / `Fp4Blocks`); False dequantizes them to `dtype` here (the float twin).
+    engram_on_host: the Engram tables stay numpy arrays in host memory, never placed on the
+    device (the engine's engram_tables="host", engine/engram_rows.py)."""
     reader = V41Reader(Checkpoint(path), np.dtype(dtype), keep_quantized, cfg.fp8_block)
     params = _build(cfg, reader)
     reader.finish()
-    return jax.device_put(params)
+    tables = params.engram_tables
+    params = jax.device_put(params.replace(engram_tables=()))
+    return params.replace(engram_tables=tables if engram_on_host else jax.device_put(tables))
 
 
 def _build(c: V41Config, r: V41Reader) -> V41ModelParams:

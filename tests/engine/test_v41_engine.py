@@ -18,6 +18,7 @@ import deepinfer_jax
 from bench.lib.admission import admit_first_chunks
 from deepinfer_jax.config.errors import EngineConfigError
 from deepinfer_jax.config.memory_v41 import v41_page_bytes, v41_slot_bytes
+from deepinfer_jax.engine import memory_plan
 from deepinfer_jax.host.request import SamplingParams
 from tests.model.v41_oracle import FIXTURES
 
@@ -123,14 +124,23 @@ def test_v41_unbuilt_features_are_refused_by_name(option):
 
 def test_v41_memory_plan_counts_the_v41_state():
     """With the device's memory stated, the pool is planned with V4.1's state bytes
-    (config/memory_v41.py), which are what the engine's state really holds."""
+    (config/memory_v41.py), which are what the engine's state really holds. The Engram
+    tables stay in host memory (the default): device weights are the params' bytes, which
+    hold no table, the tables count as host memory, and the measured activations gain the
+    plan's rows (an input, which XLA's count of temporaries leaves out): 16 tokens x 2
+    layers x 4 columns x 32 float32."""
     llm = deepinfer_jax.LLM(FIXTURES[0], **ENGINE, device_memory_gib=1)
-    plan, cfg = llm.memory_plan, llm.model.config
+    plan, cfg, engine = llm.memory_plan, llm.model.config, llm.engine
     assert plan.page_bytes == v41_page_bytes(cfg, llm.step_config.page_size)
     assert plan.fixed_cache == llm.step_config.max_num_seqs * v41_slot_bytes(cfg)
     assert plan.pages == llm.step_config.num_pages == plan.full_reach_pages
     held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(llm.engine.state))
     assert held == plan.cache
+    assert engine.params.engram_tables == ()
+    assert plan.weights == memory_plan.weight_bytes(engine.params)
+    assert plan.host_weights == (290 + 370) * 32 * 4
+    measured = memory_plan.measured_activations(engine.params, cfg, engine.step_cfg, engine.host)
+    assert plan.activations_measured and plan.activations == measured + 16 * 2 * 4 * 32 * 4
 
 
 def test_v41_structured_output_without_an_eos_fails_the_request_alone():

@@ -1,11 +1,14 @@
 """The step's wire format, both ways: a plan packed on the host and unpacked inside jit, an
 output packed inside jit and unpacked on the host, give back every array bit for bit (int32,
-float32 incl. NaN and -0.0, uint32 seeds past 2**31, bools)."""
+float32 incl. NaN and -0.0, uint32 seeds past 2**31, bools, bfloat16 Engram rows two to a
+word)."""
 
 import dataclasses
 
 import jax
+import ml_dtypes
 import numpy as np
+import pytest
 
 import deepinfer_jax.device  # noqa: F401  (registers the plan and outputs as pytrees)
 from deepinfer_jax.contract import BatchPlan, StepOutput
@@ -19,7 +22,9 @@ def random_plan(rng: np.random.Generator) -> BatchPlan:
         shape = {"block_table": (n, 3), "allowed": (n, words), "engram_ids": (t, 2, 3)}.get(f.name)
         per_token = f.name in ("token_ids", "positions", "token_seq", "next_token_ids")
         shape = shape or ((t,) if per_token else (n,))
-        if f.name in ("temperature", "top_p", "min_p", "repetition_penalty",
+        if f.name == "engram_rows":      # host-gathered table rows, the tables' bf16
+            arrays[f.name] = rng.normal(size=(t, 2, 3, 4)).astype(ml_dtypes.bfloat16)
+        elif f.name in ("temperature", "top_p", "min_p", "repetition_penalty",
                       "presence_penalty", "frequency_penalty"):
             arrays[f.name] = rng.normal(size=shape).astype(np.float32)
         elif f.name == "seed":
@@ -38,11 +43,13 @@ def test_pack_then_unpack_in_jit_is_exact():
     wire = Wire.of(plan)
     buffer = wire.pack_host(plan)
     assert buffer.shape == (wire.size,) and buffer.dtype == np.int32
-    back = jax.jit(wire.unpack_device)(buffer)
+    back, host_back = jax.jit(wire.unpack_device)(buffer), wire.unpack_host(buffer)
     for f in dataclasses.fields(BatchPlan):
-        want, got = getattr(plan, f.name), np.asarray(getattr(back, f.name))
-        assert got.dtype == want.dtype and got.shape == want.shape, f.name
-        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8), err_msg=f.name)
+        want = getattr(plan, f.name)
+        for got in (np.asarray(getattr(back, f.name)), getattr(host_back, f.name)):
+            assert got.dtype == want.dtype and got.shape == want.shape, f.name
+            np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8),
+                                          err_msg=f.name)
 
 
 def test_output_packed_in_jit_unpacks_on_the_host():
@@ -70,3 +77,11 @@ def test_a_zero_size_field_costs_nothing():
     back = jax.jit(wire.unpack_device)(wire.pack_host(plan))
     assert back.engram_ids.shape == (16, 0, 0)
     np.testing.assert_array_equal(np.asarray(back.token_ids), plan.token_ids)
+
+
+def test_an_odd_two_byte_field_is_refused():
+    """2-byte fields go two to a word; an odd count would leave half a word: a typed error."""
+    plan = dataclasses.replace(random_plan(np.random.default_rng(3)),
+                               engram_rows=np.zeros((3, 1, 1, 1), ml_dtypes.bfloat16))
+    with pytest.raises(ValueError, match="even-sized 2-byte"):
+        Wire.of(plan).size

@@ -131,13 +131,14 @@ def test_memory_plan_counts_the_formats_the_loader_holds(pair, capsys):
             assert weight_bytes(params) == v41_weight_bytes(cfg, keep, size)
     kept, floats = v41_weight_bytes(cfg, True, 2), v41_weight_bytes(cfg, False, 2)
     assert kept < 0.65 * floats       # the tiny model's experts and projections are most of it
-    step_cfg = EngineConfig(max_num_seqs=2, max_model_len=64).resolve(cfg)
+    # the tables on the device, as this pytree holds them (host tables: test_v41_engram_host)
+    step_cfg = EngineConfig(max_num_seqs=2, max_model_len=64, engram_tables="device").resolve(cfg)
     assert config_plan(cfg, step_cfg, quantized=True).weights == kept
     assert config_plan(cfg, step_cfg, quantized=False).weights == floats
     shown = []
     for weights in ("quantized", "bf16"):
         assert main(["plan", str(quantized), "--max-num-seqs", "2", "--max-model-len", "64",
-                     "--weights", weights]) == 0
+                     "--weights", weights, "--engram-tables", "device"]) == 0
         lines = capsys.readouterr().out.splitlines()
         shown.append(next(float(x.split()[1]) for x in lines if x.startswith("weights")))
     assert shown == [round(kept / 2**30, 4), round(floats / 2**30, 4)]

@@ -14,7 +14,10 @@ V4.1's `blocks` on rows of the flat batch, in fixed row tiles in batch-invariant
 cross-token part (window gathers, closing groups, the indexer's scores and choice) is exact or
 tiled on its own (paged_csa.py), so a row's bits do not depend on the batch. The Engram row
 ids come from the host (`engram_hash.hash_ids` with the sequence's look-back) as
-i32[T, L_e, C]; the tables are gathered on the device for now.
+i32[T, L_e, C]. With the tables in host memory (EngineConfig.engram_tables="host") the host
+gathers the rows too and the step receives them ([T, L_e, C, ed], in the plan); otherwise it
+gathers them from the device's `params.engram_tables`. Either way a token reads the same
+values, so the two agree bit for bit.
 """
 
 from __future__ import annotations
@@ -69,10 +72,11 @@ class _Token:
 
 
 def forward_step(params: V41ModelParams, state: V41State, plan, token_ids: Array,
-                 engram_ids: Array | None, cfg: V41Config, step_cfg: StepConfig
-                 ) -> tuple[V41State, FinalStreams]:
-    """One ragged step over token_ids i32[T] (engram_ids i32[T, L_e, C], None without Engram)
-    -> (new state, FinalStreams)."""
+                 engram_ids: Array | None, cfg: V41Config, step_cfg: StepConfig,
+                 engram_rows: Array | None = None) -> tuple[V41State, FinalStreams]:
+    """One ragged step over token_ids i32[T] (engram_ids i32[T, L_e, C], None without Engram;
+    engram_rows [T, L_e, C, ed] the rows the host gathered for them, None where the tables are
+    device weights) -> (new state, FinalStreams)."""
     ctx = token_context(plan, step_cfg.compute.launch_bound)
     rows = rowwise(step_cfg.compute)
     freqs = {False: inv_freq(cfg.rope_head_dim, cfg.rope_theta, None),
@@ -87,7 +91,8 @@ def forward_step(params: V41ModelParams, state: V41State, plan, token_ids: Array
         lp = dequantize_tree(lp, jnp.float32)           # FP8 / FP4 weights, a layer at a time
         if cfg.has_engram(i):
             k = cfg.engram.layer_ids.index(i)
-            table_rows = params.engram_tables[k][engram_ids[:, k]].astype(jnp.float32)
+            table_rows = (params.engram_tables[k][engram_ids[:, k]] if engram_rows is None
+                          else engram_rows[:, k]).astype(jnp.float32)
             streams = rows(lambda *a, lp=lp: segments.engram_outputs(lp, cfg, *a), streams,
                            table_rows, ctx.valid)                            # rows [T, C, ed]
         streams, pre, ls, group = layer_step(lp, streams, pre, ls, group, i, tok, cfg, step_cfg)
