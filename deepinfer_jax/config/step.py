@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import ml_dtypes
 import numpy as np
 
 from deepinfer_jax.config.compute import ComputeConfig
@@ -64,7 +63,10 @@ class StepConfig:
     def engram_row_np_dtype(self) -> np.dtype:
         """The rows' numpy dtype (bfloat16 from ml_dtypes, numpy's home for it; no jax)."""
         name = self.engram_row_dtype
-        return np.dtype(getattr(ml_dtypes, name) if hasattr(ml_dtypes, name) else name)
+        if name in np.sctypeDict:           # float32, float16: numpy's own
+            return np.dtype(name)
+        import ml_dtypes      # bfloat16; here, not at import: the Ascend environment lacks it
+        return np.dtype(getattr(ml_dtypes, name))
 
     @property
     def engram_row_shape(self) -> tuple[int, int, int]:
