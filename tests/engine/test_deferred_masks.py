@@ -91,3 +91,30 @@ def test_a_constrained_row_cut_by_max_tokens_and_sampled_rows_alone(engines):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.finish_reason for o in got[:3]] == [FinishReason.LENGTH] * 3
     assert all(len(o.token_ids) == 5 for o in got[:3])
+
+
+def test_abort_with_a_deferred_step_in_flight(engines):
+    """A constrained request aborted while a step samples for it (deferred: launched before
+    its previous token was read): its in-flight token is dropped, its neighbour's output is
+    the synchronous loop's."""
+    async_llm, sync_llm = engines
+    engine = async_llm.engine
+    keep = SamplingParams(max_tokens=30, temperature=1.0, seed=4, json_schema=LIST)
+    drop = SamplingParams(max_tokens=30, temperature=1.0, seed=6, json_schema=SCHEMA)
+    prompt = async_llm.tokenizer.encode("tags:")
+    engine.add_request("keep", prompt, keep)
+    dropped = engine.add_request("drop", async_llm.tokenizer.encode("Person:"), drop)
+    for _ in range(200):
+        engine.step()
+        # a decode step in flight for it, its mask known only after the previous token
+        if len(dropped.generated) >= 3 and dropped.has_placeholders:
+            break
+    else:
+        pytest.fail("no step in flight for the request")
+    assert engine.abort("drop") is dropped
+    kept = None
+    while engine.has_unfinished():
+        kept = next((r for r in engine.step() if r.request_id == "keep"), kept)
+    assert dropped.finish_reason is FinishReason.ABORT and not dropped.has_placeholders
+    want = sync_llm.generate([{"prompt_token_ids": prompt}], keep, use_tqdm=False)[0]
+    assert kept is not None and kept.generated == want.token_ids
