@@ -324,8 +324,8 @@ class EngineCore:
 
     def _masked(self, flight: InFlight) -> InFlight:
         """A deferred step's second half launched with its masks (deferred_masks.py)."""
-        output, read = self.deferred.second_half(self, flight.decision, flight.deferred,
-                                                 flight.output)
+        output, read = self.deferred.second_half(self, self._launcher, flight.decision,
+                                                 flight.deferred, flight.output)
         return dataclasses.replace(flight, output=output, read=read, deferred=None)
 
     def _plan(self, decision: ScheduleDecision, bucket: int, defer: bool = False) -> BatchPlan:

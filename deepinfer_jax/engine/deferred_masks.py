@@ -40,6 +40,7 @@ from deepinfer_jax.engine.compile import (
     CompiledSteps,
     _trace_key,
 )
+from deepinfer_jax.engine.launch import Launcher
 from deepinfer_jax.engine.transfer import Wire
 from deepinfer_jax.host.decision import ScheduleDecision
 from deepinfer_jax.host.grammar import StructuredOutputs
@@ -155,10 +156,12 @@ class DeferredMasks:
         suppress_stops(plan, decision, self.eos_token_ids)
         return plan
 
-    def second_half(self, engine, decision: ScheduleDecision, deferred: Deferred,
-                    logits: Future[jax.Array]) -> tuple[Future[jax.Array], Callable]:
+    def second_half(self, engine, launcher: Launcher, decision: ScheduleDecision,
+                    deferred: Deferred, logits: Future[jax.Array]
+                    ) -> tuple[Future[jax.Array], Callable]:
         """Launch the second half of a deferred step on the engine's launcher (after its first
-        half, before any later step): its output on the wire and the reader of it."""
+        half, before any later step; it replaces `engine.state`'s `last_tokens` there): its
+        output on the wire and the reader of it."""
         executable, wire = self._second[deferred.key]
         compiled = self._steps.by_key[deferred.key]
         buffer = compiled.plan_wire.pack_host(self.masked_plan(decision, deferred.plan))
@@ -172,7 +175,7 @@ class DeferredMasks:
             output.copy_to_host_async()
             return output
 
-        return (engine._launcher.submit(device_calls),
+        return (launcher.submit(device_calls),
                 lambda output: _read(wire, output))
 
 
