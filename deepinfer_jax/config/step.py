@@ -65,7 +65,8 @@ class StepConfig:
         name = self.engram_row_dtype
         if name in np.sctypeDict:           # float32, float16: numpy's own
             return np.dtype(name)
-        import ml_dtypes      # bfloat16; here, not at import: the Ascend environment lacks it
+        # bfloat16: ml_dtypes, imported here, not at import (the Ascend environment lacks it)
+        import ml_dtypes
         return np.dtype(getattr(ml_dtypes, name))
 
     @property

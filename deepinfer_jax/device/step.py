@@ -49,24 +49,41 @@ def record_fed_tokens(state: StateCache, plan: BatchPlan, token_ids: jax.Array) 
     return dataclasses.replace(state, prompt_mask=prompt_mask, output_counts=counts)
 
 
-def step(params: ModelParams, state: StateCache, plan: BatchPlan, *, cfg: ModelConfig,
-         step_cfg: StepConfig, truncation: bool | None = None
-         ) -> tuple[StateCache, StepOutput]:
-    """One engine step; `truncation` picks the sampler (sampling.sampling_logits)."""
+def forward_logits(params: ModelParams, state: StateCache, plan: BatchPlan, *, cfg: ModelConfig,
+                   step_cfg: StepConfig) -> tuple[StateCache, jax.Array]:
+    """The step's first half: placeholders, penalty bookkeeping, the forward and the sampled
+    rows' logits f32[N, V] (nothing sampled; `last_tokens` untouched)."""
     token_ids = resolve_placeholders(plan.token_ids, plan, state.last_tokens)
     state = record_fed_tokens(state, plan, token_ids)
     family = model_family(cfg)           # DeepSeek-V4 or V4.1 (model/family.py)
     state, final = family.forward(params, state, plan, token_ids, cfg, step_cfg)
-    logits = family.sampled_logits(params, final, plan.sample_index, cfg, step_cfg)  # f32[N, V]
+    return state, family.sampled_logits(params, final, plan.sample_index, cfg, step_cfg)
+
+
+def sample_rows(last_tokens: jax.Array, prompt_mask: jax.Array, output_counts: jax.Array,
+                logits: jax.Array, plan: BatchPlan, *, step_cfg: StepConfig,
+                truncation: bool | None = None) -> tuple[jax.Array, StepOutput]:
+    """The step's second half: sample the rows' logits with the plan's controls and masks,
+    and keep each sampled token as its slot's `last_tokens` (i32[slots]). Also run alone on a
+    step's kept logits (engine/deferred_masks.py)."""
     rows = SamplingRows(temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p,
                         min_p=plan.min_p, repetition_penalty=plan.repetition_penalty,
                         presence_penalty=plan.presence_penalty,
                         frequency_penalty=plan.frequency_penalty, seed=plan.seed,
                         position=plan.positions[plan.sample_index], allowed=plan.allowed)
-    slot = jnp.minimum(plan.seq_slot, state.last_tokens.shape[0] - 1)
-    out = sample(logits, rows, state.prompt_mask[slot], state.output_counts[slot],
-                 step_cfg.max_logprobs, truncation)
-    slots = jnp.where(plan.seq_samples, plan.seq_slot, state.last_tokens.shape[0])
-    state = dataclasses.replace(state, last_tokens=state.last_tokens.at[slots].set(
-        out.tokens, mode="drop", unique_indices=True))
-    return state, StepOutput(out.tokens, out.logprob, out.top_ids, out.top_logprobs)
+    slot = jnp.minimum(plan.seq_slot, last_tokens.shape[0] - 1)
+    out = sample(logits, rows, prompt_mask[slot], output_counts[slot], step_cfg.max_logprobs,
+                 truncation)
+    slots = jnp.where(plan.seq_samples, plan.seq_slot, last_tokens.shape[0])
+    last_tokens = last_tokens.at[slots].set(out.tokens, mode="drop", unique_indices=True)
+    return last_tokens, StepOutput(out.tokens, out.logprob, out.top_ids, out.top_logprobs)
+
+
+def step(params: ModelParams, state: StateCache, plan: BatchPlan, *, cfg: ModelConfig,
+         step_cfg: StepConfig, truncation: bool | None = None
+         ) -> tuple[StateCache, StepOutput]:
+    """One engine step; `truncation` picks the sampler (sampling.sampling_logits)."""
+    state, logits = forward_logits(params, state, plan, cfg=cfg, step_cfg=step_cfg)
+    last_tokens, output = sample_rows(state.last_tokens, state.prompt_mask, state.output_counts,
+                                      logits, plan, step_cfg=step_cfg, truncation=truncation)
+    return dataclasses.replace(state, last_tokens=last_tokens), output

@@ -33,15 +33,16 @@ from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.config.v41 import V41Config
 from deepinfer_jax.contract import BatchPlan, SpecStepOutput, StepOutput
 from deepinfer_jax.engine.compile import compile_steps, enable_persistent_cache
+from deepinfer_jax.engine.deferred_masks import Deferred, DeferredMasks, needs_deferring
 from deepinfer_jax.engine.engram_rows import engram_setup, host_table_bytes
 from deepinfer_jax.engine.launch import Launcher
 from deepinfer_jax.engine.memory_plan import check_compiled, engine_plan
+from deepinfer_jax.engine.request_checks import request_problems
 from deepinfer_jax.engine.snapshot_copies import SnapshotCopies
 from deepinfer_jax.engine.tier_copies import Spilled, TierCopies
 from deepinfer_jax.host.buckets import token_bucket
 from deepinfer_jax.host.decision import ScheduleDecision
 from deepinfer_jax.host.grammar import GrammarError, StructuredOutputs, grammar_spec
-from deepinfer_jax.host.pages import pages_needed
 from deepinfer_jax.host.plan_builder import build_plan, suppress_stops
 from deepinfer_jax.host.ranks import RankedDecision, RankedScheduler
 from deepinfer_jax.host.request import (
@@ -81,6 +82,7 @@ class InFlight:
     output: Future[jax.Array]               # the step's output on the wire (compile.py)
     read: Callable[[jax.Array], StepOutput | SpecStepOutput]
     spilled: Spilled = dataclasses.field(default_factory=list)   # for the KV tiers, once read
+    deferred: Deferred | None = None    # `output`: the kept logits until masked (deferred_masks.py)
 
 
 class EngineCore:
@@ -134,7 +136,7 @@ class EngineCore:
         self.params, self.step_cfg, self.host = params, step_cfg, host
         self.tokenizer = tokenizer
         # grammars need an end-of-sequence token to accept at (llguidance); a model that
-        # names none (the V4.1 fixtures) refuses constrained requests instead (_problems)
+        # names none (the V4.1 fixtures) refuses constrained requests instead (request_checks.py)
         self.structured = None if tokenizer is None or not cfg.eos_token_ids else StructuredOutputs(
             tokenizer.path, cfg.vocab_size, cfg.eos_token_ids, host.grammar_compile_timeout_s)
         self.state = placed_state(self.cfg, step_cfg, params.embed.dtype, self.mesh)
@@ -153,6 +155,12 @@ class EngineCore:
         ranks = step_cfg.compute.parallel.dp
         self.scheduler = (RankedScheduler(step_cfg, cfg.eos_token_ids, ranks) if ranks > 1 else
                           Scheduler(step_cfg, cfg.eos_token_ids, self.tiers and self.tiers.worker))
+        # constrained rows every step, their masks applied late (deferred_masks.py): one rank
+        self.deferred = (DeferredMasks(params, self.state, cfg, step_cfg, self.steps, self.structured,
+                                       cfg.eos_token_ids)
+                         if self.structured and host.async_scheduling and ranks == 1
+                         and self.mesh is None and not step_cfg.spec_tokens else None)
+        self.scheduler.defers_masks = self.deferred is not None
         self._seeds = np.random.default_rng(host.seed)
         self._arrivals = itertools.count()
         self._in_flight: collections.deque[InFlight] = collections.deque()
@@ -172,7 +180,7 @@ class EngineCore:
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> Request:
         """Queue a request; raises InvalidRequestError (and queues nothing) if it cannot run."""
-        problems = self._problems(prompt, params)
+        problems = request_problems(self, prompt, params)
         if problems:
             raise InvalidRequestError("; ".join(problems))
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
@@ -228,39 +236,6 @@ class EngineCore:
                     failed.append(req)
         return failed
 
-    def _problems(self, prompt: list[int], params: SamplingParams) -> list[str]:
-        problems = list(params.problems(self.cfg.vocab_size, self.step_cfg.max_logprobs,
-                                        self.tokenizer is not None))
-        if params.constrained and self.mesh is not None and self.mesh.is_multi_process:
-            # grammars compile on a worker thread and join the batch when done: at another
-            # step in each process, whose plans must all be the same
-            problems.append("structured outputs are not supported by an engine spanning "
-                            "processes yet")
-        if params.constrained and self.tokenizer is not None and self.structured is None:
-            problems.append("structured outputs need the model to name an end-of-sequence "
-                            "token (eos_token_id); this one names none")
-        if not prompt:
-            problems.append("empty prompt")
-        elif len(prompt) >= self.step_cfg.max_model_len:
-            problems.append(f"prompt of {len(prompt)} tokens leaves no room under "
-                            f"max_model_len={self.step_cfg.max_model_len}")
-        else:
-            bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
-            if bad:
-                problems.append(f"token ids outside the vocabulary [0, {self.cfg.vocab_size}): "
-                                f"{bad[:8]}")
-            longest = len(prompt) + max(params.max_tokens, 0)
-            if longest > self.step_cfg.max_model_len:
-                # an error, as vLLM's server gives, rather than a silent cut: the caller
-                # asked for more than any sequence here can hold
-                problems.append(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} "
-                                f"exceeds max_model_len={self.step_cfg.max_model_len}: ask for "
-                                f"at most {self.step_cfg.max_model_len - len(prompt)} tokens")
-            elif pages_needed(longest, self.step_cfg.page_size) > self.step_cfg.num_pages:
-                problems.append(f"a sequence of {longest} tokens needs more pages than the "
-                                f"pool holds ({self.step_cfg.num_pages})")
-        return problems
-
     def set_launch_thread(self, enabled: bool) -> None:
         """Launch the next steps on the worker thread or from the loop's own (an A/B for
         benchmarks); waits until every launched step's device calls have been made."""
@@ -302,6 +277,8 @@ class EngineCore:
         keep = 1 if self.host.async_scheduling and decision.seqs else 0
         if len(self._in_flight) > keep:
             touched = self._read(self._in_flight.popleft())
+        if self._in_flight and self._in_flight[0].deferred:     # its matchers are up to date
+            self._in_flight[0] = self._masked(self._in_flight[0])
         self.stats.host_seconds += time.perf_counter() - start
         return failed + touched
 
@@ -311,10 +288,13 @@ class EngineCore:
             metrics = seq.request.metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
         bucket = token_bucket(self.step_cfg.token_buckets, decision.num_tokens)
+        defer = self.deferred is not None and needs_deferring(decision)
         plan = ([self._plan(d, bucket) for d in decision.ranks]
-                if isinstance(decision, RankedDecision) else self._plan(decision, bucket))
+                if isinstance(decision, RankedDecision) else self._plan(decision, bucket, defer))
         steps = self.spec_steps if decision.speculative else self.steps
         compiled = steps.select(bucket, decision.truncating_sampler)
+        call, key = (self.deferred.first_half(bucket, decision.truncating_sampler) if defer
+                     else (compiled, None))
         restores, saves = decision.restores, decision.saves
         tier_ops, spilled = getattr(decision, "tier_ops", ()), []
 
@@ -323,8 +303,9 @@ class EngineCore:
                 self.state = self.tiers.run(self.state, tier_ops, spilled)
             if restores:
                 self.state = self.snapshots.restore(self.state, restores)
-            self.state, output = compiled(self.params, self.state, plan)
-            output.copy_to_host_async()
+            self.state, output = call(self.params, self.state, plan)
+            if not defer:       # a first half's logits stay on the device
+                output.copy_to_host_async()
             if saves:
                 self.snapshots.save(self.state, saves)
             return output
@@ -332,19 +313,26 @@ class EngineCore:
         output = self._launcher.submit(device_calls)
         self.stats.steps += 1
         self.stats.tokens += decision.num_tokens
-        return InFlight(decision, output, compiled.read, spilled)
+        return InFlight(decision, output, compiled.read, spilled,
+                        Deferred(plan, key) if defer else None)
 
-    def _plan(self, decision: ScheduleDecision, bucket: int) -> BatchPlan:
+    def _masked(self, flight: InFlight) -> InFlight:
+        """A deferred step's second half launched with its masks (deferred_masks.py)."""
+        output, read = self.deferred.second_half(self, self._launcher, flight.decision,
+                                                 flight.deferred, flight.output)
+        return dataclasses.replace(flight, output=output, read=read, deferred=None)
+
+    def _plan(self, decision: ScheduleDecision, bucket: int, defer: bool = False) -> BatchPlan:
         plan = build_plan(decision, bucket, self.step_cfg)
         if self.engram_rows is not None:
             self.engram_rows.fill(plan, decision)
-        self._fill_masks(plan, decision)
+        if not defer:      # deferred: the masks go on a copy once the matchers catch up
+            self._fill_masks(plan, decision)
         return plan
 
     def _fill_masks(self, plan, decision: ScheduleDecision) -> None:
         """Token bitmasks of the rows that sample: grammar (the matcher has seen every token
-        so far: the scheduler holds constrained requests back while a token is in flight),
-        then min_tokens."""
+        so far, else the step is deferred), then min_tokens."""
         rows = [(seq.request.matcher, row) for row, seq in enumerate(decision.seqs)
                 if seq.samples and seq.request.matcher is not None]
         if rows:
@@ -352,6 +340,7 @@ class EngineCore:
         suppress_stops(plan, decision, self.cfg.eos_token_ids)
 
     def _read(self, flight: InFlight) -> list[Request]:
+        flight = self._masked(flight) if flight.deferred else flight
         waited = time.perf_counter()
         out = flight.read(flight.output.result())
         waited = time.perf_counter() - waited

@@ -54,6 +54,8 @@ from deepinfer_jax.host.request import PLACEHOLDER, FinishReason, Request, Reque
 
 
 class Scheduler:
+    defers_masks = False    # constrained requests may run with a token in flight (core.py)
+
     def __init__(self, step_cfg: StepConfig, eos_token_ids: tuple[int, ...],
                  tiers: TierWorker | None = None):
         self.step_cfg = step_cfg
@@ -135,8 +137,10 @@ class Scheduler:
         budget = self.step_cfg.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         # A constrained request needs its last token on the host (its grammar mask depends on
-        # it), so with a token in flight it sits this step out.
-        ready = [r for r in self.running if not (r.matcher is not None and r.has_placeholders)]
+        # it): with a token in flight it sits this step out, unless the engine applies its
+        # mask once the token is in (`defers_masks`, engine/deferred_masks.py).
+        ready = [r for r in self.running if self.defers_masks
+                 or not (r.matcher is not None and r.has_placeholders)]
         decodes = [r for r in ready if r.num_pending == 1]
         prefills = [r for r in ready if r.num_pending > 1]
         if not speculative:           # a plain step: drafts made for it would be misaligned
