@@ -6,6 +6,7 @@ Hugging Face peer, in one run.
         --batches 1 4 --context 512 --peer-python .venv-oracle/bin/python   # CPU check
     python bench/e2e.py --quantized --layers 34 --prefill 8192 --batches 1 16 64 \\
         --peer-python ''       # H200: the release's FP8 / FP4 formats, deepest slice that fits
+    python bench/e2e.py --model v4.1 --peer-python ''   # H200: a V4.1-Flash slice (bench/lib/e2e_v41.py)
 
 With --quantized the weights are random in the release's formats (FP8 dense projections,
 FP4 routed experts, as the loader keeps them), and the run first times decode at batch
@@ -182,6 +183,13 @@ def main() -> None:
     ap.add_argument("--token-buckets", type=int, nargs="+", default=None,
                     help="the step's token buckets (default: 16 64 256 1024 and the prefill "
                          "lengths); a deep slice compiles each, so fewer start sooner")
+    ap.add_argument("--model", choices=("v4", "v4.1"), default="v4",
+                    help="v4.1: a V4.1-Flash slice (--config: a V4.1 config; bench/lib/e2e_v41.py)")
+    ap.add_argument("--v41-reusers", type=int, default=5,
+                    help="v4.1: layers after the KV source that reuse it")
+    ap.add_argument("--engram-vocab", type=int, default=None,
+                    help="v4.1: Engram hash buckets per head (default: the config's, at most "
+                         "200000)")
     args = ap.parse_args()
     buckets = set(args.token_buckets or (16, 64, 256, 1024)) | {max(args.prefill)}
     engine_shapes = lambda: dict(  # noqa: E731
@@ -191,6 +199,9 @@ def main() -> None:
         gpu_memory_utilization=args.gpu_memory_utilization)
     if args.fp4_config:
         override_fp4_defaults(dict(item.split("=") for item in args.fp4_config))
+    if args.model == "v4.1":
+        from bench.lib import e2e_v41
+        return e2e_v41.run(args, engine_shapes(), prefill, decode, table)
     if args.layers == 0:
         args.layers = deepest_slice(args, engine_shapes())
 

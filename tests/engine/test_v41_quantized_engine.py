@@ -3,10 +3,12 @@ tables; written by tests/model/v41_quantized.py with numpy from the documented f
 with its weights kept quantized, against its dequantize-then-float twin (the same numbers
 decoded by the writer, stored as float32).
 
-The forward dequantizes each layer's kept weights to float32, exactly (E8M0 scales are
-powers of two), so the two compute with the same weight values; only XLA's fusion of the
-decode may reorder float32 sums. Tolerance: 1e-5 on logits and logprobs (typical |logit| ~1);
-greedy tokens equal over 32 steps.
+The cache-free forward dequantizes each layer's kept weights to float32, exactly (E8M0
+scales are powers of two), so the two compute with the same weight values; only XLA's fusion
+of the decode may reorder float32 sums. The engine's step hands the routed experts to V4's
+grouped GEMM as stored (Fp4Blocks) and the shared expert to `invariant.linear` as stored
+(Fp8Blocks), which decode them inside the op, exactly as well. Tolerance: 1e-5 on logits
+and logprobs (typical |logit| ~1); greedy tokens equal over 32 steps.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 import deepinfer_jax
 from deepinfer_jax.api.v41_model import load_v41
 from deepinfer_jax.host.request import SamplingParams
+from deepinfer_jax.model import moe as v4_moe
 from pallas_kernels.quantized import Fp4Blocks, Fp8Blocks, is_quantized
 from tests.model.v41_oracle import FIXTURES
 from tests.model.v41_quantized import write_pair
@@ -72,13 +75,36 @@ def test_cache_free_logits_of_kept_weights_match_the_float_twin(pair):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_engine_serves_kept_weights_as_its_float_twin(pair):
+def test_engine_serves_kept_weights_as_its_float_twin(pair, monkeypatch):
     """Chunked prefill and continuous batching (16-token steps, three prompts of 7, 33 and 70
-    tokens), greedy: the same 32 tokens per prompt and logprobs within TOL."""
+    tokens), greedy: the same 32 tokens per prompt and logprobs within TOL. The kept step
+    reads the experts as stored: every layer's routed experts reach V4's `routed_experts` as
+    Fp4Blocks and its shared expert `shared_expert` as Fp8Blocks (no float32 expert stack
+    decoded per layer by the step); the twin's as float32 arrays."""
+    seen = {"routed": [], "shared": []}
+
+    def spy(name):
+        real = getattr(v4_moe, name)
+
+        def recorded(x, *args):     # (x, experts, weights, p, ...) / (x, p, ...)
+            p = args[2] if name == "routed_experts" else args[0]
+            seen[name.split("_")[0]].append((type(p.w13), type(p.w2), x.dtype))
+            return real(x, *args)
+        monkeypatch.setattr(v4_moe, name, recorded)
+
+    spy("routed_experts")
+    spy("shared_expert")
     quantized, twin = pair
     llm, tokens, logprobs = _generate(quantized)
     layer = llm.model.params.layers[1]
     assert isinstance(layer.attn.wq_b, Fp8Blocks) and isinstance(layer.moe.experts.w13, Fp4Blocks)
+    layers = len(llm.model.params.layers)
+    kept = {k: list(v) for k, v in seen.items()}
+    assert len(kept["routed"]) >= layers and len(kept["shared"]) >= layers
+    assert set(kept["routed"]) == {(Fp4Blocks, Fp4Blocks, np.dtype(np.float32))}
+    assert set(kept["shared"]) == {(Fp8Blocks, Fp8Blocks, np.dtype(np.float32))}
     _, want_tokens, want_logprobs = _generate(twin)
+    twin_routed = seen["routed"][len(kept["routed"]):]
+    assert twin_routed and not {t[0] for t in twin_routed} & {Fp4Blocks, Fp8Blocks}
     np.testing.assert_array_equal(tokens, want_tokens)
     assert np.abs(logprobs - want_logprobs).max() <= TOL

@@ -9,6 +9,13 @@ reference's per-forward `shared` dict: the source's updated pools (consumers rea
 own none), the latest index source's choice, and the candidate source's block mask, which
 later index sources (Reindex) score inside.
 
+Weights: in batch-invariant mode each layer's quantized weights are dequantized to float32
+as the step reaches it (the reference's float32 blocks, tested bitwise). Otherwise the
+routed and shared experts stay as stored and go to V4's kernels (experts.py) with the
+activations in the compute dtype, the embedding's float type as in V4's step (bf16 on a GPU,
+float32 in the CPU tests); the rest of the layer, V4.1's FP8 projections of 32 x 32 blocks
+(which the V4 GEMM kernels, 128 x 128, do not read), is dequantized to that dtype per layer.
+
 Per-token work (mHC, projections, Engram, attention, MoE) runs in segments (segments.py),
 V4.1's `blocks` on rows of the flat batch, in fixed row tiles in batch-invariant mode; the
 cross-token part (window gathers, closing groups, the indexer's scores and choice) is exact or
@@ -69,6 +76,7 @@ class _Token:
     ctx: TokenContext
     rope: dict                          # {compressed: (cos, sin) f32[T, rope_dim / 2]}
     compress_freqs: np.ndarray
+    dtype: jnp.dtype                    # the experts' activations (outside invariant mode)
 
 
 def forward_step(params: V41ModelParams, state: V41State, plan, token_ids: Array,
@@ -82,13 +90,14 @@ def forward_step(params: V41ModelParams, state: V41State, plan, token_ids: Array
     freqs = {False: inv_freq(cfg.rope_head_dim, cfg.rope_theta, None),
              True: inv_freq(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.compress_yarn)}
     tok = _Token(ctx=ctx, rope={k: cos_sin(ctx.positions, f) for k, f in freqs.items()},
-                 compress_freqs=freqs[True])
+                 compress_freqs=freqs[True], dtype=compute_dtype(params))
+    invariant = step_cfg.compute.batch_invariant
     x = params.embed[token_ids].astype(jnp.float32)
     streams = jnp.broadcast_to(x[:, None], (x.shape[0], cfg.hc_mult, x.shape[-1]))
     pre = jnp.zeros((x.shape[0], cfg.hc_mult), jnp.float32).at[:, 0].set(1.0)
     group, layers, top_k = _StepGroup(), [], []
     for i, (lp, ls) in enumerate(zip(params.layers, state.layers, strict=True)):
-        lp = dequantize_tree(lp, jnp.float32)           # FP8 / FP4 weights, a layer at a time
+        lp = dequantize_tree(lp, jnp.float32) if invariant else dense_dequantized(lp, tok.dtype)
         if cfg.has_engram(i):
             k = cfg.engram.layer_ids.index(i)
             table_rows = (params.engram_tables[k][engram_ids[:, k]] if engram_rows is None
@@ -101,6 +110,20 @@ def forward_step(params: V41ModelParams, state: V41State, plan, token_ids: Array
     state = state.replace(layers=tuple(layers))
     return state, FinalStreams(streams=streams, pre=pre, top_k=tuple(top_k),
                                candidates=group.candidates)
+
+
+def compute_dtype(params: V41ModelParams) -> jnp.dtype:
+    """The experts' activation dtype outside batch-invariant mode: the embedding's float
+    type (the model's weights dtype), as V4's step takes its activations from it."""
+    return jnp.dtype(params.embed.dtype)
+
+
+def dense_dequantized(lp: V41LayerParams, dtype) -> V41LayerParams:
+    """The layer with every quantized weight but the MoE's experts (routed and shared,
+    read as stored by the kernels) dequantized to dtype."""
+    moe = lp.moe
+    rest = dequantize_tree(lp.replace(moe=moe.replace(experts=None, shared=None)), dtype)
+    return rest.replace(moe=rest.moe.replace(experts=moe.experts, shared=moe.shared))
 
 
 def final_logits(params: V41ModelParams, final: FinalStreams, cfg: V41Config,
@@ -134,8 +157,10 @@ def layer_step(p: V41LayerParams, streams: Array, pre: Array, ls: V41LayerState,
                                                             ratio, step_cfg)
     streams = rows(lambda *a: segments.attention_outputs(p, cfg, compute, *a), t.q, window,
                    window_visible, picked, picked_visible, streams, t.a_post, t.a_comb, *rope)
-    streams, f_pre = rows(lambda s, a_pre: segments.ffn_outputs(p, cfg, s, a_pre), streams,
-                          t.a_pre)
+    valid = None if compute.batch_invariant else ctx.valid
+    streams, f_pre = rows(lambda s, a_pre, v: segments.ffn_outputs(p, cfg, compute, tok.dtype, s,
+                                                                   a_pre, v),
+                          streams, t.a_pre, valid)
     return streams, f_pre, ls, group
 
 

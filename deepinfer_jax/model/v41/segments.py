@@ -6,9 +6,10 @@ gathers, closing groups, the indexer's choice), `attention_outputs` and `ffn_out
 Engram layer first runs `engram_outputs`. Each segment maps rows [t, ...] to rows [t, ...], so
 in batch-invariant mode it runs over fixed-size row tiles one after the other
 (`invariant.rowwise`): every row is computed by the same program whatever else is in the batch.
-V4.1 tiles them in both formulations: its matmuls, norms and einsums are the reference's plain
-float32 jnp (no kernel of its own yet), which only a fixed shape makes invariant on either
-platform. Shapes: t rows, hc streams, D hidden, H heads, hd head_dim, IH/Id indexer heads/dim.
+V4.1 tiles them in both formulations: in that mode its matmuls, norms and einsums are the
+reference's plain float32 jnp, which only a fixed shape makes invariant on either platform.
+Outside it the MoE runs on V4's grouped kernels over the weights as stored (experts.py).
+Shapes: t rows, hc streams, D hidden, H heads, hd head_dim, IH/Id indexer heads/dim.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from deepinfer_jax.config.compute import ComputeConfig
 from deepinfer_jax.config.v41 import V41Config
 from deepinfer_jax.model.attention import sink_attention_parts
 from deepinfer_jax.model.norms import rms_norm
-from deepinfer_jax.model.v41 import blocks, csa
+from deepinfer_jax.model.v41 import blocks, csa, experts
 from deepinfer_jax.model.v41.kv_format import Fp8Rows, encode_fp8
 from deepinfer_jax.model.v41.params import V41LayerParams
 from deepinfer_jax.model.v41.state import WINDOW_BLOCK
@@ -81,13 +82,20 @@ def attention_outputs(p: V41LayerParams, cfg: V41Config, compute: ComputeConfig,
     return one_row(blocks.hc_expand, y, streams, post, comb)
 
 
-def ffn_outputs(p: V41LayerParams, cfg: V41Config, streams: Array, a_pre: Array
-                ) -> tuple[Array, Array]:
+def ffn_outputs(p: V41LayerParams, cfg: V41Config, compute: ComputeConfig, dtype,
+                streams: Array, a_pre: Array, valid: Array | None = None) -> tuple[Array, Array]:
     """Rows: the FFN site, collapse (with the attention site's pre), MoE and expansion ->
-    (streams f32[t, hc, D], this site's pre f32[t, hc] for the next layer's collapse)."""
+    (streams f32[t, hc, D], this site's pre f32[t, hc] for the next layer's collapse).
+    Batch-invariant mode: the reference's `blocks.moe` (float32, in the step's row tiles);
+    otherwise V4's grouped kernels on the weights as stored, in `dtype` (experts.py; valid
+    bool[t] False: a padding row, routed to no expert)."""
     f_pre, f_post, f_comb = one_row(lambda s: blocks.hc_site(s, p.ffn_hc, cfg), streams)
     x = rms_norm(blocks.hc_collapse(streams, a_pre), p.ffn_norm, cfg.rms_norm_eps)
-    return one_row(blocks.hc_expand, blocks.moe(x, p.moe, cfg), streams, f_post, f_comb), f_pre
+    if compute.batch_invariant:
+        out = blocks.moe(x, p.moe, cfg)
+    else:
+        out = experts.moe(x, p.moe, cfg, compute, dtype, valid)
+    return one_row(blocks.hc_expand, out, streams, f_post, f_comb), f_pre
 
 
 def engram_outputs(p: V41LayerParams, cfg: V41Config, streams: Array, rows: Array,
