@@ -187,6 +187,11 @@ def serve(args) -> int:
     model_dir = model_directory(model_dir)
     app = build_app(llm, name, model_dir)
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    # The engine thread and the event loop share the GIL. When a step's device work ends, the
+    # engine thread waits for the GIL while the event loop formats and writes clients' chunks,
+    # up to the switch interval: Python's 5 ms would let that wait exceed a whole decode step
+    # on a GPU (a few ms). A server process of its own, so the setting is ours to make.
+    sys.setswitchinterval(args.gil_switch_interval_ms / 1e3)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -305,6 +310,9 @@ def main(argv=None) -> int:
                    help="a structured-output grammar that takes longer fails its request")
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--gil-switch-interval-ms", type=float, default=0.5,
+                   help="how long a thread may hold the GIL while another waits (Python's "
+                        "default 5 ms)")
     s.set_defaults(func=serve)
     b = sub.add_parser("bench", help="offline throughput on random prompts")
     _engine_args(b)
