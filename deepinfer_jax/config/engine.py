@@ -155,9 +155,9 @@ class EngineConfig:
             "batch-invariant mode": bool(self.batch_invariant),
             "a device mesh (parallel)": self.parallel.size > 1 or self.parallel.eplb is not None,
             "several processes (distributed)": device.process_count > 1})
-        if self.speculative_config is not None and not family.has_mtp(model):
-            raise EngineConfigError("speculative decoding with MTP needs a model with an MTP "
-                                    "block (num_nextn_predict_layers > 0)")
+        no_mtp = family.no_mtp_reason(model)
+        if self.speculative_config is not None and no_mtp is not None:
+            raise EngineConfigError(no_mtp)
         rates = list(family.page_rates(model)) or [1]
         unit = math.lcm(*rates)
         page_size = self.page_size or unit * max(1, math.ceil(64 / unit))

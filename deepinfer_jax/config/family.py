@@ -29,7 +29,8 @@ class FamilyFacts:
     fixed_cache_bytes: Callable[[Any, StepConfig, int], int]    # slots (+ snapshots)
     activation_estimate: Callable[[Any, StepConfig], int]
     engram_shape: Callable[[Any], tuple[int, int]]              # (L_e, C) per plan token
-    has_mtp: Callable[[Any], bool]
+    # why this model cannot draft for speculative decoding, None when it has an MTP block
+    no_mtp_reason: Callable[[Any], str | None]
     # engine features not built for the family yet, by the names refuse_unbuilt is asked
     unbuilt: tuple[str, ...] = ()
 
@@ -64,6 +65,35 @@ def _v41_activation_estimate(cfg: V41Config, step_cfg: StepConfig) -> int:
             + memory_v41.engram_rows_bytes(step_cfg))
 
 
+def _v4_no_mtp_reason(cfg: ModelConfig) -> str | None:
+    return None if cfg.num_mtp_layers > 0 else (
+        "speculative decoding with MTP needs a model with an MTP block "
+        "(num_nextn_predict_layers > 0)")
+
+
+def _v41_no_mtp_reason(cfg: V41Config) -> str:
+    """V4.1 has no V4-style MTP block to reuse: its `num_nextn_predict_layers` draft layers
+    are the DSpark drafter, which transformers' main-branch V4.1 describes only by config
+    fields (configuration_deepseek_v41.py: "DSpark: MTP-style draft layers with Markov and
+    confidence heads, semi-autoregressive block drafting"; the drafter reads the attention
+    input, the mean over the hc streams, of `dspark_target_layer_ids`, fills a block's
+    non-anchor positions with `dspark_noise_token_id`, and has its own MoE of
+    `dspark_n_routed_experts`), and whose `mtp.*` tensors that implementation ignores on load
+    (`_keys_to_ignore_on_load_unexpected`; the oracle README's "Not included: DSpark
+    drafter"). No public code gives its forward or its tensors' shapes, so there is nothing
+    to draft with: refused by name rather than guessed."""
+    d = cfg.dspark
+    if d.num_layers == 0:
+        return ("speculative decoding is not supported for DeepSeek-V4.1: the model has no "
+                "draft layers (num_nextn_predict_layers = 0)")
+    return (f"speculative decoding is not supported for DeepSeek-V4.1: its "
+            f"{d.num_layers} draft layer(s) (num_nextn_predict_layers) are the DSpark drafter "
+            f"(blocks of {d.block_size} drafts, Markov and confidence heads, reading layers "
+            f"{list(d.target_layer_ids)}), not V4's MTP block, and no public reference "
+            f"implements it (transformers ignores its mtp.* tensors); turn speculation off "
+            f"to serve this model")
+
+
 def _v41_engram_shape(cfg: V41Config) -> tuple[int, int]:
     return (0, 0) if cfg.engram is None else (len(cfg.engram.layer_ids), cfg.engram.n_columns)
 
@@ -72,15 +102,15 @@ V4 = FamilyFacts(
     name="DeepSeek-V4", config_type=ModelConfig, page_rates=_v4_rates,
     page_bytes=memory.page_bytes, fixed_cache_bytes=memory.fixed_cache_bytes,
     activation_estimate=memory.activation_estimate, engram_shape=lambda cfg: (0, 0),
-    has_mtp=lambda cfg: cfg.num_mtp_layers > 0)
+    no_mtp_reason=_v4_no_mtp_reason)
 
 V41 = FamilyFacts(
     name="DeepSeek-V4.1", config_type=V41Config,
     page_rates=lambda cfg: tuple(sorted(set(cfg.compress_ratios) - {0})),
     page_bytes=lambda cfg, page_size, dtype_bytes: memory_v41.v41_page_bytes(cfg, page_size),
     fixed_cache_bytes=_v41_fixed_cache_bytes, activation_estimate=_v41_activation_estimate,
-    engram_shape=_v41_engram_shape, has_mtp=lambda cfg: False,
-    unbuilt=("speculative decoding", "a bounded prefix replay", "KV tiers",
+    engram_shape=_v41_engram_shape, no_mtp_reason=_v41_no_mtp_reason,
+    unbuilt=("a bounded prefix replay", "KV tiers",
              "a device mesh (parallel)", "several processes (distributed)"))
 
 FAMILIES = (V4, V41)

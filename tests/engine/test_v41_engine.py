@@ -112,7 +112,6 @@ def test_v41_engine_runs_synchronously():
 
 
 @pytest.mark.parametrize("option", [
-    {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}},
     {"enable_prefix_caching": True, "prefix_replay": "bounded"},
     {"enable_prefix_caching": True, "kv_host_tier_bytes": 1 << 20},
     {"parallel": {"ep": 2}},
@@ -120,6 +119,20 @@ def test_v41_engine_runs_synchronously():
 def test_v41_unbuilt_features_are_refused_by_name(option):
     with pytest.raises(EngineConfigError, match="not supported for DeepSeek-V4.1"):
         deepinfer_jax.LLM(FIXTURES[0], **ENGINE, **option)
+
+
+@pytest.mark.parametrize("folder, why", [
+    # fixture a declares one draft layer and DSpark fields (target layers [2, 4, 5])
+    (FIXTURES[0], r"1 draft layer\(s\).*DSpark drafter \(blocks of 5 drafts.*\[2, 4, 5\]"),
+    (FIXTURES[1], r"no draft layers \(num_nextn_predict_layers = 0\)"),
+])
+def test_v41_speculation_is_refused_naming_the_dspark_drafter(folder, why):
+    """V4.1's draft layers are the DSpark drafter, not V4's MTP block, and no public reference
+    implements it (config/family.py), so speculation is refused with the reason, before
+    anything loads or compiles; the V4 speculative step is never run on a V4.1 model."""
+    with pytest.raises(EngineConfigError, match="not supported for DeepSeek-V4.1: " + ".*" + why):
+        deepinfer_jax.LLM(folder, **ENGINE,
+                          speculative_config={"method": "mtp", "num_speculative_tokens": 1})
 
 
 def test_v41_memory_plan_counts_the_v41_state():
