@@ -25,7 +25,9 @@ def default_config(num_rows: int, interpret: bool = False, op: str = "gate_up",
     """Decode-sized batches: 16-token tiles (a hit expert usually has one or two rows);
     prefill-sized: 64-token tiles, fewer re-reads and re-dequantizations of each expert.
     Compiled: the PTX dequantization, 128-input steps 4 deep (two or more programs share an
-    SM); the down projection's output rows in blocks of 128 (kernels-moe-fp4-sweep-gpu.md).
+    SM); the down projection's output rows in blocks of 128 (kernels-moe-fp4-sweep-gpu.md);
+    at decode sizes each step's scales ride the K pipeline with its codes
+    (kernels-fp4-probe2-gpu.md; bit-identical to staging them whole).
     Interpreted: the jnp form of the same bits."""
     if num_rows >= 4096:
         return Fp4Config(block_m=64, block_n=64, block_k=256, max_concurrent_steps=4,
@@ -33,7 +35,7 @@ def default_config(num_rows: int, interpret: bool = False, op: str = "gate_up",
     wide = op == "down" and n_out % 128 == 0
     return Fp4Config(block_m=16, block_n=128 if wide else 64, block_k=128,
                      max_concurrent_steps=4, a_in_registers=not interpret,
-                     dequant="bits" if interpret else "bits_ptx")
+                     dequant="bits" if interpret else "bits_ptx", scales_in_pipeline=True)
 
 
 def _check(x: jax.Array, w: quantized.Fp4Blocks, n_out: int, config: Fp4Config) -> None:
