@@ -31,6 +31,7 @@ from deepinfer_jax.model.v41.params import (
     V41ModelParams,
 )
 from deepinfer_jax.weights.builder import join_columns, split_groups
+from deepinfer_jax.weights.fp4_pad import pad_fp4_experts
 from deepinfer_jax.weights.safetensors_io import Checkpoint
 from deepinfer_jax.weights.v41_reader import V41Reader
 from pallas_kernels import quantized as q
@@ -142,6 +143,8 @@ def _moe(c: V41Config, r: V41Reader, p: str) -> MoEParams:
             return [f"{p}experts.{x}.{w}.weight" for x in range(e)]
         experts = ExpertParams(w13=r.experts([names("w1"), names("w3")], (inter, d)),
                                w2=r.experts([names("w2")], (d, inter)))
+    # FP4 stacks at I' = a multiple of the FP4 kernel's K granule (exact: zeros; fp4_pad.py)
+    experts = pad_fp4_experts(experts)
     shared = None
     if c.n_shared_experts:
         si = c.shared_intermediate_size
