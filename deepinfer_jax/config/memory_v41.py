@@ -98,20 +98,15 @@ def _fp8_bytes(out_dim: int, in_dim: int, block: tuple[int, int]) -> int:
     return out_dim * in_dim + -(-out_dim // block[0]) * -(-in_dim // block[1]) * _F32
 
 
-# The FP4 grouped-GEMM kernel's K granule (pallas_kernels/grouped_gemm/mosaic_gpu_fp4.py
-# K_GRANULE; config may not import kernels, tests/weights/test_fp4_pad.py ties the two): the
-# loader holds FP4 expert stacks zero-padded to an intermediate size that is a multiple of it.
-FP4_K_GRANULE = 512
-
-
 def v41_weight_bytes(cfg: V41Config, quantized: bool, dtype_bytes: int = 2,
-                     engram_on_host: bool = False) -> int:
+                     engram_on_host: bool = False, fp4_k_granule: int = 1) -> int:
     """The bytes of V4.1's weights as the loader holds them (weights/v41.py).
 
     quantized: as released (the architecture notes, section 8) and kept so: FP8 attention
     projections, shared experts and `engram.wkv` (Fp8Blocks: a byte a weight and a float32
     scale per `cfg.fp8_block` tile), FP4 routed experts (Fp4Blocks: half a byte a weight and a
-    scale byte per 32 inputs, at the intermediate size padded to FP4_K_GRANULE). The rest at
+    scale byte per 32 inputs, at the intermediate size padded to a multiple of
+    `fp4_k_granule`: ComputeConfig.fp4_expert_granule, the loader's). The rest at
     `dtype_bytes`: compressor / indexer projections, router, embedding, head and the engram
     tables (FP8 in the release, dequantized on load);
     norms, mHC parameters, sinks, router biases and the engram gate weights in float32.
@@ -152,8 +147,8 @@ def v41_weight_bytes(cfg: V41Config, quantized: bool, dtype_bytes: int = 2,
         if c.n_shared_experts:
             si = c.shared_intermediate_size
             total += 2 * fp8(si, d, keeps=si % b[0] == 0) + fp8(d, si)
-        if quantized:               # FP4 stacks zero-padded to the kernel's K granule
-            routed = e * 3 * d * (-(-inter // FP4_K_GRANULE) * FP4_K_GRANULE)
+        if quantized:               # FP4 stacks zero-padded to I' (weights/fp4_pad.py)
+            routed = e * 3 * d * (-(-inter // fp4_k_granule) * fp4_k_granule)
             total += routed // 2 + routed // 32
         else:
             total += e * 3 * d * inter * dt

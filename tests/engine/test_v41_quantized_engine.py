@@ -23,8 +23,6 @@ import deepinfer_jax
 from deepinfer_jax.api.v41_model import load_v41
 from deepinfer_jax.host.request import SamplingParams
 from deepinfer_jax.model import moe as v4_moe
-from deepinfer_jax.weights import v41 as v41_weights
-from deepinfer_jax.weights.fp4_pad import pad_fp4_experts, padded_intermediate
 from pallas_kernels.quantized import Fp4Blocks, Fp8Blocks, is_quantized
 from tests.model.v41_oracle import FIXTURES
 from tests.model.v41_quantized import write_pair
@@ -35,7 +33,6 @@ ENGINE = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=16, toke
               show_progress=False)
 STEPS = 32
 TOL = 1e-5
-PADDED_TOL = 1e-2              # padded vs unpadded FP4 experts in a greedy run (test below)
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +77,10 @@ def test_cache_free_logits_of_kept_weights_match_the_float_twin(pair):
 
 def test_engine_serves_kept_weights_as_its_float_twin(pair, monkeypatch):
     """Chunked prefill and continuous batching (16-token steps, three prompts of 7, 33 and 70
-    tokens), greedy: the same 32 tokens per prompt and logprobs within TOL (FP4 stacks at the
-    checkpoint's I; zero-padded as loaded: PADDED_TOL). The kept step reads the experts as
-    stored: every layer's routed experts reach V4's `routed_experts` as Fp4Blocks and its
-    shared expert `shared_expert` as Fp8Blocks (no float32 expert stack decoded per layer by
-    the step); the twin's as float32 arrays."""
+    tokens), greedy: the same 32 tokens per prompt and logprobs within TOL. The kept step
+    reads the experts as stored: every layer's routed experts reach V4's `routed_experts` as
+    Fp4Blocks and its shared expert `shared_expert` as Fp8Blocks (no float32 expert stack
+    decoded per layer by the step); the twin's as float32 arrays."""
     seen = {"routed": [], "shared": []}
 
     def spy(name):
@@ -98,8 +94,6 @@ def test_engine_serves_kept_weights_as_its_float_twin(pair, monkeypatch):
 
     spy("routed_experts")
     spy("shared_expert")
-    # first the stacks at the checkpoint's I, exactly the twin's shapes (padding: below)
-    monkeypatch.setattr(v41_weights, "pad_fp4_experts", lambda experts: experts)
     quantized, twin = pair
     llm, tokens, logprobs = _generate(quantized)
     layer = llm.model.params.layers[1]
@@ -114,15 +108,3 @@ def test_engine_serves_kept_weights_as_its_float_twin(pair, monkeypatch):
     assert twin_routed and not {t[0] for t in twin_routed} & {Fp4Blocks, Fp8Blocks}
     np.testing.assert_array_equal(tokens, want_tokens)
     assert np.abs(logprobs - want_logprobs).max() <= TOL
-
-    # As loaded, the FP4 stacks are zero-padded to the FP4 kernel's K granule (I = 32 -> 512
-    # here, weights/fp4_pad.py): the same weights, but XLA's CPU dot orders the gate/up sums
-    # differently at the wider stack (an ulp: tests/weights/test_fp4_pad.py), and a greedy
-    # run's discrete choices (expert and index top-k) turn an ulp into up to ~1e-3 in a
-    # logprob of this random tiny model. The same tokens, logprobs within PADDED_TOL.
-    monkeypatch.setattr(v41_weights, "pad_fp4_experts", pad_fp4_experts)
-    llm, padded_tokens, padded_logprobs = _generate(quantized)
-    w2 = llm.model.params.layers[1].moe.experts.w2
-    assert isinstance(w2, Fp4Blocks) and w2.shape[-2] == padded_intermediate(32) == 512
-    np.testing.assert_array_equal(padded_tokens, tokens)
-    assert np.abs(padded_logprobs - logprobs).max() <= PADDED_TOL
