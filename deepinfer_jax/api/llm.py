@@ -135,7 +135,8 @@ class LLM:
             if memory is not None:        # weights that cannot fit fail before they load
                 check_checkpoint_fits(model, memory, quantized=weights == "quantized",
                                       dtype=dtype or checkpoint_dtype(model),
-                                      engram_on_host=step_config.engram_rows_on_host)
+                                      engram_on_host=step_config.engram_rows_on_host,
+                                      fp4_k_granule=granule)
             if isinstance(config, V41Config):
                 self.model = load_v41(model, dtype=dtype or checkpoint_dtype(model),
                                       weights=weights, engram_tables=(
