@@ -51,8 +51,9 @@ def pad_fp4_experts(experts: ExpertParams, granule: int) -> ExpertParams:
     w13, w2 = experts.w13, experts.w2
     if granule == 1 or not (isinstance(w13, Fp4Blocks) and isinstance(w2, Fp4Blocks)):
         return experts
-    if granule % FP4_GROUP:
-        raise ValueError(f"an FP4 padding granule must be a multiple of {FP4_GROUP}, got {granule}")
+    if granule < 1 or granule % FP4_GROUP:      # whole scale groups only
+        raise ValueError(f"an FP4 padding granule must be 1 or a positive multiple of "
+                         f"{FP4_GROUP}, got {granule}")
     inter = w2.shape[-2]                                     # w2 [E, I, D]
     if w13.shape[-1] != 2 * inter:
         raise ValueError(f"FP4 expert stacks disagree on I: w13 {w13.shape}, w2 {w2.shape}")

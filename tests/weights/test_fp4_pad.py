@@ -89,8 +89,9 @@ def test_float_aligned_and_unpadded_stacks_are_left_alone():
     assert pad_fp4_experts(aligned, 512) is aligned
     floats = ExpertParams(w13=np.ones((2, 64, 192), np.float32), w2=np.ones((2, 96, 64)))
     assert pad_fp4_experts(floats, 512) is floats
-    with pytest.raises(ValueError, match="multiple of 32"):
-        pad_fp4_experts(raw, 48)
+    for bad in (48, 0, -32):
+        with pytest.raises(ValueError, match="positive multiple of 32"):
+            pad_fp4_experts(raw, bad)
 
 
 @pytest.mark.parametrize("implementation", ["reference", "dense"])
