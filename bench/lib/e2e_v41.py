@@ -33,11 +33,12 @@ from bench.lib.results import environment, write_results
 from bench.lib.rooflines import weight_counts
 from deepinfer_jax import LLM
 from deepinfer_jax.api.v41_model import V41Model
-from deepinfer_jax.config import memory_v41
+from deepinfer_jax.config import memory_v41, options
 from deepinfer_jax.config.family import facts_of
 from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.config.hf_v41 import parse_v41_config
 from deepinfer_jax.config.v41 import V41Config
+from deepinfer_jax.engine.devices import local_device_facts
 from deepinfer_jax.model.v41.engram_hash import hash_tables
 from deepinfer_jax.weights.v41_random import random_v41_params
 
@@ -126,7 +127,11 @@ def run(args, engine_shapes: dict, prefill, decode, table) -> None:
     ceilings = measure_ceilings(small=jax.default_backend() != "gpu")
     print(ceilings, flush=True)
     start = time.perf_counter()
-    params = jax.block_until_ready(random_v41_params(cfg, 0, jnp.bfloat16, release_formats=True))
+    # FP4 experts drawn at the width the engine's kernels want (LLM would pad them on the
+    # device, holding both widths for a moment)
+    granule = options.resolve_compute(local_device_facts()).fp4_expert_granule
+    params = jax.block_until_ready(random_v41_params(cfg, 0, jnp.bfloat16, release_formats=True,
+                                                     fp4_k_granule=granule))
     startup = {"random_weights_s": time.perf_counter() - start}
     counts = weight_counts(params.replace(engram_tables=()), cfg)
     rng = np.random.default_rng(0)

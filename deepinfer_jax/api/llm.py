@@ -115,8 +115,11 @@ class LLM:
         device = local_device_facts()
         memory = options.memory(device)
         if isinstance(model, (Model, V41Model)):
-            self.model, self.tokenizer, self.chat_template = model, None, None
             step_config = options.resolve(model.config, device)
+            # V4.1's FP4 experts padded where the step's kernel needs it (fp4_pad.py)
+            self.model = (model.for_compute(step_config.compute)
+                          if isinstance(model, V41Model) else model)
+            self.tokenizer, self.chat_template = None, None
         elif isinstance(model, (str, Path)) and load_format == "dummy":
             # random weights drawn on the device: no checkpoint, nothing to check before
             self.model = dummy_model(model, dtype, weights, dummy_layers)
@@ -128,15 +131,17 @@ class LLM:
             # straight into the mesh (load's `mesh`)
             config = read_model_config(model)
             step_config = options.resolve(config, device)
+            granule = step_config.compute.fp4_expert_granule    # V4.1's FP4 expert padding
             if memory is not None:        # weights that cannot fit fail before they load
                 check_checkpoint_fits(model, memory, quantized=weights == "quantized",
                                       dtype=dtype or checkpoint_dtype(model),
-                                      engram_on_host=step_config.engram_rows_on_host)
+                                      engram_on_host=step_config.engram_rows_on_host,
+                                      fp4_k_granule=granule)
             if isinstance(config, V41Config):
                 self.model = load_v41(model, dtype=dtype or checkpoint_dtype(model),
                                       weights=weights, engram_tables=(
                                           "host" if step_config.engram_rows_on_host
-                                          else "device"))
+                                          else "device"), fp4_k_granule=granule)
             else:
                 self.model = load(model, dtype=dtype, weights=weights,
                                   mesh=make_mesh(step_config.compute.parallel))

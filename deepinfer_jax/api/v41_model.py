@@ -20,12 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 from tokenizers import Tokenizer
 
+from deepinfer_jax.config.compute import ComputeConfig
 from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.config.model import ConfigError
 from deepinfer_jax.config.v41 import V41Config
 from deepinfer_jax.model.v41 import engram_hash
 from deepinfer_jax.model.v41.forward import forward
 from deepinfer_jax.model.v41.params import V41ModelParams
+from deepinfer_jax.weights.fp4_pad import pad_v41_params
 from deepinfer_jax.weights.v41 import load_v41_params
 
 
@@ -65,6 +67,12 @@ class V41Model:
                       self.config)
         return np.asarray(out)[:, :seq]
 
+    def for_compute(self, compute: ComputeConfig) -> V41Model:
+        """The model with its FP4 routed experts laid out for the step's kernels: padded to
+        compute.fp4_expert_granule (weights/fp4_pad.py; itself where nothing changes)."""
+        params = pad_v41_params(self.params, compute.fp4_expert_granule)
+        return self if params is self.params else dataclasses.replace(self, params=params)
+
     def greedy(self, token_ids, steps: int, attention_mask=None) -> np.ndarray:
         """[B, steps] greedy continuation, each step a cache-free forward."""
         ids = np.atleast_2d(np.asarray(token_ids)).astype(np.int64)
@@ -80,12 +88,15 @@ class V41Model:
 
 
 def load_v41(path: str | Path, dtype=np.float32, pad_to: int = 128,
-             weights: str = "quantized", engram_tables: str = "device") -> V41Model:
+             weights: str = "quantized", engram_tables: str = "device",
+             fp4_k_granule: int = 1) -> V41Model:
     """A V4.1 checkpoint directory (config.json, safetensors, tokenizer.json) -> V41Model.
     weights: "quantized" keeps the release's FP8 projections and FP4 routed experts as stored
     (weights/v41_reader.py), "bf16" dequantizes them to `dtype` at load. engram_tables:
     "host" leaves the Engram tables numpy arrays in host memory (the engine's default; the
-    cache-free `logits` then passes them to each call), "device" places them too."""
+    cache-free `logits` then passes them to each call), "device" places them too.
+    fp4_k_granule: the FP4 expert stacks' padding (load_v41_params; the engine passes its
+    ComputeConfig.fp4_expert_granule)."""
     if engram_tables not in ("host", "device"):
         raise ValueError(f"engram_tables must be 'host' or 'device', got {engram_tables!r}")
     if weights not in ("quantized", "bf16"):
@@ -105,5 +116,5 @@ def load_v41(path: str | Path, dtype=np.float32, pad_to: int = 128,
                               f"engram_compressed_vocab_size is {cfg.engram.compressed_vocab_size}: "
                               f"every Engram row would be hashed wrongly")
     params = load_v41_params(path, cfg, dtype, keep_quantized=weights == "quantized",
-                             engram_on_host=engram_tables == "host")
+                             engram_on_host=engram_tables == "host", fp4_k_granule=fp4_k_granule)
     return V41Model(config=cfg, params=params, token_map=token_map, pad_to=pad_to)

@@ -18,6 +18,9 @@ FORMULATIONS = ("cpu", "gpu")
 # "reference" plain jnp, which takes every shape.
 KERNEL_OPS = ("grouped_gemm", "sink_attention", "sinkhorn", "indexer")
 IMPLEMENTATIONS = ("mosaic_gpu", "interpret", "reference")
+# The FP4 grouped-GEMM kernel's K granule (pallas_kernels/grouped_gemm/mosaic_gpu_fp4.py
+# K_GRANULE; config may not import kernels, tests/weights/test_fp4_pad.py ties the two).
+FP4_K_GRANULE = 512
 
 
 class ComputeConfigError(ValueError):
@@ -86,6 +89,16 @@ class ComputeConfig:
                                      f"{self.formulation!r}")
         if self.invariant_tile < 1:
             raise ComputeConfigError("invariant_tile must be >= 1")
+
+    @property
+    def fp4_expert_granule(self) -> int:
+        """The multiple that FP4 routed-expert stacks' intermediate size I is zero-padded to
+        at load (weights/fp4_pad.py): the FP4 kernel's K granule where the grouped GEMM's
+        table names the kernel (compiled or interpreted: the down projection's K is I, which
+        it refuses unless a multiple), else 1, I as stored: the jnp references take any I,
+        and padding would only widen their products (a tiny test model's 16-fold)."""
+        kernel = {"mosaic_gpu", "interpret"} & set(self.kernels.grouped_gemm)
+        return FP4_K_GRANULE if kernel else 1
 
     @property
     def launch_bound(self) -> bool:

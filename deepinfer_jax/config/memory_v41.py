@@ -99,14 +99,16 @@ def _fp8_bytes(out_dim: int, in_dim: int, block: tuple[int, int]) -> int:
 
 
 def v41_weight_bytes(cfg: V41Config, quantized: bool, dtype_bytes: int = 2,
-                     engram_on_host: bool = False) -> int:
+                     engram_on_host: bool = False, fp4_k_granule: int = 1) -> int:
     """The bytes of V4.1's weights as the loader holds them (weights/v41.py).
 
     quantized: as released (the architecture notes, section 8) and kept so: FP8 attention
     projections, shared experts and `engram.wkv` (Fp8Blocks: a byte a weight and a float32
     scale per `cfg.fp8_block` tile), FP4 routed experts (Fp4Blocks: half a byte a weight and a
-    scale byte per 32 inputs). The rest at `dtype_bytes`: compressor / indexer projections,
-    router, embedding, head and the engram tables (FP8 in the release, dequantized on load);
+    scale byte per 32 inputs, at the intermediate size padded to a multiple of
+    `fp4_k_granule`: ComputeConfig.fp4_expert_granule, the loader's). The rest at
+    `dtype_bytes`: compressor / indexer projections, router, embedding, head and the engram
+    tables (FP8 in the release, dequantized on load);
     norms, mHC parameters, sinks, router biases and the engram gate weights in float32.
     quantized=False: every projection and expert at `dtype_bytes` (the float twin).
     engram_on_host: the device's share only, the Engram tables left out (engram_table_bytes)."""
@@ -145,7 +147,10 @@ def v41_weight_bytes(cfg: V41Config, quantized: bool, dtype_bytes: int = 2,
         if c.n_shared_experts:
             si = c.shared_intermediate_size
             total += 2 * fp8(si, d, keeps=si % b[0] == 0) + fp8(d, si)
-        routed = e * 3 * d * inter
-        total += routed // 2 + routed // 32 if quantized else routed * dt
+        if quantized:               # FP4 stacks zero-padded to I' (weights/fp4_pad.py)
+            routed = e * 3 * d * (-(-inter // fp4_k_granule) * fp4_k_granule)
+            total += routed // 2 + routed // 32
+        else:
+            total += e * 3 * d * inter * dt
         total += small * _F32 + plain * dt
     return total

@@ -158,7 +158,8 @@ def config_plan(cfg: ModelConfig, step_cfg: StepConfig, *, devices: int = 1,
             raise EngineConfigError("a plan over several devices is not supported for "
                                     "DeepSeek-V4.1 yet (issue 36)")
         on_host = step_cfg.engram_rows_on_host
-        weights = v41_weight_bytes(cfg, quantized, dtype_bytes, engram_on_host=on_host)
+        weights = v41_weight_bytes(cfg, quantized, dtype_bytes, engram_on_host=on_host,
+                                   fp4_k_granule=step_cfg.compute.fp4_expert_granule)
         if on_host:      # the tables, and so the step's rows, in the load's dtype
             host_weights = engram_table_bytes(cfg, dtype_bytes)
             step_cfg = dataclasses.replace(step_cfg, engram_row_dtype=jnp.dtype(dtype).name)
@@ -170,6 +171,10 @@ def config_plan(cfg: ModelConfig, step_cfg: StepConfig, *, devices: int = 1,
               ),
              "activations: an estimate (config/memory.py activation_estimate); LLM(...) "
              "measures the compiled step instead")
+    granule, inter = step_cfg.compute.fp4_expert_granule, cfg.moe_intermediate_size
+    if isinstance(cfg, V41Config) and quantized and inter % granule:
+        notes += (f"FP4 routed experts held at intermediate size {-(-inter // granule) * granule}"
+                  f" ({inter} zero-padded to the FP4 kernel's K granule, weights/fp4_pad.py)",)
     if devices > 1:
         notes += (f"layout: routed experts split {devices} ways (expert parallel, {experts} "
                   f"of {cfg.n_routed_experts} a device), everything else replicated "
@@ -186,15 +191,17 @@ def config_plan(cfg: ModelConfig, step_cfg: StepConfig, *, devices: int = 1,
 
 
 def check_checkpoint_fits(path, limits: MemoryLimits, quantized: bool = True,
-                          dtype=jnp.bfloat16, engram_on_host: bool = False) -> None:
+                          dtype=jnp.bfloat16, engram_on_host: bool = False,
+                          fp4_k_granule: int = 1) -> None:
     """Before a checkpoint loads: its weights counted from its config.json (quantized where
     the checkpoint is and the load keeps it so), which must fit the budget. The exact check
     follows once they are loaded (`engine_plan`). DeepSeek-V4.1: config/memory_v41.py's
-    count in the loader's formats, less the Engram tables where they stay in host memory."""
+    count in the loader's formats (FP4 experts padded to `fp4_k_granule`), less the Engram
+    tables where they stay in host memory."""
     cfg = read_model_config(path)
     if isinstance(cfg, V41Config):
         weights = v41_weight_bytes(cfg, quantized and cfg.quantization is not None,
-                                   jnp.dtype(dtype).itemsize, engram_on_host)
+                                   jnp.dtype(dtype).itemsize, engram_on_host, fp4_k_granule)
     else:
         weights = weight_bytes(abstract_params(cfg, quantized=quantized
                                                and cfg.quantization is not None))

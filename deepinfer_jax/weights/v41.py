@@ -31,30 +31,34 @@ from deepinfer_jax.model.v41.params import (
     V41ModelParams,
 )
 from deepinfer_jax.weights.builder import join_columns, split_groups
+from deepinfer_jax.weights.fp4_pad import pad_fp4_experts
 from deepinfer_jax.weights.safetensors_io import Checkpoint
 from deepinfer_jax.weights.v41_reader import V41Reader
 from pallas_kernels import quantized as q
 
 
 def load_v41_params(path: str | Path, cfg: V41Config, dtype=np.float32,
-                    keep_quantized: bool = True, engram_on_host: bool = False
-                    ) -> V41ModelParams:
+                    keep_quantized: bool = True, engram_on_host: bool = False,
+                    fp4_k_granule: int = 1) -> V41ModelParams:
     """A checkpoint directory -> V41ModelParams on the default device. Norms, mHC
     parameters, sinks, router biases and engram gate weights are float32; the rest `dtype`.
 
     keep_quantized: FP8 projections and FP4 routed experts stay in their formats
     (`Fp8Blocks` / `Fp4Blocks`); False dequantizes them to `dtype` here (the float twin).
     engram_on_host: the Engram tables stay numpy arrays in host memory, never placed on the
-    device (the engine's engram_tables="host", engine/engram_rows.py)."""
+    device (the engine's engram_tables="host", engine/engram_rows.py).
+    fp4_k_granule: kept FP4 routed-expert stacks zero-padded, on the host, to an intermediate
+    size that is a multiple of it (the engine's ComputeConfig.fp4_expert_granule; 1: as
+    stored; weights/fp4_pad.py)."""
     reader = V41Reader(Checkpoint(path), np.dtype(dtype), keep_quantized, cfg.fp8_block)
-    params = _build(cfg, reader)
+    params = _build(cfg, reader, fp4_k_granule)
     reader.finish()
     tables = params.engram_tables
     params = jax.device_put(params.replace(engram_tables=()))
     return params.replace(engram_tables=tables if engram_on_host else jax.device_put(tables))
 
 
-def _build(c: V41Config, r: V41Reader) -> V41ModelParams:
+def _build(c: V41Config, r: V41Reader, fp4_k_granule: int = 1) -> V41ModelParams:
     d = c.hidden_size
     embed = r.get("model.embed_tokens.weight", (c.vocab_size, d))
     head = embed.T if c.tie_word_embeddings else r.get("lm_head.weight", (c.vocab_size, d)).T
@@ -63,7 +67,7 @@ def _build(c: V41Config, r: V41Reader) -> V41ModelParams:
         tables = tuple(r.table(f"model.engram_tables.{i}.weight", (rows, c.engram.head_dim))
                        for i, rows in zip(c.engram.layer_ids, c.engram.num_embeddings,
                                           strict=True))
-    layers = tuple(_layer(c, r, i) for i in range(c.num_layers))
+    layers = tuple(_layer(c, r, i, fp4_k_granule) for i in range(c.num_layers))
     return V41ModelParams(embed=embed, layers=layers, norm=r.get("model.norm.weight", (d,), True),
                           head=head, engram_tables=tables)
 
@@ -73,7 +77,7 @@ def _linear(r: V41Reader, name: str, out_dim: int, in_dim: int):
     return r.projection(name + ".weight", (out_dim, in_dim))
 
 
-def _layer(c: V41Config, r: V41Reader, i: int) -> V41LayerParams:
+def _layer(c: V41Config, r: V41Reader, i: int, fp4_k_granule: int) -> V41LayerParams:
     p, d, hc = f"model.layers.{i}.", c.hidden_size, c.hc_mult
     n_mix = (2 + hc) * hc
 
@@ -93,7 +97,7 @@ def _layer(c: V41Config, r: V41Reader, i: int) -> V41LayerParams:
         ffn_norm=r.get(p + "post_attention_layernorm.weight", (d,), True),
         attn_hc=site("attn_hc"), ffn_hc=site("ffn_hc"),
         attn=_attention(c, r, i, p + "self_attn."),
-        moe=_moe(c, r, p + "mlp."),
+        moe=_moe(c, r, p + "mlp.", fp4_k_granule),
         bias_vl=r.get(p + "mlp.gate.e_score_correction_bias_vl", (c.n_routed_experts,), True),
         engram=engram)
 
@@ -132,7 +136,7 @@ def _attention(c: V41Config, r: V41Reader, i: int, p: str) -> V41AttentionParams
         compressor=compressor, indexer=indexer)
 
 
-def _moe(c: V41Config, r: V41Reader, p: str) -> MoEParams:
+def _moe(c: V41Config, r: V41Reader, p: str, fp4_k_granule: int) -> MoEParams:
     d, e, inter = c.hidden_size, c.n_routed_experts, c.moe_intermediate_size
     if r.has(p + "experts.gate_up_proj") or not r.has(p + "experts.0.w1.weight"):
         experts = ExpertParams(w13=_stacked(r, p + "experts.gate_up_proj", (e, 2 * inter, d)),
@@ -142,6 +146,8 @@ def _moe(c: V41Config, r: V41Reader, p: str) -> MoEParams:
             return [f"{p}experts.{x}.{w}.weight" for x in range(e)]
         experts = ExpertParams(w13=r.experts([names("w1"), names("w3")], (inter, d)),
                                w2=r.experts([names("w2")], (d, inter)))
+    # FP4 stacks at I' = a multiple of the chosen kernel's K granule (exact zeros; fp4_pad.py)
+    experts = pad_fp4_experts(experts, fp4_k_granule)
     shared = None
     if c.n_shared_experts:
         si = c.shared_intermediate_size

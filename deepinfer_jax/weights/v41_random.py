@@ -96,9 +96,10 @@ class RandomReader:
 
 
 def random_v41_params(cfg: V41Config, seed: int = 0, dtype=jnp.bfloat16,
-                      release_formats: bool = True) -> V41ModelParams:
-    """Random V41ModelParams, on the device but for the Engram tables (host numpy)."""
-    params = _build(cfg, RandomReader(cfg, seed, dtype, release_formats))
+                      release_formats: bool = True, fp4_k_granule: int = 1) -> V41ModelParams:
+    """Random V41ModelParams, on the device but for the Engram tables (host numpy).
+    fp4_k_granule: as the loader's (load_v41_params)."""
+    params = _build(cfg, RandomReader(cfg, seed, dtype, release_formats), fp4_k_granule)
     tables = params.engram_tables
     params = jax.device_put(params.replace(engram_tables=()))
     return params.replace(engram_tables=tables)

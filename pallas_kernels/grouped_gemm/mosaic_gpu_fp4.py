@@ -44,6 +44,9 @@ from pallas_kernels.grouped_gemm.mosaic_gpu import epilogue
 GROUP = 32                 # inputs per scale byte
 CHUNK = 16                 # scale bytes per TMA row piece (TMA's 16-byte minimum)
 X_SWIZZLE = 32             # bytes: wgmma's K step is then 16 bf16 rows of x^T, one half-group
+# K must be a multiple of this (scale rows staged in 16-byte pieces): the loaders zero-pad
+# FP4 expert stacks whose intermediate size is not (deepinfer_jax/weights/fp4_pad.py).
+K_GRANULE = CHUNK * GROUP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +73,9 @@ class Fp4Config:
             raise ValueError(f"block_n a multiple of 64 dividing N={n_out} ({self})")
         if self.block_k % GROUP or CHUNK * GROUP % self.block_k or k % self.block_k:
             raise ValueError(f"block_k a multiple of 32 dividing 512 and K={k} ({self})")
-        if k % (CHUNK * GROUP):
-            raise ValueError(f"K={k}: scale rows are staged in 16-byte pieces (K % 512)")
+        if k % K_GRANULE:
+            raise ValueError(f"K={k}: scale rows are staged in 16-byte pieces "
+                             f"(K % {K_GRANULE})")
         if self.max_concurrent_steps < 2:
             raise ValueError("at least 2 pipeline steps")
         if self.k_chains not in (1, 2, 4):

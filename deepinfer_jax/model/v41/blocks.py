@@ -78,7 +78,8 @@ def route(x: jax.Array, p: MoEParams, cfg: V41Config) -> tuple[jax.Array, jax.Ar
 def moe(x: jax.Array, p: MoEParams, cfg: V41Config) -> jax.Array:
     """x f32[B, S, D] -> routed + shared expert outputs. Each token gathers its K experts'
     weights: a reference for tiny models, not a kernel."""
-    shape, inter = x.shape, cfg.moe_intermediate_size
+    # I from the stacks: FP4 stacks are held zero-padded past the config's I (weights/fp4_pad.py)
+    shape, inter = x.shape, p.experts.w13.shape[-1] // 2
     flat = x.reshape(-1, shape[-1])
     experts, weights = route(flat, p, cfg)
     w13 = p.experts.w13[experts]                                           # [N, K, D, 2I]
