@@ -24,6 +24,7 @@ from ascend_backend.speculative import spec_step
 from ascend_backend.step import step
 from deepinfer_jax.config.compute import ComputeConfig
 from deepinfer_jax.config.errors import EngineConfigError
+from deepinfer_jax.config.host import HostOptions
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.platforms import UnsupportedFeatureError, require_features
 from deepinfer_jax.config.speculative import SpeculativeConfig
@@ -76,19 +77,30 @@ def step_config(cfg: ModelConfig, *, max_num_seqs: int, max_model_len: int, page
                                      if enable_prefix_caching else 0))
 
 
+def check_supported(cfg: ModelConfig, step_cfg: StepConfig) -> None:
+    """UnsupportedFeatureError for what the platform table refuses on Ascend (start-up)."""
+    if isinstance(cfg, V41Config):       # only DeepSeek-V4's model is written in torch
+        raise UnsupportedFeatureError("deepseek_v41", PLATFORM)
+    require_features(PLATFORM, requested_features(step_cfg))
+
+
 class AscendEngine:
+    # what the LLM's host loop reads of an engine (deepinfer_jax/api/llm.py): no device
+    # memory plan (the pool follows the shapes) and no KV tiers on this backend
+    memory_plan = None
+    tiers = None
+
     def __init__(self, cfg: ModelConfig, params, step_cfg: StepConfig, *,
-                 device: str = "cpu", seed: int = 0, tokenizer_json: Path | None = None):
+                 device: str = "cpu", seed: int = 0, tokenizer_json: Path | None = None,
+                 host: HostOptions | None = None):
         """params: the tree of params.py (on `device`); device "cpu" or "npu[:i]";
         tokenizer_json: the model's tokenizer, for structured output (None: constrained
-        requests are refused)."""
-        if isinstance(cfg, V41Config):       # only DeepSeek-V4's model is written in torch
-            raise UnsupportedFeatureError("deepseek_v41", PLATFORM)
-        require_features(PLATFORM, requested_features(step_cfg))
+        requests are refused); host: the host options the LLM reports (llm.host_options)."""
+        check_supported(cfg, step_cfg)
         if step_cfg.spec_tokens and params is not None and not params.mtp:
             raise EngineConfigError("speculative decoding needs the checkpoint's MTP weights "
                                     "(mtp.* tensors); this checkpoint has none")
-        self.cfg, self.params, self.step_cfg = cfg, params, step_cfg
+        self.cfg, self.params, self.step_cfg, self.host = cfg, params, step_cfg, host
         dtype = params.embed.dtype if params is not None else torch.float32
         self.state = init_state(cfg, step_cfg, torch_device(device), dtype)
         self.scheduler = Scheduler(step_cfg, cfg.eos_token_ids)
@@ -119,6 +131,13 @@ class AscendEngine:
             request.matcher = compiled_matcher(self.structured, spec)
         self.scheduler.add(request)
         return request
+
+    def abort(self, request_id: str) -> Request | None:
+        return self.scheduler.abort(request_id)
+
+    def rebalance_experts(self):
+        raise EngineConfigError("expert load balancing needs a device mesh, which the Ascend "
+                                "backend does not have")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
