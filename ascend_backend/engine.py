@@ -12,7 +12,6 @@ the grammar masks of the host's matchers (host/grammar.py) in the plan."""
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -35,6 +34,8 @@ from deepinfer_jax.host.grammar import StructuredOutputs, grammar_spec
 from deepinfer_jax.host.plan_builder import build_plan, suppress_stops
 from deepinfer_jax.host.request import InvalidRequestError, Request, SamplingParams
 from deepinfer_jax.host.scheduler import Scheduler
+from deepinfer_jax.host.stop_strings import StopStrings
+from deepinfer_jax.host.tokenizer import TextTokenizer
 
 PLATFORM = "ascend"
 
@@ -91,11 +92,11 @@ class AscendEngine:
     tiers = None
 
     def __init__(self, cfg: ModelConfig, params, step_cfg: StepConfig, *,
-                 device: str = "cpu", seed: int = 0, tokenizer_json: Path | None = None,
+                 device: str = "cpu", seed: int = 0, tokenizer: TextTokenizer | None = None,
                  host: HostOptions | None = None):
         """params: the tree of params.py (on `device`); device "cpu" or "npu[:i]";
-        tokenizer_json: the model's tokenizer, for structured output (None: constrained
-        requests are refused); host: the host options the LLM reports (llm.host_options)."""
+        tokenizer: the model's, for structured output and stop strings (None: such requests
+        are refused); host: the host options the LLM reports (llm.host_options)."""
         check_supported(cfg, step_cfg)
         if step_cfg.spec_tokens and params is not None and not params.mtp:
             raise EngineConfigError("speculative decoding needs the checkpoint's MTP weights "
@@ -108,16 +109,18 @@ class AscendEngine:
                           if step_cfg.enable_prefix_caching else None)
         self._arrivals, self._ids = itertools.count(), itertools.count()
         self._seeds = np.random.default_rng(seed)
-        self.structured = (StructuredOutputs(tokenizer_json, cfg.vocab_size, cfg.eos_token_ids)
-                           if tokenizer_json is not None and cfg.eos_token_ids else None)
+        self.tokenizer = tokenizer
+        self.structured = (StructuredOutputs(tokenizer.path, cfg.vocab_size, cfg.eos_token_ids)
+                           if tokenizer is not None and cfg.eos_token_ids else None)
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> Request:
         """Queue a request; a constrained one's grammar is compiled first (GrammarError if it
         does not compile), where the JAX engine queues it until its compile finishes."""
         problems = params.problems(self.cfg.vocab_size, self.step_cfg.max_logprobs,
                                    self.structured is not None)
-        # what the JAX engine's LLM layer and detokenizer add, not here yet: refused, not ignored
-        unsupported = {"stop": bool(params.stop), "n": params.n != 1,
+        # what the LLM layer does (n, best_of: one request each) or needs the JAX model's
+        # reference forward (prompt_logprobs): refused here, not ignored
+        unsupported = {"n": params.n != 1,
                        "best_of": params.best_of is not None,
                        "prompt_logprobs": params.prompt_logprobs is not None}
         problems += [f"{name} is not supported by the Ascend engine yet"
@@ -125,7 +128,11 @@ class AscendEngine:
         if problems:
             raise InvalidRequestError("; ".join(problems))
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
-        request = Request(request_id, list(prompt), params, next(self._arrivals), seed=seed)
+        # the stop-string search runs in the shared host's output checks, as on the JAX engine
+        stop_strings = StopStrings(self.tokenizer.decoder(params.skip_special_tokens),
+                                   params.stop) if params.stop else None
+        request = Request(request_id, list(prompt), params, next(self._arrivals), seed=seed,
+                          stop_strings=stop_strings)
         spec = grammar_spec(params) if self.structured is not None else None
         if spec is not None:
             request.matcher = compiled_matcher(self.structured, spec)

@@ -27,12 +27,23 @@ from ascend_backend.weights import flat_params
 from deepinfer_jax.config.engine import EngineConfig
 from deepinfer_jax.config.errors import EngineConfigError
 from deepinfer_jax.config.hf import read_model_config
+from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.options import CPU
 from deepinfer_jax.config.platforms import UnsupportedFeatureError
 from deepinfer_jax.host.deepseek_v4_chat import chat_format
 from deepinfer_jax.host.tokenizer import TextTokenizer
 
 PLATFORM = "ascend"
+
+
+@dataclasses.dataclass(frozen=True)
+class AscendModel:
+    """What `LLM.model` is on this backend: the model's config (what the CLI and the demo
+    read) and its torch parameters. No reference forward: prompt logprobs, which need one, are
+    refused per request (engine.py)."""
+
+    config: ModelConfig
+    params: object              # params.py's tree of torch tensors
 
 
 def default_device() -> str:
@@ -59,8 +70,8 @@ def ignored_options(options: EngineConfig) -> list[str]:
 
 def start(options: EngineConfig, model, *, dtype, weights: str, tokenizer, load_format: str,
           dummy_layers: int | None):
-    """-> (the AscendEngine, None: no JAX model, the TextTokenizer or None, the chat format
-    or None); the arguments are LLM's (deepinfer_jax/api/llm.py)."""
+    """-> (the AscendEngine, its AscendModel, the TextTokenizer or None, the chat format or
+    None); the arguments are LLM's (deepinfer_jax/api/llm.py)."""
     if not isinstance(model, (str, Path)) or load_format != "auto":
         raise EngineConfigError("the Ascend backend reads a checkpoint directory "
                                 "(load_format='auto'), not a loaded JAX model or dummy weights")
@@ -87,5 +98,5 @@ def start(options: EngineConfig, model, *, dtype, weights: str, tokenizer, load_
     # the loop is synchronous: the step reads every token before the next is planned
     host = dataclasses.replace(options.host_options(step_cfg), async_scheduling=False)
     engine = AscendEngine(cfg, params, step_cfg, device=device, seed=options.seed, host=host,
-                          tokenizer_json=None if text_tokenizer is None else text_tokenizer.path)
-    return engine, None, text_tokenizer, template
+                          tokenizer=text_tokenizer)
+    return engine, AscendModel(cfg, params), text_tokenizer, template

@@ -27,7 +27,7 @@ NEEDS = {"jax": ("jax", "jaxlib", "flax"), "ascend": ("ascend_backend", "torch",
 
 
 def start_engine(options: EngineConfig, model, **load):
-    """-> (engine, loaded model or None, TextTokenizer or None, chat format or None) from the
+    """-> (engine, loaded model (its `config`), TextTokenizer or None, chat format or None) from the
     backend `options.backend` names; load: LLM's dtype, weights, tokenizer, load_format and
     dummy_layers arguments."""
     name = ENTRY_POINTS[options.backend]

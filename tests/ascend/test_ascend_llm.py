@@ -1,8 +1,9 @@
 """One LLM, two backends: `LLM(model, backend="ascend")` in .venv-ascend, where jax is not
 installed (the LLM's loop and the shared scheduler over the torch step), against
 `LLM(model)` (the JAX engine on the CPU) on the shipped trained model: greedy tokens equal
-over 64 tokens with continuous batching (six prompts of different lengths, four slots,
-chunked prefill) and grammar-constrained requests among them; the typed start-up errors of
+over 64 tokens with continuous batching (seven prompts of different lengths, four slots,
+chunked prefill) and grammar-constrained requests and a stop string among them, with the
+same text; the typed start-up errors of
 `LLM(...)` for what Ascend lacks, with the backend chosen by the argument or by
 DEEPINFER_BACKEND. One subprocess for the module (tests/ascend/torch_generate.py)."""
 
@@ -36,16 +37,18 @@ def prompts_and_sampling() -> tuple[list[list[int]], list[dict]]:
     tok = TextTokenizer.from_model_dir(SHIPPED)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(2, 500, size=n).tolist() for n in (150, 23, 90, 170)]
-    prompts += [tok.encode("config = "), tok.encode("def answer():\n    return ")]
+    prompts += [tok.encode(t) for t in ("config = ", "def answer():\n    return ", "x = ")]
     free = {"max_tokens": 64, "ignore_eos": True}
     sampling = [free] * 4 + [{"max_tokens": 64, "json_schema": SCHEMA},
-                             {"max_tokens": 64, "regex": REGEX}]
+                             {"max_tokens": 64, "regex": REGEX},
+                             {"max_tokens": 64, "stop": ["\n"], "ignore_eos": True}]
     return prompts, sampling
 
 
 @pytest.fixture(scope="module")
 def both(tmp_path_factory):
-    """-> (the JAX LLM's tokens per prompt, the Ascend side's result.json)."""
+    """-> (the JAX LLM's tokens per prompt, the Ascend side's result.json, the JAX LLM's
+    [text, finish reason, stop reason] per prompt)."""
     prompts, sampling = prompts_and_sampling()
     llm = deepinfer_jax.LLM(SHIPPED, dtype=np.float32, show_progress=False, **ENGINE)
     outputs = llm.generate(prompts, [SamplingParams(**kw) for kw in sampling], use_tqdm=False)
@@ -59,14 +62,19 @@ def both(tmp_path_factory):
     result = json.loads((directory / "result.json").read_text())
     # both resolved the same shapes from ENGINE (EngineConfig.resolve), so they see the same plans
     assert result["shapes"] == [sc.page_size, sc.num_pages, list(sc.token_buckets)]
-    return [list(o.outputs[0].token_ids) for o in outputs], result
+    assert result["vocab_size"] == llm.model.config.vocab_size     # LLM.model.config on both
+    texts = [[o.outputs[0].text, str(o.outputs[0].finish_reason), o.outputs[0].stop_reason]
+             for o in outputs]
+    return [list(o.outputs[0].token_ids) for o in outputs], result, texts
 
 
 def test_greedy_tokens_equal_the_jax_backend_with_batching_and_grammars(both):
-    expected, result = both
-    assert result["errors"] == [None] * 6
+    expected, result, texts = both
+    assert result["errors"] == [None] * 7
     assert [len(t) for t in expected[:4]] == [64] * 4
     assert result["tokens"] == expected
+    assert result["text"] == texts
+    assert texts[6][1:] == ["FinishReason.STOP", "\n"] and len(expected[6]) < 64
     assert not result["jax_imported"]         # the LLM ran where jax is not even installed
     tok = TextTokenizer.from_model_dir(SHIPPED)
     data = json.loads(tok.decode(result["tokens"][4]))

@@ -59,8 +59,11 @@ def main(directory: Path) -> None:
     (directory / "result.json").write_text(json.dumps({
         "tokens": [list(o.outputs[0].token_ids) for o in done],
         "errors": [None if o.error is None else str(o.error) for o in done],
+        "text": [[o.outputs[0].text, str(o.outputs[0].finish_reason), o.outputs[0].stop_reason]
+                 for o in done],
         "spec": [spec.steps, spec.drafted, spec.accepted],
         "prefix": None if stats is None else [stats.hits, stats.hit_tokens],
+        "vocab_size": llm.model.config.vocab_size,
         "shapes": [llm.step_config.page_size, llm.step_config.num_pages,
                    list(llm.step_config.token_buckets)],
         "startup": checks, "jax_imported": "jax" in sys.modules}))
