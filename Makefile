@@ -6,6 +6,8 @@
 #                  it only writes fixtures under .cache/oracle, the engine never imports torch.
 #   .venv-ascend   the Ascend backend on torch's CPU device (Python 3.11, CPU torch 2.13.0, numpy;
 #                  no jax, as on an Ascend machine): tests/ascend drive it in a subprocess.
+#                  jax cannot join it: jax 0.11.2 requires Python >= 3.12 (pip refuses it on 3.11),
+#                  so deepinfer_jax.LLM(..., backend="ascend") runs there without jax.
 
 PY312 ?= $(firstword $(wildcard $(shell pyenv prefix 3.12.1 2>/dev/null)/bin/python3.12 \
                                  $(HOME)/.pyenv/versions/3.12.1/bin/python3.12) python3.12)

@@ -12,7 +12,6 @@ the grammar masks of the host's matchers (host/grammar.py) in the plan."""
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -24,6 +23,7 @@ from ascend_backend.speculative import spec_step
 from ascend_backend.step import step
 from deepinfer_jax.config.compute import ComputeConfig
 from deepinfer_jax.config.errors import EngineConfigError
+from deepinfer_jax.config.host import HostOptions
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.platforms import UnsupportedFeatureError, require_features
 from deepinfer_jax.config.speculative import SpeculativeConfig
@@ -34,6 +34,8 @@ from deepinfer_jax.host.grammar import StructuredOutputs, grammar_spec
 from deepinfer_jax.host.plan_builder import build_plan, suppress_stops
 from deepinfer_jax.host.request import InvalidRequestError, Request, SamplingParams
 from deepinfer_jax.host.scheduler import Scheduler
+from deepinfer_jax.host.stop_strings import StopStrings
+from deepinfer_jax.host.tokenizer import TextTokenizer
 
 PLATFORM = "ascend"
 
@@ -76,19 +78,30 @@ def step_config(cfg: ModelConfig, *, max_num_seqs: int, max_model_len: int, page
                                      if enable_prefix_caching else 0))
 
 
+def check_supported(cfg: ModelConfig, step_cfg: StepConfig) -> None:
+    """UnsupportedFeatureError for what the platform table refuses on Ascend (start-up)."""
+    if isinstance(cfg, V41Config):       # only DeepSeek-V4's model is written in torch
+        raise UnsupportedFeatureError("deepseek_v41", PLATFORM)
+    require_features(PLATFORM, requested_features(step_cfg))
+
+
 class AscendEngine:
+    # what the LLM's host loop reads of an engine (deepinfer_jax/api/llm.py): no device
+    # memory plan (the pool follows the shapes) and no KV tiers on this backend
+    memory_plan = None
+    tiers = None
+
     def __init__(self, cfg: ModelConfig, params, step_cfg: StepConfig, *,
-                 device: str = "cpu", seed: int = 0, tokenizer_json: Path | None = None):
+                 device: str = "cpu", seed: int = 0, tokenizer: TextTokenizer | None = None,
+                 host: HostOptions | None = None):
         """params: the tree of params.py (on `device`); device "cpu" or "npu[:i]";
-        tokenizer_json: the model's tokenizer, for structured output (None: constrained
-        requests are refused)."""
-        if isinstance(cfg, V41Config):       # only DeepSeek-V4's model is written in torch
-            raise UnsupportedFeatureError("deepseek_v41", PLATFORM)
-        require_features(PLATFORM, requested_features(step_cfg))
+        tokenizer: the model's, for structured output and stop strings (None: such requests
+        are refused); host: the host options the LLM reports (llm.host_options)."""
+        check_supported(cfg, step_cfg)
         if step_cfg.spec_tokens and params is not None and not params.mtp:
             raise EngineConfigError("speculative decoding needs the checkpoint's MTP weights "
                                     "(mtp.* tensors); this checkpoint has none")
-        self.cfg, self.params, self.step_cfg = cfg, params, step_cfg
+        self.cfg, self.params, self.step_cfg, self.host = cfg, params, step_cfg, host
         dtype = params.embed.dtype if params is not None else torch.float32
         self.state = init_state(cfg, step_cfg, torch_device(device), dtype)
         self.scheduler = Scheduler(step_cfg, cfg.eos_token_ids)
@@ -96,16 +109,18 @@ class AscendEngine:
                           if step_cfg.enable_prefix_caching else None)
         self._arrivals, self._ids = itertools.count(), itertools.count()
         self._seeds = np.random.default_rng(seed)
-        self.structured = (StructuredOutputs(tokenizer_json, cfg.vocab_size, cfg.eos_token_ids)
-                           if tokenizer_json is not None and cfg.eos_token_ids else None)
+        self.tokenizer = tokenizer
+        self.structured = (StructuredOutputs(tokenizer.path, cfg.vocab_size, cfg.eos_token_ids)
+                           if tokenizer is not None and cfg.eos_token_ids else None)
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> Request:
         """Queue a request; a constrained one's grammar is compiled first (GrammarError if it
         does not compile), where the JAX engine queues it until its compile finishes."""
         problems = params.problems(self.cfg.vocab_size, self.step_cfg.max_logprobs,
                                    self.structured is not None)
-        # what the JAX engine's LLM layer and detokenizer add, not here yet: refused, not ignored
-        unsupported = {"stop": bool(params.stop), "n": params.n != 1,
+        # what the LLM layer does (n, best_of: one request each) or needs the JAX model's
+        # reference forward (prompt_logprobs): refused here, not ignored
+        unsupported = {"n": params.n != 1,
                        "best_of": params.best_of is not None,
                        "prompt_logprobs": params.prompt_logprobs is not None}
         problems += [f"{name} is not supported by the Ascend engine yet"
@@ -113,12 +128,23 @@ class AscendEngine:
         if problems:
             raise InvalidRequestError("; ".join(problems))
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
-        request = Request(request_id, list(prompt), params, next(self._arrivals), seed=seed)
+        # the stop-string search runs in the shared host's output checks, as on the JAX engine
+        stop_strings = StopStrings(self.tokenizer.decoder(params.skip_special_tokens),
+                                   params.stop) if params.stop else None
+        request = Request(request_id, list(prompt), params, next(self._arrivals), seed=seed,
+                          stop_strings=stop_strings)
         spec = grammar_spec(params) if self.structured is not None else None
         if spec is not None:
             request.matcher = compiled_matcher(self.structured, spec)
         self.scheduler.add(request)
         return request
+
+    def abort(self, request_id: str) -> Request | None:
+        return self.scheduler.abort(request_id)
+
+    def rebalance_experts(self):
+        raise EngineConfigError("expert load balancing needs a device mesh, which the Ascend "
+                                "backend does not have")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

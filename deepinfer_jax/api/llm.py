@@ -5,6 +5,9 @@
     outputs = llm.generate(["def fib(n):", [0, 17, 42]], SamplingParams(max_tokens=32))
     outputs[0].outputs[0].text
 
+`LLM(..., backend="ascend")` runs the same loop over the Ascend backend's engine (torch /
+torch_npu; api/backends.py): this module imports no jax, and jax loads only for the JAX one.
+
 A prompt with `n` (or `best_of`) > 1 runs as that many requests, seeded `seed + i` when the
 prompt has a seed (vLLM's rule: reproducible, and the completions differ), grouped back into
 one `RequestOutput` (host/outputs.py). `prompt_logprobs` come from the cache-free reference
@@ -23,19 +26,12 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from deepinfer_jax.api.backends import start_engine
 from deepinfer_jax.api.deltas import RequestDeltas
-from deepinfer_jax.api.dummy import LOAD_FORMATS, dummy_model, model_directory
-from deepinfer_jax.api.model import Model, checkpoint_dtype, load
-from deepinfer_jax.api.v41_model import V41Model, load_v41
 from deepinfer_jax.config.engine import QUICKSTART_SHAPES, EngineConfig
-from deepinfer_jax.config.hf import read_model_config
-from deepinfer_jax.config.v41 import V41Config
-from deepinfer_jax.engine.core import EngineCore, failed_output
-from deepinfer_jax.engine.devices import local_device_facts
-from deepinfer_jax.engine.memory_plan import check_checkpoint_fits
 from deepinfer_jax.host.chat import ChatTemplate
-from deepinfer_jax.host.deepseek_v4_chat import DeepSeekV4Chat
-from deepinfer_jax.host.outputs import group_output, prompt_logprobs, token_text
+from deepinfer_jax.host.deepseek_v4_chat import chat_format
+from deepinfer_jax.host.outputs import failed_output, group_output, prompt_logprobs, token_text
 from deepinfer_jax.host.request import (
     FinishReason,
     InvalidRequestError,
@@ -46,9 +42,8 @@ from deepinfer_jax.host.request import (
     SpecMetrics,
     surface_problems,
 )
-from deepinfer_jax.host.tokenizer import TextTokenizer
-from deepinfer_jax.parallel.distributed import join_processes
-from deepinfer_jax.parallel.mesh import make_mesh
+
+__all__ = ["LLM", "CompletionDelta", "DEFAULT_MODEL", "chat_format"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +76,8 @@ DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "deepinfer-tiny
 
 
 class LLM:
-    def __init__(self, model: str | Path | Model | None = None, *, dtype=None,
+    # model: a path, a Model / V41Model (api/model.py, not imported here: it imports jax), None
+    def __init__(self, model=None, *, dtype=None,
                  weights: str = "quantized", tokenizer: str | Path | None = None,
                  load_format: str = "auto", dummy_layers: int | None = None,
                  **engine_options):
@@ -96,9 +92,10 @@ class LLM:
         max_num_batched_tokens, num_pages, gpu_memory_utilization, device_memory_gib,
         async_scheduling, batch_invariant, seed, ...). Where the device's memory is known
         (a GPU's, or stated), the page pool is planned from it (`memory_plan`) and a model
-        that does not fit raises InsufficientMemoryError before anything compiles."""
-        if load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+        that does not fit raises InsufficientMemoryError before anything compiles.
+        backend (an engine option): "jax" (default; DEEPINFER_BACKEND where not given) or
+        "ascend" (torch / torch_npu, ascend_backend/: a checkpoint directory only); both run
+        under this class's host loop and the shared scheduler (api/backends.py)."""
         if dummy_layers is not None and load_format != "dummy":
             raise ValueError("dummy_layers cuts a load_format='dummy' model's config")
         unknown = set(engine_options) - _ENGINE_OPTIONS
@@ -110,54 +107,13 @@ class LLM:
                 raise FileNotFoundError(f"no model given and the default {DEFAULT_MODEL} is missing")
             model = DEFAULT_MODEL
             engine_options = {**QUICKSTART_SHAPES, **engine_options}
-        options = EngineConfig(**engine_options)
-        join_processes(options.distributed)      # before anything starts jax's backend
-        device = local_device_facts()
-        memory = options.memory(device)
-        if isinstance(model, (Model, V41Model)):
-            step_config = options.resolve(model.config, device)
-            # V4.1's FP4 experts padded where the step's kernel needs it (fp4_pad.py)
-            self.model = (model.for_compute(step_config.compute)
-                          if isinstance(model, V41Model) else model)
-            self.tokenizer, self.chat_template = None, None
-        elif isinstance(model, (str, Path)) and load_format == "dummy":
-            # random weights drawn on the device: no checkpoint, nothing to check before
-            self.model = dummy_model(model, dtype, weights, dummy_layers)
-            step_config = options.resolve(self.model.config, device)
-            self.tokenizer = TextTokenizer.from_model_dir(model_directory(model))
-            self.chat_template = chat_format(model_directory(model), self.tokenizer)
-        elif isinstance(model, (str, Path)):
-            # resolved from config.json before the weights: a converted store is restored
-            # straight into the mesh (load's `mesh`)
-            config = read_model_config(model)
-            step_config = options.resolve(config, device)
-            granule = step_config.compute.fp4_expert_granule    # V4.1's FP4 expert padding
-            if memory is not None:        # weights that cannot fit fail before they load
-                check_checkpoint_fits(model, memory, quantized=weights == "quantized",
-                                      dtype=dtype or checkpoint_dtype(model),
-                                      engram_on_host=step_config.engram_rows_on_host,
-                                      fp4_k_granule=granule)
-            if isinstance(config, V41Config):
-                self.model = load_v41(model, dtype=dtype or checkpoint_dtype(model),
-                                      weights=weights, engram_tables=(
-                                          "host" if step_config.engram_rows_on_host
-                                          else "device"), fp4_k_granule=granule)
-            else:
-                self.model = load(model, dtype=dtype, weights=weights,
-                                  mesh=make_mesh(step_config.compute.parallel))
-            self.tokenizer = TextTokenizer.from_model_dir(model)
-            self.chat_template = chat_format(model, self.tokenizer)
-        else:
-            raise TypeError(f"model must be a path or a deepinfer_jax.Model, got {type(model)}")
-        if tokenizer is not None:     # a tokenizer.json, or a directory holding one
-            path = Path(tokenizer)
-            path = path.parent if path.is_file() else path
-            self.tokenizer = TextTokenizer.from_model_dir(path)
-            self.chat_template = chat_format(path, self.tokenizer) or self.chat_template
-        self.host_options = options.host_options(step_config)
-        self.engine = EngineCore(self.model.config, self.model.params, step_config,
-                                 self.host_options, self.tokenizer, memory,
-                                 engram_token_map=getattr(self.model, "token_map", None))
+        options = EngineConfig(**engine_options)     # the backend resolved here, once
+        # jax's modules load here, and only for the JAX backend (api/backends.py)
+        self.engine, self.model, self.tokenizer, self.chat_template = start_engine(
+            options, model, dtype=dtype, weights=weights, tokenizer=tokenizer,
+            load_format=load_format, dummy_layers=dummy_layers)
+        self.backend = options.backend
+        self.host_options = self.engine.host
         self.step_config = self.engine.step_cfg          # with the planned page pool
         self._ids = itertools.count()
         self._spec_totals = SpecMetrics()
@@ -325,16 +281,6 @@ class LLM:
     def spec_metrics(self):
         """Speculative decoding counters summed over the requests this LLM finished."""
         return self._spec_totals
-
-
-def chat_format(directory, tokenizer: TextTokenizer | None):
-    """The model's chat template (host/chat.py), else, for a tokenizer with DeepSeek-V4's role
-    tokens (the released checkpoints ship no template), V4's own message format; or None."""
-    template = ChatTemplate.from_model_dir(directory)
-    if template is None and tokenizer is not None and DeepSeekV4Chat.applies_to(
-            tokenizer.token_to_id):
-        return DeepSeekV4Chat()
-    return template
 
 
 def _children(p: SamplingParams) -> list[SamplingParams]:

@@ -21,6 +21,7 @@ from deepinfer_jax.config.kv_tiers import DEFAULT_RETENTION_S, KVTierConfig
 from deepinfer_jax.config.memory import MemoryLimits
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.parallel import ParallelConfig
+from deepinfer_jax.config.platforms import check_backend
 from deepinfer_jax.config.prefix_replay import bounded_replay_tokens, check_prefix_replay
 from deepinfer_jax.config.speculative import SpeculativeConfig
 from deepinfer_jax.config.step import StepConfig
@@ -40,6 +41,9 @@ __all__ = ["DEFAULT_MAX_MODEL_LEN", "EngineConfig", "EngineConfigError", "HostOp
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
+    # which engine runs the steps: "jax" (NVIDIA GPUs, the CPU) or "ascend" (torch/torch_npu,
+    # ascend_backend/); None: DEEPINFER_BACKEND, else "jax" (config/platforms.py)
+    backend: str | None = None
     max_num_seqs: int = 16               # state slots: sequences resident at once
     # prompt + generated tokens per sequence (None: the model's max_position_embeddings,
     # capped at DEFAULT_MAX_MODEL_LEN, as vLLM derives it from the model)
@@ -107,6 +111,7 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise EngineConfigError("max_num_batched_tokens must be >= max_num_seqs "
                                     "(every running sequence decodes one token per step)")
+        object.__setattr__(self, "backend", check_backend(options.backend(self.backend)))
         if self.batch_invariant is None:
             object.__setattr__(self, "batch_invariant",
                                bool(options.flag("DEEPINFER_BATCH_INVARIANT")))

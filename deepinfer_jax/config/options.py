@@ -4,6 +4,7 @@ read at import time, and traced code only ever sees the frozen result.
 
 | variable | sets |
 |---|---|
+| DEEPINFER_BACKEND=jax\\|ascend | backend: which engine runs the steps (config/platforms.py) |
 | DEEPINFER_BATCH_INVARIANT=1 | batch_invariant |
 | DEEPINFER_ENABLE_MTP_VARLEN=1, DEEPINFER_USE_NEXTN_DECODE=k | speculative_config (MTP, up to k drafts) |
 | DEEPINFER_KERNELS=name[,name...] | every Pallas op's implementations, in order |
@@ -70,6 +71,12 @@ def flag(name: str, environ: Mapping[str, str] | None = None) -> bool | None:
     """A DEEPINFER_* on/off variable: None if unset or empty, else whether it is not "0"."""
     value = _environ(environ).get(name, "")
     return None if value == "" else value != "0"
+
+
+def backend(given: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """The backend that runs the steps: `backend` if given, else DEEPINFER_BACKEND, else
+    "jax" (config/platforms.py's BACKENDS)."""
+    return given or _environ(environ).get("DEEPINFER_BACKEND") or "jax"
 
 
 def speculative_from_environment(environ: Mapping[str, str] | None = None) -> dict | None:

@@ -15,6 +15,15 @@ from deepinfer_jax.config.errors import EngineConfigError
 
 PLATFORMS = ("nvidia", "ascend", "cpu")
 
+# backend -> the platforms it runs on. One LLM (api/llm.py) drives either engine with the
+# same host loop and scheduler; api/backends.py starts the one EngineConfig.backend names.
+# The Ascend backend checks its features against "ascend" even on torch's CPU device (where
+# CI runs it): what it supports is a property of its step, not of the chip under it.
+BACKENDS: dict[str, tuple[str, ...]] = {
+    "jax": ("nvidia", "cpu"),
+    "ascend": ("ascend",),
+}
+
 # feature -> the platforms that support it. Batch invariance is NVIDIA's and the CPU's (the
 # jnp formulations of model/invariant.py); the Ascend step has no invariant formulation (as
 # in the reference engine, where it is NVIDIA-only). The Ascend backend runs the DeepSeek-V4
@@ -41,6 +50,13 @@ class UnsupportedFeatureError(EngineConfigError):
         self.feature, self.platform = feature, platform
         supported = ", ".join(FEATURES[feature])
         super().__init__(f"{feature} is not supported on {platform} (supported on: {supported})")
+
+
+def check_backend(backend: str) -> str:
+    """A known backend's name (EngineConfigError naming the known ones otherwise)."""
+    if backend not in BACKENDS:
+        raise EngineConfigError(f"unknown backend {backend!r}; expected one of {tuple(BACKENDS)}")
+    return backend
 
 
 def supports(platform: str, feature: str) -> bool:

@@ -49,8 +49,6 @@ from deepinfer_jax.host.request import (
     FinishReason,
     InvalidRequestError,
     Request,
-    RequestMetrics,
-    RequestOutput,
     RequestStatus,
     SamplingParams,
 )
@@ -371,12 +369,3 @@ def require_batch_invariant_support(platform: str | None = None) -> None:
     platform = platform or jax.devices()[0].platform
     if platform not in BATCH_INVARIANT_PLATFORMS:
         raise UnsupportedModeError(f"batch-invariant mode is not available on {platform!r}")
-
-
-def failed_output(request_id: str, prompt, error: Exception,
-                  metrics: RequestMetrics | None = None) -> RequestOutput:
-    metrics = metrics or RequestMetrics(time.time())
-    metrics.finished_time = time.time()
-    tokens = list(prompt) if isinstance(prompt, (list, tuple)) and all(
-        isinstance(t, int) for t in prompt) else []
-    return RequestOutput(request_id, tokens, [], None, True, FinishReason.ERROR, error, metrics)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from deepinfer_jax.host.chat import ChatTemplateError
+from deepinfer_jax.host.chat import ChatTemplate, ChatTemplateError
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -68,3 +68,14 @@ class DeepSeekV4Chat:
                 kept = reasoning + END_THINK if thinking and i > last_user else ""
                 out.append(kept + content + EOS)
         return "".join(out)
+
+
+def chat_format(directory, tokenizer):
+    """The model's chat template (host/chat.py), else, for a tokenizer (host/tokenizer.py)
+    with DeepSeek-V4's role tokens (the released checkpoints ship no template), V4's own
+    message format; or None."""
+    template = ChatTemplate.from_model_dir(directory)
+    if template is None and tokenizer is not None and DeepSeekV4Chat.applies_to(
+            tokenizer.token_to_id):
+        return DeepSeekV4Chat()
+    return template

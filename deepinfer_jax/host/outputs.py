@@ -12,14 +12,17 @@ the step, so None).
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 
 import numpy as np
 
 from deepinfer_jax.host.request import (
     CompletionOutput,
+    FinishReason,
     Logprob,
     Request,
+    RequestMetrics,
     RequestOutput,
     RequestStatus,
     TokenLogprobs,
@@ -118,3 +121,12 @@ def prompt_logprobs(prompt: list[int], logits: np.ndarray, k: int,
             entry.setdefault(int(best), Logprob(float(row[best]), rank, text(int(best))))
         out.append(entry)
     return out
+
+
+def failed_output(request_id: str, prompt, error: Exception,
+                  metrics: RequestMetrics | None = None) -> RequestOutput:
+    metrics = metrics or RequestMetrics(time.time())
+    metrics.finished_time = time.time()
+    tokens = list(prompt) if isinstance(prompt, (list, tuple)) and all(
+        isinstance(t, int) for t in prompt) else []
+    return RequestOutput(request_id, tokens, [], None, True, FinishReason.ERROR, error, metrics)

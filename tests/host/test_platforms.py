@@ -54,3 +54,18 @@ def test_unknown_names_are_typed_errors():
 
 def test_readme_shows_the_table():
     assert markdown_table() in (REPO / "README.md").read_text()
+
+
+def test_the_backend_is_resolved_once_from_the_argument_then_deepinfer_backend(monkeypatch):
+    from deepinfer_jax.config.engine import EngineConfig
+    monkeypatch.delenv("DEEPINFER_BACKEND", raising=False)
+    assert EngineConfig().backend == "jax"
+    monkeypatch.setenv("DEEPINFER_BACKEND", "ascend")
+    options = EngineConfig()
+    assert options.backend == "ascend"
+    assert EngineConfig(backend="jax").backend == "jax"        # the argument wins
+    monkeypatch.setenv("DEEPINFER_BACKEND", "jax")
+    assert options.backend == "ascend"                         # frozen: read once
+    with pytest.raises(EngineConfigError,
+                       match=r"unknown backend 'npu'; expected one of \('jax', 'ascend'\)"):
+        EngineConfig(backend="npu")
