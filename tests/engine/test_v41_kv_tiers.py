@@ -91,6 +91,20 @@ def test_v41_a_prefix_back_from_a_tier_equals_the_cold_run_bitwise(folder, tier,
     assert llm.prefix_cache_stats.hit_tokens - before == 4 * BLOCK
 
 
+def test_v41_a_bounded_replay_from_the_disk_tier_equals_the_cold_run_bitwise(tmp_path):
+    """Bounded mode (snapshots keep nothing for V4.1): the block sets on disk are pages only,
+    and a hit after a restart replays the windows' reach, 6 * (8 - 1) tokens, bitwise."""
+    folder = FIXTURES[0]
+    options = dict(tier_options("disk", tmp_path), prefix_replay="bounded",
+                   swa_replay_tokens=42)
+    spill_base(folder, options)
+    llm = deepinfer_jax.LLM(folder, enable_prefix_caching=True, **options, **ENGINE)
+    assert_same(run_alone(llm, prompts(folder)[2]), cold(folder))
+    assert llm.engine.tiers.store.stats().disk.hits >= 4
+    stats = llm.prefix_cache_stats
+    assert stats.hit_tokens == 4 * BLOCK - 42 and stats.replayed_tokens == 42
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip_payload"])
 def test_v41_a_damaged_tier_file_is_dropped_and_never_served(damage, tmp_path):
     """Block 2's file (tokens 32-47 of the base) truncated or one payload byte flipped, then a
