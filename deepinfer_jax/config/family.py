@@ -41,9 +41,12 @@ def _v4_rates(cfg: ModelConfig) -> tuple[int, ...]:
 
 def _v41_fixed_cache_bytes(cfg: V41Config, step_cfg: StepConfig, dtype_bytes: int) -> int:
     # the open-group tails are float32 whatever the compute dtype (model/family.py); the
-    # prefix cache's snapshots hold the same rings (device/snapshots.py)
+    # prefix cache's snapshots hold the same rings (device/snapshots.py), none with a bounded
+    # replay (device/snapshot_layout.live_rings)
+    snapshot = (0 if step_cfg.bounded_replay
+                else memory_v41.v41_snapshot_bytes(cfg, step_cfg.spec_tokens))
     return (step_cfg.max_num_seqs * memory_v41.v41_slot_bytes(cfg, step_cfg.spec_tokens)
-            + step_cfg.num_snapshots * memory_v41.v41_snapshot_bytes(cfg, step_cfg.spec_tokens))
+            + step_cfg.num_snapshots * snapshot)
 
 
 def _v41_activation_estimate(cfg: V41Config, step_cfg: StepConfig) -> int:
@@ -110,8 +113,7 @@ V41 = FamilyFacts(
     page_bytes=lambda cfg, page_size, dtype_bytes: memory_v41.v41_page_bytes(cfg, page_size),
     fixed_cache_bytes=_v41_fixed_cache_bytes, activation_estimate=_v41_activation_estimate,
     engram_shape=_v41_engram_shape, no_mtp_reason=_v41_no_mtp_reason,
-    unbuilt=("a bounded prefix replay", "KV tiers",
-             "a device mesh (parallel)", "several processes (distributed)"))
+    unbuilt=("a device mesh (parallel)", "several processes (distributed)"))
 
 FAMILIES = (V4, V41)
 

@@ -4,8 +4,9 @@
   compressor tails; a hit restores it and continues as a cold run would, bit for bit in
   batch-invariant mode.
 * "bounded": snapshots keep only the compressor tails that the next compressed row still reads
-  (CSA's and its indexer's overlap ring); a hit restores those and replays the prefix's last
-  `swa_replay_tokens` tokens (all of them if it is shorter) to rebuild the windows. The
+  (V4's CSA and its indexer's overlap ring; nothing for V4.1, whose groups do not overlap);
+  a hit restores those and replays the prefix's last `swa_replay_tokens` tokens (all of them
+  if it is shorter) to rebuild the windows. The
   replayed tokens see the cached compressed rows and write only their window rows: the rows
   they would close exist already, in pages shared with the cache. Exact (bitwise in
   batch-invariant mode) for a replay of at least num_layers * (sliding_window - 1) tokens,

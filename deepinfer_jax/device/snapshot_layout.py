@@ -61,9 +61,12 @@ LiveRings = tuple
 def live_rings(state: StateCache | V41State, windows: bool = True) -> LiveRings:
     """The state's arrays a snapshot reads (without windows: a bounded prefix replay rebuilds
     them, config/prefix_replay.py). V4.1: per layer (window Fp8Rows, tail GroupTail | None,
-    None), copied whole (exact snapshots only: the engine refuses a bounded replay)."""
+    None), copied whole; without windows nothing: its groups do not overlap, so at a block end
+    (a multiple of every ratio) the open group is empty and no later entry pools a token of
+    the prefix from the tail."""
     if isinstance(state, V41State):
-        return tuple((ls.window, ls.tail, None) for ls in state.layers), None
+        return tuple((ls.window, ls.tail, None) if windows else (None, None, None)
+                     for ls in state.layers), None
     layers = tuple((ls.window if windows else None,
                     ls.tail if ls.index_tail is not None else None,   # CSA: overlapping
                     ls.index_tail) for ls in state.layers)
@@ -140,7 +143,8 @@ def unpack(state: StateCache, packed: SnapshotRings, slots: Array, ends: Array) 
         return ring.at[slots].set(value, mode="drop", unique_indices=True)
 
     if isinstance(state, V41State):      # whole copies (live_rings)
-        layers = tuple(dataclasses.replace(ls, window=jax.tree.map(put, ls.window, window),
+        layers = tuple(dataclasses.replace(ls, window=ls.window if window is None
+                                           else jax.tree.map(put, ls.window, window),
                                            tail=ls.tail if tail_ is None
                                            else jax.tree.map(put, ls.tail, tail_))
                        for ls, (window, tail_, _) in zip(state.layers, packed[0], strict=True))

@@ -10,7 +10,8 @@ per call, padded with out-of-range ids that are dropped), compiled once at start
 
 Without windows (a bounded prefix replay rebuilds them, config/prefix_replay.py) a snapshot
 keeps only the compressors' closed halves. DeepSeek-V4.1's state (V41State) is copied as its
-slot holds it: each layer's FP8 window ring as stored and its open-group tail.
+slot holds it: each layer's FP8 window ring as stored and its open-group tail; without
+windows, nothing (snapshot_layout.live_rings says why).
 """
 
 from __future__ import annotations

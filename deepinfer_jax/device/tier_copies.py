@@ -1,5 +1,7 @@
-"""Copies between the device caches and the KV tiers: one page of compressed rows (every
-layer's `rows` and `index_keys`) and one snapshot of the pool, out or in.
+"""Copies between the device caches and the KV tiers: one page of compressed rows and one
+snapshot of the pool, out or in. A page is every layer's paged arrays: V4's `rows` and
+`index_keys`; V4.1's KV sources' `entries` and `index_keys`, each an Fp4Rows (codes and block
+scales, copied as stored: the consumer layers own no pages, they read their source's).
 
 Pure functions of fixed shapes, compiled once at start-up (engine/tier_copies.py); the page
 and snapshot ids are arrays, so one program serves every copy.
@@ -14,37 +16,46 @@ import jax.numpy as jnp
 
 from deepinfer_jax.device.snapshots import SlotRings
 from deepinfer_jax.model.state import StateCache
+from deepinfer_jax.model.v41.state import V41State
 
 
-def page_pools(state: StateCache) -> tuple[jax.Array, ...]:
-    """The paged arrays, in a fixed order: per layer, rows then index keys (where present)."""
-    return tuple(a for ls in state.layers for a in (ls.rows, ls.index_keys) if a is not None)
+def _paged_field(state: StateCache | V41State) -> str:
+    """The name of a layer's compressed rows: every leaf of it and of `index_keys` has
+    num_pages * rows_per_page rows, page p's at p * rows_per_page."""
+    return "entries" if isinstance(state, V41State) else "rows"
+
+
+def page_pools(state: StateCache | V41State) -> tuple[jax.Array, ...]:
+    """The paged arrays, in a fixed order: per layer, the rows then the index keys (where
+    present), each flattened to its leaves (V4.1's codes, then scales)."""
+    field = _paged_field(state)
+    return tuple(jax.tree.leaves([(getattr(ls, field), ls.index_keys) for ls in state.layers]))
 
 
 def _rows_per_page(pool: jax.Array, num_pages: int) -> int:
     return pool.shape[0] // num_pages
 
 
-def gather_page(state: StateCache, page: jax.Array, num_pages: int) -> tuple[jax.Array, ...]:
+def gather_page(state: StateCache | V41State, page: jax.Array, num_pages: int) -> tuple[jax.Array, ...]:
     """Each paged array's rows of `page` ([rows_per_page, d] each)."""
     return tuple(jax.lax.dynamic_slice_in_dim(a, page * _rows_per_page(a, num_pages),
                                               _rows_per_page(a, num_pages))
                  for a in page_pools(state))
 
 
-def scatter_page(state: StateCache, page: jax.Array, rows: tuple[jax.Array, ...],
-                 num_pages: int) -> StateCache:
+def scatter_page(state: StateCache | V41State, page: jax.Array, rows: tuple[jax.Array, ...],
+                 num_pages: int) -> StateCache | V41State:
     """`state` with `rows` (as gather_page returns them) written into `page`."""
-    it = iter(rows)
+    it, field = iter(rows), _paged_field(state)
 
     def put(a):
-        if a is None:
-            return None
         return jax.lax.dynamic_update_slice_in_dim(a, next(it), page * _rows_per_page(a, num_pages),
                                                    0)
 
-    layers = tuple(dataclasses.replace(ls, rows=put(ls.rows), index_keys=put(ls.index_keys))
-                   for ls in state.layers)
+    # tree.map visits the leaves in page_pools' order (None fields have none)
+    layers = tuple(dataclasses.replace(ls, **dict(zip((field, "index_keys"), jax.tree.map(
+        put, (getattr(ls, field), ls.index_keys)), strict=True))) for ls in state.layers)
+    assert next(it, None) is None, "rows of another state's pages"
     return dataclasses.replace(state, layers=layers)
 
 
@@ -59,7 +70,7 @@ def scatter_snapshot(pool: SlotRings, snapshot: jax.Array, rings: tuple[jax.Arra
                                      zip(leaves, rings, strict=True)])
 
 
-def compile_tier_copies(state: StateCache, pool: SlotRings, num_pages: int):
+def compile_tier_copies(state: StateCache | V41State, pool: SlotRings, num_pages: int):
     """(gather_page, scatter_page, gather_snapshot, scatter_snapshot), compiled; the scatters
     donate what they write into."""
     index = jax.ShapeDtypeStruct((), jnp.int32)

@@ -112,8 +112,6 @@ def test_v41_engine_runs_synchronously():
 
 
 @pytest.mark.parametrize("option", [
-    {"enable_prefix_caching": True, "prefix_replay": "bounded"},
-    {"enable_prefix_caching": True, "kv_host_tier_bytes": 1 << 20},
     {"parallel": {"ep": 2}},
 ])
 def test_v41_unbuilt_features_are_refused_by_name(option):

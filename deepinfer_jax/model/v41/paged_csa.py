@@ -14,6 +14,8 @@ entries a sequence can reach, k = min(index_topk, R).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,6 +97,17 @@ def _new_entries(p: V41AttentionParams, ratio: int, compress_freqs: np.ndarray, 
     return entries, encode_fp4(k, KEY_BLOCK, e4m3_scales=False)
 
 
+def _writing(ctx: TokenContext) -> TokenContext:
+    """The tokens that close groups and fill the tail: not those of a bounded prefix replay
+    (below ctx.rows_from, a block end), whose entries and keys are cached in pages the prefix
+    cache shares; the groups after it hold only positions >= rows_from (ratio divides the
+    block), so none reads a replayed token from the tail."""
+    if ctx.rows_from is None:
+        return ctx
+    return dataclasses.replace(ctx, valid=ctx.valid & (ctx.positions >= ctx.rows_from),
+                               start=jnp.maximum(ctx.start, ctx.rows_from))
+
+
 def publish(kv: Array, gate: Array | None, p: V41AttentionParams, ls: V41LayerState,
             ctx: TokenContext, ratio: int, compress_freqs: np.ndarray, cfg: V41Config,
             step_cfg: StepConfig) -> V41LayerState:
@@ -102,6 +115,7 @@ def publish(kv: Array, gate: Array | None, p: V41AttentionParams, ls: V41LayerSt
     their indexer keys) into the sequence's pages. The closing groups are pooled and coded in
     row tiles in batch-invariant mode (their number follows the batch)."""
     order_free = step_cfg.batch_invariant     # each closed entry has its own page row
+    ctx = _writing(ctx)
     grouped, logits, row, closer, real, tail = close_groups(kv, gate, ls.tail, ctx, ratio,
                                                             order_free)
     entries, keys = rowwise(step_cfg.compute)(
