@@ -117,8 +117,22 @@ def test_health_and_models(served):
     assert json.loads(info.value.read())["error"]["type"] == "invalid_request_error"
 
 
+def _children(pid: int) -> list[int]:
+    return [int(c) for task in os.listdir(f"/proc/{pid}/task")
+            for c in open(f"/proc/{pid}/task/{task}/children").read().split()]
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_deepinfer_serve_from_the_command_line():
-    """The CLI's own server in a process of its own: up, answering, and stopped by SIGINT."""
+    """The CLI's own server: up, answering, and stopped by SIGINT, its engine process (the
+    default) with it."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_PLATFORMS": "cpu"}
     process = subprocess.Popen(
@@ -130,9 +144,13 @@ def test_deepinfer_serve_from_the_command_line():
         assert model.id == "tiny"
         out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4)
         assert out.usage.completion_tokens == 4 and out.choices[0].text
+        engines = _children(process.pid)
+        assert engines                           # the engine runs in a process of its own
     finally:
         process.send_signal(2)
         assert process.wait(30) == 0
+    # no orphan left behind (multiprocessing's helper, if any, ends on its pipe's EOF: a moment)
+    wait_until(lambda: not any(_running(pid) for pid in engines), timeout_s=10)
 
 
 def test_serve_refuses_what_it_cannot_serve(capsys):
