@@ -205,3 +205,20 @@ def test_speculative_acceptance_shows_in_the_metrics(served):
     drafted = _value(m, "deepinfer_spec_decode_draft_tokens_total")
     accepted = _value(m, "deepinfer_spec_decode_accepted_tokens_total")
     assert 0 < accepted <= drafted
+
+
+def test_engine_in_process_serves_the_engine_on_a_thread(served, monkeypatch):
+    """`--engine-in-process` builds the LLM in the server's process and serves it from a
+    thread (the default spawns an engine process: test_engine_process.py)."""
+    import uvicorn
+
+    from deepinfer_jax.api import cli
+    from deepinfer_jax.api.server.engine_thread import EngineThread
+
+    apps = []
+    monkeypatch.setattr(cli, "_make_llm", lambda args, **options: served.llm)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: apps.append(app))
+    monkeypatch.setattr(sys, "setswitchinterval", lambda s: None)     # (this test process's)
+    assert cli.main(["serve", "--engine-in-process", "--log-level", "warning"]) == 0
+    [app] = apps
+    assert isinstance(app.state.engine, EngineThread) and app.state.engine.llm is served.llm
