@@ -42,7 +42,7 @@ def serve(args) -> int:
 
     import uvicorn
 
-    from deepinfer_jax.api.cli import _make_llm, _model_config_path
+    from deepinfer_jax.api.cli_llm import make_llm, model_config_path
     from deepinfer_jax.api.dummy import model_directory
     from deepinfer_jax.api.llm import DEFAULT_MODEL
     from deepinfer_jax.api.server.app import build_app
@@ -60,12 +60,12 @@ def serve(args) -> int:
         args.model = args.model_path
     model_dir = Path(args.model) if args.model is not None else DEFAULT_MODEL
     if args.load_format == "dummy" and args.model is not None:
-        model_dir = _model_config_path(args.model)     # a directory or a config file
+        model_dir = model_config_path(args.model)     # a directory or a config file
     name = args.served_model_name or (model_dir.stem if model_dir.is_file() else model_dir.name)
     model_dir = model_directory(model_dir)
     # (the parsed options without `func`: this module's function, pickled by name)
     options = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
-    build_llm = functools.partial(_make_llm, options,
+    build_llm = functools.partial(make_llm, options,
                                   grammar_compile_timeout_s=args.grammar_compile_timeout_s,
                                   max_logprobs=args.max_logprobs, show_progress=True)
     engine = (build_llm() if args.engine_in_process

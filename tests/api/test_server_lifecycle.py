@@ -212,11 +212,11 @@ def test_engine_in_process_serves_the_engine_on_a_thread(served, monkeypatch):
     thread (the default spawns an engine process: test_engine_process.py)."""
     import uvicorn
 
-    from deepinfer_jax.api import cli
+    from deepinfer_jax.api import cli, cli_llm
     from deepinfer_jax.api.server.engine_thread import EngineThread
 
     apps = []
-    monkeypatch.setattr(cli, "_make_llm", lambda args, **options: served.llm)
+    monkeypatch.setattr(cli_llm, "make_llm", lambda args, **options: served.llm)
     monkeypatch.setattr(uvicorn, "run", lambda app, **options: apps.append(app))
     monkeypatch.setattr(sys, "setswitchinterval", lambda s: None)     # (this test process's)
     assert cli.main(["serve", "--engine-in-process", "--log-level", "warning"]) == 0

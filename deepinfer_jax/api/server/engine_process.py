@@ -63,8 +63,8 @@ class EngineProcess(EngineClient):
         self._loop: asyncio.AbstractEventLoop | None = None
         try:
             info = self._wait_ready(start_timeout_s)
-        except BaseException:
-            self.stop()
+        except BaseException:           # (a Ctrl-C too: it reads no Stop while it builds)
+            self.stop(timeout=1.0)
             raise
         super().__init__(info.tokenizer, info.chat_template, info.max_model_len, info.num_pages)
 
