@@ -22,7 +22,8 @@ exactly `--max-tokens` tokens, ignore_eos): lost requests (no usage chunk, or th
 count) and errors, TTFT and inter-chunk latency percentiles, output tok/s; (2)
 `--disconnects` clients that close their stream after two chunks, then the pages in use and
 the requests running as /metrics reads them (0 expected); (3) with `--soak-s`, that long of
-the same load, the server's resident memory sampled, its growth after the first fifth;
+the same load, the resident memory of the server and its engine process sampled, its
+growth after the first fifth;
 (4) with `--offline`, `LLM.generate` on the same requests in this process, once the server
 has stopped (its engine options parsed as `deepinfer serve` would), and the server's output
 tok/s over its; `--min-ratio` fails the run below that ratio. Every phase is bounded by
@@ -82,10 +83,18 @@ def metrics(base: str) -> dict[str, float]:
 
 
 def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    """The resident memory of `pid` and its descendants (the server and its engine process)."""
+    total = 0
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1]) * 1024
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                total += rss_bytes(int(child))
+    except FileNotFoundError:          # it ended while we looked
+        pass
+    return total
 
 
 def pct(values: list[float], q: float) -> float | None:

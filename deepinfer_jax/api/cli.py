@@ -12,7 +12,9 @@ import time
 
 import numpy as np
 
-from deepinfer_jax.api import eval_cli
+from deepinfer_jax.api import eval_cli, serve_cli
+from deepinfer_jax.api.cli_llm import make_llm as _make_llm
+from deepinfer_jax.api.cli_llm import model_config_path as _model_config_path
 from deepinfer_jax.config.engine import QUICKSTART_SHAPES
 
 
@@ -106,33 +108,6 @@ def _sampling_params(args):
         regex=args.regex, grammar=_text_or_file(args.grammar))
 
 
-def _make_llm(args, **options):
-    from deepinfer_jax.api.llm import LLM
-
-    speculative = (None if not args.speculative_tokens else
-                   {"method": "mtp", "num_speculative_tokens": args.speculative_tokens})
-    distributed = (None if args.coordinator_address is None else
-                   {"coordinator_address": args.coordinator_address,
-                    "num_processes": args.num_processes, "process_id": args.process_id})
-    model = args.model
-    if args.load_format == "dummy" and model is not None:
-        model = _model_config_path(model)
-    elif args.dummy_layers is not None:
-        raise ValueError("--dummy-layers goes with --load-format dummy")
-    if args.token_buckets:
-        options["token_buckets"] = tuple(args.token_buckets)
-    return LLM(model, dtype=args.dtype, weights=args.weights, parallel=args.parallel,
-               distributed=distributed, load_format=args.load_format,
-               dummy_layers=args.dummy_layers,
-               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-               max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages,
-               gpu_memory_utilization=args.gpu_memory_utilization,
-               device_memory_gib=args.device_memory_gib,
-               enable_prefix_caching=args.enable_prefix_caching,
-               batch_invariant=args.batch_invariant, speculative_config=speculative,
-               **options)
-
-
 def generate(args) -> int:
     prompts: list = list(args.prompt or [])
     prompts += [[int(t) for t in ids.split(",")] for ids in args.prompt_ids or []]
@@ -156,44 +131,6 @@ def generate(args) -> int:
                 print("    " + ", ".join(f"{lp.decoded_token!r}: {lp.logprob:.3f}"
                                          for lp in entry.values()))
     return 1 if failed else 0
-
-
-def serve(args) -> int:
-    """Load the model, then serve the OpenAI API (api/server/) until interrupted."""
-    from pathlib import Path
-
-    import uvicorn
-
-    from deepinfer_jax.api.dummy import model_directory
-    from deepinfer_jax.api.llm import DEFAULT_MODEL
-    from deepinfer_jax.api.server.app import build_app
-
-    if args.coordinator_address is not None and args.num_processes > 1:
-        # every process would serve HTTP and step its engine apart from the others'
-        print("serve runs the engine in one process; an engine over several processes "
-              "(--coordinator-address) cannot be served yet", file=sys.stderr)
-        return 2
-    if args.model_path is not None:
-        if args.model is not None and args.model != args.model_path:
-            print("give the model once: MODEL or --model", file=sys.stderr)
-            return 2
-        args.model = args.model_path
-    llm = _make_llm(args, grammar_compile_timeout_s=args.grammar_compile_timeout_s,
-                    max_logprobs=args.max_logprobs, show_progress=True)
-    model_dir = Path(args.model) if args.model is not None else DEFAULT_MODEL
-    if args.load_format == "dummy" and args.model is not None:
-        model_dir = _model_config_path(args.model)     # a directory or a config file
-    name = args.served_model_name or (model_dir.stem if model_dir.is_file() else model_dir.name)
-    model_dir = model_directory(model_dir)
-    app = build_app(llm, name, model_dir)
-    print(f"serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    # The engine thread and the event loop share the GIL. When a step's device work ends, the
-    # engine thread waits for the GIL while the event loop formats and writes clients' chunks,
-    # up to the switch interval: Python's 5 ms would let that wait exceed a whole decode step
-    # on a GPU (a few ms). A server process of its own, so the setting is ours to make.
-    sys.setswitchinterval(args.gil_switch_interval_ms / 1e3)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
 
 
 def bench(args) -> int:
@@ -270,20 +207,6 @@ def convert(args) -> int:
     return 0
 
 
-def _model_config_path(name: str):
-    """A model directory or config.json, else one of the project's configs (configs/NAME.json,
-    as `deepseek-v4-flash` or `tiny/tiny-mixed`) or models (models/NAME)."""
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[2]
-    for path in (Path(name), repo / "configs" / f"{name}.json", repo / "configs" / name,
-                 repo / "models" / name):
-        if path.is_file() or (path / "config.json").is_file():
-            return path
-    raise FileNotFoundError(f"no model directory, config.json or project config named {name!r} "
-                            f"(configs/: {sorted(p.stem for p in (repo / 'configs').glob('*.json'))})")
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="deepinfer", description=__doc__)
     ap.add_argument("--debug", action="store_true",
@@ -295,25 +218,7 @@ def main(argv=None) -> int:
     g.add_argument("--prompt-ids", action="append", help="comma-separated token ids")
     _sampling_args(g)
     g.set_defaults(func=generate)
-    s = sub.add_parser("serve", help="serve the OpenAI API (completions, chat, models, "
-                                     "health, metrics) over HTTP")
-    s.add_argument("model_path", nargs="?", metavar="MODEL",
-                   help="checkpoint directory (the same as --model)")
-    _engine_args(s)
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--served-model-name", help="the model's name in the API (default: the "
-                                               "model directory's name)")
-    s.add_argument("--max-logprobs", type=int, default=20,
-                   help="the most top logprobs a request may ask for")
-    s.add_argument("--grammar-compile-timeout-s", type=float, default=10.0,
-                   help="a structured-output grammar that takes longer fails its request")
-    s.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
-    s.add_argument("--gil-switch-interval-ms", type=float, default=0.5,
-                   help="how long a thread may hold the GIL while another waits (Python's "
-                        "default 5 ms)")
-    s.set_defaults(func=serve)
+    serve_cli.add_parser(sub, _engine_args)
     b = sub.add_parser("bench", help="offline throughput on random prompts")
     _engine_args(b)
     b.add_argument("--num-prompts", type=int, default=32)

@@ -1,5 +1,5 @@
 """One request's output as increments (no jax): the new tokens, text and logprobs since the
-last call. `LLM.stream` and the server's engine thread both read requests through it, so a
+last call. `LLM.stream` and the server's engine loop both read requests through it, so a
 streamed text is the same wherever it is streamed, and adds up to the finished output's.
 
 A request's resolved tokens only grow, so its text is decoded a piece at a time

@@ -1,7 +1,7 @@
-"""A real server on the loopback address (uvicorn on a thread of the test process, so tests can
-read the engine's state too) serving the shipped tiny model, and the reference outputs of
-`LLM.generate` for the requests the tests send, computed on the same engine before it
-serves."""
+"""A real server on the loopback address (uvicorn on a thread of the test process, its engine
+on a thread too, so tests can read the engine's state) serving the shipped tiny model, and
+the reference outputs of `LLM.generate` for the requests the tests send, computed on the same
+engine before it serves."""
 
 from __future__ import annotations
 
@@ -74,9 +74,10 @@ def served():
 
 
 @contextlib.contextmanager
-def running_server(llm: LLM):
-    """`llm` served by uvicorn on a thread, on a free loopback port: (app, base URL)."""
-    app = build_app(llm, MODEL, llm_model_dir())
+def running_server(engine):
+    """An LLM (its engine on a thread) or an engine process (api/server/engine_process.py)
+    served by uvicorn on a thread, on a free loopback port: (app, base URL)."""
+    app = build_app(engine, MODEL, llm_model_dir())
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

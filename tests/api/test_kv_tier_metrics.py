@@ -3,6 +3,7 @@ prefetch latency as a histogram and quantiles (api/server/metrics.py), from a re
 
 from __future__ import annotations
 
+import pickle
 import urllib.request
 
 import numpy as np
@@ -25,7 +26,8 @@ def test_tier_counters_and_latency_reach_the_scrape(tmp_path):
     # 1 came up from disk into host memory (pushing 2 down): the loop finds it there now
     assert worker.take(1)[1] is not None and worker.get_host(1) is not None
     metrics = ServerMetrics()
-    metrics.engine.kv_tiers = worker.stats
+    # the reports as an engine process ships them (api/server/engine_loop.py): pickled
+    metrics.engine.kv_tiers = lambda: pickle.loads(pickle.dumps(worker.stats()))
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for f in text_string_to_metric_families(metrics.render().decode())
                for s in f.samples}

@@ -117,8 +117,22 @@ def test_health_and_models(served):
     assert json.loads(info.value.read())["error"]["type"] == "invalid_request_error"
 
 
+def _children(pid: int) -> list[int]:
+    return [int(c) for task in os.listdir(f"/proc/{pid}/task")
+            for c in open(f"/proc/{pid}/task/{task}/children").read().split()]
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_deepinfer_serve_from_the_command_line():
-    """The CLI's own server in a process of its own: up, answering, and stopped by SIGINT."""
+    """The CLI's own server: up, answering, and stopped by SIGINT, its engine process (the
+    default) with it."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_PLATFORMS": "cpu"}
     process = subprocess.Popen(
@@ -130,9 +144,13 @@ def test_deepinfer_serve_from_the_command_line():
         assert model.id == "tiny"
         out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4)
         assert out.usage.completion_tokens == 4 and out.choices[0].text
+        engines = _children(process.pid)
+        assert engines                           # the engine runs in a process of its own
     finally:
         process.send_signal(2)
         assert process.wait(30) == 0
+    # no orphan left behind (multiprocessing's helper, if any, ends on its pipe's EOF: a moment)
+    wait_until(lambda: not any(_running(pid) for pid in engines), timeout_s=10)
 
 
 def test_serve_refuses_what_it_cannot_serve(capsys):
@@ -187,3 +205,20 @@ def test_speculative_acceptance_shows_in_the_metrics(served):
     drafted = _value(m, "deepinfer_spec_decode_draft_tokens_total")
     accepted = _value(m, "deepinfer_spec_decode_accepted_tokens_total")
     assert 0 < accepted <= drafted
+
+
+def test_engine_in_process_serves_the_engine_on_a_thread(served, monkeypatch):
+    """`--engine-in-process` builds the LLM in the server's process and serves it from a
+    thread (the default spawns an engine process: test_engine_process.py)."""
+    import uvicorn
+
+    from deepinfer_jax.api import cli, cli_llm
+    from deepinfer_jax.api.server.engine_thread import EngineThread
+
+    apps = []
+    monkeypatch.setattr(cli_llm, "make_llm", lambda args, **options: served.llm)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: apps.append(app))
+    monkeypatch.setattr(sys, "setswitchinterval", lambda s: None)     # (this test process's)
+    assert cli.main(["serve", "--engine-in-process", "--log-level", "warning"]) == 0
+    [app] = apps
+    assert isinstance(app.state.engine, EngineThread) and app.state.engine.llm is served.llm

@@ -1,11 +1,12 @@
 """The FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
-    app = build_app(LLM("path/to/model"), "my-model")
+    app = build_app(EngineProcess(partial(LLM, "path/to/model")), "my-model")
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
-A request is tokenized and checked here, then runs on the engine thread (engine_thread.py)
-with every other connection's; its first event decides between a 400 (the engine refused it:
-the message names the parameter) and a 200, whole or streamed."""
+A request is tokenized and checked here, then runs in the engine loop (engine_loop.py: in
+its own process, engine_process.py, or given an `LLM`, on a thread of this one,
+engine_thread.py) with every other connection's; its first event decides between a 400 (the
+engine refused it: the message names the parameter) and a 200, whole or streamed."""
 
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deepinfer_jax.api.llm import LLM
 from deepinfer_jax.api.server import responses
-from deepinfer_jax.api.server.engine_thread import EngineThread, Job
+from deepinfer_jax.api.server.engine_client import EngineClient, Job
+from deepinfer_jax.api.server.engine_thread import EngineThread
 from deepinfer_jax.api.server.errors import APIError, engine_error
-from deepinfer_jax.api.server.metrics import ServerMetrics
 from deepinfer_jax.api.server.protocol import ChatCompletionRequest, CompletionRequest
 from deepinfer_jax.api.server.sampling import RequestBuilder, generation_defaults
 from deepinfer_jax.api.server.streams import ClientGone, collect, created_now, next_event, stream_events
@@ -30,17 +31,23 @@ from deepinfer_jax.host.chat import ChatTemplateError
 from deepinfer_jax.host.request import RequestError
 
 
-def build_app(llm: LLM, model_name: str, model_dir=None) -> FastAPI:
-    metrics = ServerMetrics()
-    engine = EngineThread(llm, metrics)
-    builder = RequestBuilder(llm.tokenizer, llm.chat_template, llm.step_config.max_model_len,
+def build_app(engine: EngineClient | LLM, model_name: str, model_dir=None) -> FastAPI:
+    """engine: an engine process (engine_process.py) or another EngineClient, or an LLM to
+    run on a thread of this process."""
+    if isinstance(engine, LLM):
+        engine = EngineThread(engine)
+    metrics = engine.metrics
+    builder = RequestBuilder(engine.tokenizer, engine.chat_template, engine.max_model_len,
                              generation_defaults(model_dir))
     created = int(time.time())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        yield
-        engine.stop()
+        engine.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            engine.stop()
 
     app = FastAPI(title="deepinfer-jax", lifespan=lifespan)
     app.state.engine, app.state.metrics = engine, metrics
@@ -108,7 +115,7 @@ def build_app(llm: LLM, model_name: str, model_dir=None) -> FastAPI:
     async def models():
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": created, "owned_by": "deepinfer",
-            "max_model_len": llm.step_config.max_model_len}]}
+            "max_model_len": engine.max_model_len}]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
@@ -116,7 +123,7 @@ def build_app(llm: LLM, model_name: str, model_dir=None) -> FastAPI:
         names: dict[str, str] = {}
         prompts = builder.completion_prompts(body)
         params = builder.completion_params(body, names)
-        job = Job(prompts, params, body.stream, asyncio.get_running_loop(), asyncio.Queue())
+        job = Job(prompts, params, body.stream)
         first = await start(job, http, "completion", names)
         rid = responses.new_id("cmpl")
         if body.stream:
@@ -145,7 +152,7 @@ def build_app(llm: LLM, model_name: str, model_dir=None) -> FastAPI:
         except (ValueError, ChatTemplateError) as e:
             raise APIError(str(e), "messages") from None
         params = builder.chat_params(body, len(prompt), names)
-        job = Job([prompt], params, body.stream, asyncio.get_running_loop(), asyncio.Queue())
+        job = Job([prompt], params, body.stream)
         first = await start(job, http, "chat", names)
         rid = responses.new_id("chatcmpl")
         top = params.logprobs

@@ -1,37 +1,26 @@
 """The server's Prometheus metrics (prometheus-client), in a registry of the app's own.
 
-Latencies and counts are observed by the engine thread as requests progress; the engine's
-state (requests running and waiting, cache pages, prefix-cache counters, speculation) is a
-snapshot the engine thread takes after each step (`EngineSnapshot`), read by a collector at
-scrape time, so a scrape never touches the engine's structures while a step changes them.
-The KV tiers' counters (per tier: hits, misses, bytes, evictions, expirations, prefetch
-latency) are read at scrape time from the tiers' own locked counters (host/kv_tiers/)."""
+Latencies and counts are observed by the engine loop as requests progress and applied here
+when its step's message lands (engine_client.py); the engine's state (requests running and
+waiting, cache pages, prefix-cache counters, speculation) is the snapshot that message
+carries (`EngineSnapshot`), read by a collector at scrape time, so a scrape never touches the
+engine's structures while a step changes them. The KV tiers' counters (per tier: hits,
+misses, bytes, evictions, expirations, prefetch latency) are read at scrape time from the
+tiers' own locked counters (host/kv_tiers/), or, with the engine in a process of its own,
+from the latest reports it shipped."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from deepinfer_jax.api.server.messages import EngineSnapshot
+
 # seconds: from a few ms (a decode step on a GPU) to minutes (a long queue on a CPU)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                     120.0, 300.0)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineSnapshot:
-    running: int = 0
-    waiting: int = 0                 # queued, or waiting for their grammar to compile
-    pages_total: int = 0
-    pages_free: int = 0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    prefix_hit_tokens: int = 0
-    spec_drafted: int = 0            # draft tokens verified (finished requests)
-    spec_accepted: int = 0
-    steps: int = 0
 
 
 class _EngineCollector:

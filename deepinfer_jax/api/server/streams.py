@@ -1,4 +1,4 @@
-"""Reading a job's events (engine_thread.py) for one HTTP request: wait for its first event
+"""Reading a job's events (engine_client.py) for one HTTP request: wait for its first event
 (an engine refusal is then still a 400), collect its outputs, or stream them as server-sent
 events. A client that goes away aborts the job: a non-streaming one is watched with
 `is_disconnected` while it waits; a stream's generator is closed by the server, and its
@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request as HTTPRequest
 
-from deepinfer_jax.api.server.engine_thread import EngineThread, Job
+from deepinfer_jax.api.server.engine_client import EngineClient, Job
 from deepinfer_jax.host.outputs import completion_logprobs, token_text
 from deepinfer_jax.host.request import RequestOutput
 
@@ -24,7 +24,7 @@ class ClientGone(Exception):
     """The client disconnected while its request waited (its job is aborted)."""
 
 
-async def next_event(job: Job, engine: EngineThread, http: HTTPRequest | None) -> tuple:
+async def next_event(job: Job, engine: EngineClient, http: HTTPRequest | None) -> tuple:
     """The job's next event; aborts the job (and raises ClientGone) if the client goes away
     first."""
     while True:
@@ -38,7 +38,7 @@ async def next_event(job: Job, engine: EngineThread, http: HTTPRequest | None) -
                 return ("error", engine.error or RuntimeError("the engine stopped"))
 
 
-async def collect(job: Job, engine: EngineThread, http: HTTPRequest, first: tuple
+async def collect(job: Job, engine: EngineClient, http: HTTPRequest, first: tuple
                   ) -> list[RequestOutput] | tuple:
     """Every prompt's output, in order, or the ("error", exc) event that ended the job."""
     outputs: dict[int, RequestOutput] = {}
@@ -60,14 +60,14 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def stream_events(job: Job, engine: EngineThread, first: tuple, n: int,
+async def stream_events(job: Job, engine: EngineClient, first: tuple, n: int,
                         chunk: Callable[[int, str, list | None, str | None], dict],
                         usage_chunk: Callable[[dict], dict] | None,
                         error_body: Callable[[BaseException], dict]) -> AsyncIterator[str]:
     """The job's events as SSE lines: `chunk(choice index, text, logprob entries, finish
     reason)` per delta, then the usage chunk (with include_usage) and [DONE]. Events that
     queued up while the client was sent the last ones go out in one write."""
-    text_of = token_text(engine.llm.tokenizer)
+    text_of = token_text(engine.tokenizer)
     finished = False
     prompt_tokens = completion_tokens = 0
     lines: list[str] = []
