@@ -159,9 +159,10 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:   # preempted earlier in this loop
                 continue
-            n = self._chunk(req, req.num_pending + len(req.drafts), budget)
-            drafts = max(0, n - req.num_pending)             # drafts ride after the last token
             carried = self.spec_booking is not None and self.spec_booking.carried(req)
+            wanted = self.spec_booking.num_drafts(req) if carried else len(req.drafts)
+            n = self._chunk(req, req.num_pending + wanted, budget)
+            drafts = max(0, n - req.num_pending)             # drafts ride after the last token
             shift = self.spec_booking.max_shift(req) if carried else 0   # pages: all accepted
             if not self._make_room(req, req.num_computed + shift + n, scheduled):
                 continue

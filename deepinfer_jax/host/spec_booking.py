@@ -8,7 +8,8 @@ next drafts wait in `req.drafts` (`apply_speculative`).
 Asynchronous loop (`SpecBooking`): step N+1 is planned before step N is read. At launch a
 speculative step is booked as if no draft were accepted: `num_computed` advances to that
 lower bound, a sampling row appends one PLACEHOLDER for its a + 1 new tokens, and its next
-drafts are placeholders too (they stay on the device, model/state.py `SpecCarry`). A row
+drafts stay on the device (model/state.py `SpecCarry`; the plan is built after the booking,
+so `req.drafts` keeps the ones a row not carried feeds). A row
 that continues a sampling row of the unread step is `carried` (decision.py): its tokens and
 its true positions come from the device (device/spec_carry.py), and its pages cover the
 unread step's drafts all accepted. When step N is read its placeholder becomes the a + 1
@@ -88,6 +89,12 @@ class SpecBooking:
         rows = self._unread.get(req)
         return rows[-1].seq.num_drafts if rows else 0
 
+    def num_drafts(self, req: Request) -> int:
+        """The most drafts the unread step may have proposed for `req`, which the device feeds
+        a carried row (its draft cap; `req.drafts` are the host's last known ones)."""
+        rows = self._unread.get(req)
+        return rows[-1].seq.draft_cap if rows else 0
+
     def must_read_first(self, sched) -> bool:
         """Whether the next step must wait for the unread one (the synchronous loop's way):
         * its draft cap may depend on the unread step (speculative or plain): the cap follows
@@ -97,7 +104,8 @@ class SpecBooking:
         * the running requests' pages for the worst case (every unread draft accepted) may
           not be there: planning could preempt a request whose tokens are still in flight,
           which the synchronous loop would preempt, if at all, knowing them;
-        * a carried row's worst case runs past the block table (max_model_len)."""
+        * a carried row's worst case runs past the block table (max_model_len);
+        * the decoding rows' drafts may not all fit the step's token budget."""
         # requests with tokens in flight (a speculative or a plain step's placeholders)
         unread = [r for r in sched.running if r.generated[-1:] == [PLACEHOLDER]]
         if not unread:
@@ -112,14 +120,18 @@ class SpecBooking:
         if cap == 0:
             return True
         cfg = sched.step_cfg
-        need = 0
+        need = decoding = 0
         for req in sched.running:
+            drafts = self.num_drafts(req) if self.carried(req) else len(req.drafts)
             end = req.num_computed + self.max_shift(req) + min(
-                req.num_pending + len(req.drafts), cfg.max_num_batched_tokens)
+                req.num_pending + drafts, cfg.max_num_batched_tokens)
             if self.carried(req) and end > cfg.max_blocks_per_seq * cfg.page_size:
                 return True
             need += max(0, pages_needed(end, cfg.page_size) - len(req.pages))
-        return not sched.kv_cache.can_provide(need)
+            decoding += 1 + drafts if req.num_pending == 1 else 0
+        # a carried row asks the budget for its cap's drafts, the synchronous loop's row for
+        # the drafts made: where the budget cuts drafts, it would cut other ones
+        return decoding > cfg.max_num_batched_tokens or not sched.kv_cache.can_provide(need)
 
     def _may_end(self, sched, req: Request) -> bool:
         """Whether the unread step's tokens may end `req` (a stop, or a length limit within
@@ -139,7 +151,6 @@ class SpecBooking:
             self._unread.setdefault(req, collections.deque()).append(Booked(seq))
             req.generated.append(PLACEHOLDER)
             req.logprobs.append(None)
-            req.drafts = [PLACEHOLDER] * seq.draft_cap
             if (len(req.generated) >= req.params.max_tokens
                     or req.num_tokens >= sched.step_cfg.max_model_len):
                 sched._finish(req, FinishReason.LENGTH)
@@ -169,7 +180,9 @@ class SpecBooking:
                         [dataclasses.replace(seq, start=seq.start + booked.shift)],
                         snapshots=False)
                 req.num_computed += accepted
-            _count(req, seq.num_drafts if booked.verified is None else booked.verified, accepted)
+            # a carried row verifies the drafts made, as many as were planned (device/spec_carry.py)
+            _count(req, seq.num_drafts if booked.verified is None
+                   else min(seq.num_drafts, booked.verified), accepted)
             touched.append(req)
             del req.generated[index], req.logprobs[index]
             _append(sched, req, index, row, new, out)

@@ -142,6 +142,9 @@ def test_preemption_and_plain_steps(tok):
         assert core.scheduler.num_preemptions > 0
         runs.append(([list(r.generated) for r in requests], steps))
     (slow, _), (fast, steps) = runs
+    # the tokens (here, with preemption, plain steps and a tight token budget, the verify
+    # steps' and accepted drafts' counts of a request can differ from the synchronous
+    # loop's: not understood yet; test_async_loop_equals_the_synchronous_one checks them)
     assert fast == slow
     kinds = [speculative for speculative, _ in steps]
     assert sum(c for _, c in steps) > 0
