@@ -18,6 +18,12 @@ from typing import Any
 
 Array = Any   # np.ndarray on the host, jax.Array inside the step
 
+# A speculative step's row whose tokens are all CARRIED (-2) continues the row its request
+# sampled in the speculative step before, which the host has not read yet: the device feeds
+# that step's bonus token and drafts and shifts the row's positions by its accepted drafts
+# (device/spec_carry.py; the plan's positions and seq_start assume none were accepted).
+CARRIED = -2
+
 
 @dataclasses.dataclass(frozen=True)
 class BatchPlan:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from deepinfer_jax.host.request import Request
 from deepinfer_jax.host.scheduler import Scheduler
+from deepinfer_jax.host.spec_booking import SpecBooking
 
 
 class FirstChunkAdmission(Scheduler):
@@ -19,4 +20,8 @@ def admit_first_chunks(llm) -> None:
     engine = llm.engine
     if engine.scheduler.has_work():
         raise RuntimeError("the scheduler is replaced before any request is added")
+    old = engine.scheduler
     engine.scheduler = FirstChunkAdmission(engine.step_cfg, engine.cfg.eos_token_ids)
+    engine.scheduler.defers_masks = old.defers_masks
+    if old.spec_booking is not None:         # speculation in the asynchronous loop
+        engine.scheduler.spec_booking = SpecBooking()

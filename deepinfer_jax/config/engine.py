@@ -246,11 +246,14 @@ class EngineConfig:
                      ) -> HostOptions:
         return HostOptions(
             compilation_cache_dir=self.compilation_cache_dir, show_progress=self.show_progress,
-            # speculation reads each step's accepted counts before planning the next; the
-            # Engram hash (DeepSeek-V4.1) needs every fed token on the host when it plans, and
-            # asynchronous scheduling feeds the last sampled one before the host has read it
-            async_scheduling=(self.async_scheduling and step.speculative is None
-                              and not step.hashes_tokens),
+            # the Engram hash (DeepSeek-V4.1) needs every fed token on the host when it plans,
+            # and asynchronous scheduling feeds the last sampled one before the host has read
+            # it; speculation over data-parallel ranks reads each step's accepted counts
+            # before planning the next (host/ranks.py books no speculative step at launch;
+            # one rank's does: host/spec_booking.py)
+            async_scheduling=(self.async_scheduling and not step.hashes_tokens
+                              and not (step.speculative is not None
+                                       and step.compute.parallel.dp > 1)),
             launch_thread=self.launch_thread, seed=self.seed,
             grammar_compile_timeout_s=self.grammar_compile_timeout_s,
             compile_threads=options.compile_threads(self.compile_threads, environ),

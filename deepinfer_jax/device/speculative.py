@@ -35,7 +35,8 @@ from deepinfer_jax.device.sampling import (
     sampling_logits,
     token_logprobs,
 )
-from deepinfer_jax.device.step import record_fed_tokens
+from deepinfer_jax.device.spec_carry import carry_in, carry_out
+from deepinfer_jax.device.step import record_fed_tokens, resolve_placeholders
 from deepinfer_jax.model.mtp import mtp_input
 from deepinfer_jax.model.paged_forward import forward_step, layer_step
 from deepinfer_jax.model.params import ModelParams
@@ -138,8 +139,12 @@ def spec_step(params: ModelParams, state: StateCache, plan, *, cfg: ModelConfig,
               ) -> tuple[StateCache, SpecStepOutput]:
     k, s = step_cfg.spec_tokens, step_cfg.spec_tokens + 1
     n, num_tokens = plan.seq_slot.shape[0], plan.token_ids.shape[0]
-    state = record_fed_tokens(state, plan, plan.token_ids)
-    state, streams = forward_step(params, state, plan, plan.token_ids, cfg, step_cfg)
+    # rows continued from an unread speculative step, then tokens an unread plain step sampled
+    # (the asynchronous loop: device/spec_carry.py, device/step.py)
+    plan, verified = carry_in(plan, state.spec_carry, state.last_tokens)
+    token_ids = resolve_placeholders(plan.token_ids, plan, state.last_tokens)
+    state = record_fed_tokens(state, plan, token_ids)
+    state, streams = forward_step(params, state, plan, token_ids, cfg, step_cfg)
 
     first = plan.seq_offset + plan.seq_len - 1 - plan.num_drafts          # x_t (or last token)
     columns = first[:, None] + jnp.arange(s)[None]                         # [N, S]
@@ -149,8 +154,8 @@ def spec_step(params: ModelParams, state: StateCache, plan, *, cfg: ModelConfig,
                             step_cfg.compute)
     rows = _repeat_rows(plan, positions)
     slot = jnp.minimum(plan.seq_slot, state.last_tokens.shape[0] - 1)
-    drafted = plan.token_ids[jnp.clip(columns + 1, 0, num_tokens - 1)]
-    new, accepted, lp = verify(logits, drafted, plan.num_drafts, rows,
+    drafted = token_ids[jnp.clip(columns + 1, 0, num_tokens - 1)]
+    new, accepted, lp = verify(logits, drafted, verified, rows,
                                jnp.repeat(state.prompt_mask[slot], s, axis=0),
                                jnp.repeat(state.output_counts[slot], s, axis=0), step_cfg.max_logprobs,
                                truncation)
@@ -173,6 +178,8 @@ def spec_step(params: ModelParams, state: StateCache, plan, *, cfg: ModelConfig,
     if step_cfg.speculative.varlen:
         wanted &= jnp.cumprod(probs, axis=1) >= step_cfg.speculative.confidence_threshold
     num_drafts = jnp.where(plan.seq_samples, jnp.sum(jnp.cumprod(wanted, axis=1), axis=1), 0)
+    state = dataclasses.replace(state, spec_carry=carry_out(state.spec_carry, plan, accepted,
+                                                            drafts, num_drafts))
     l_ = lp.top_ids.shape[-1]
     return state, SpecStepOutput(
         new_tokens=new, num_new=jnp.where(plan.seq_samples, accepted + 1, 0), drafts=drafts,

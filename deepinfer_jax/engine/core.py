@@ -53,6 +53,7 @@ from deepinfer_jax.host.request import (
     SamplingParams,
 )
 from deepinfer_jax.host.scheduler import Scheduler
+from deepinfer_jax.host.spec_booking import SpecBooking
 from deepinfer_jax.host.stop_strings import StopStrings
 from deepinfer_jax.host.tokenizer import TextTokenizer
 from deepinfer_jax.model.params import ModelParams
@@ -159,6 +160,8 @@ class EngineCore:
                          if self.structured and host.async_scheduling and ranks == 1
                          and self.mesh is None and not step_cfg.spec_tokens else None)
         self.scheduler.defers_masks = self.deferred is not None
+        if step_cfg.spec_tokens and host.async_scheduling:   # speculation in the async loop
+            self.scheduler.spec_booking = SpecBooking()       # (one rank: config/engine.py)
         self._seeds = np.random.default_rng(host.seed)
         self._arrivals = itertools.count()
         self._in_flight: collections.deque[InFlight] = collections.deque()
@@ -265,7 +268,13 @@ class EngineCore:
         """Advance the engine by one step. Returns the requests whose tokens reached the host
         in this call (a finished request is complete once `is_complete`)."""
         start = time.perf_counter()
-        failed = self._admit_compiled()
+        done = self._admit_compiled()
+        # a speculative step planned before the last one is read needs the scheduler's booking
+        # (host/spec_booking.py), and some steps need the last one read: planned synchronously
+        booking = getattr(self.scheduler, "spec_booking", None)
+        if self._in_flight and self.spec_steps is not None and (
+                booking is None or booking.must_read_first(self.scheduler)):
+            done += self._read(self._in_flight.popleft())
         decision = self.scheduler.schedule()
         if decision.seqs:
             self._in_flight.append(self._launch(decision))
@@ -278,7 +287,7 @@ class EngineCore:
         if self._in_flight and self._in_flight[0].deferred:     # its matchers are up to date
             self._in_flight[0] = self._masked(self._in_flight[0])
         self.stats.host_seconds += time.perf_counter() - start
-        return failed + touched
+        return done + touched
 
     def _launch(self, decision: ScheduleDecision) -> InFlight:
         now = time.time()

@@ -32,6 +32,10 @@ class ScheduledSeq:
     # in postprocess)
     token_index: int | None = None
     mask_stops: bool = False   # its next token comes before min_tokens: EOS and stop tokens banned
+    # continues the row its request sampled in the speculative step still unread (the
+    # asynchronous loop, host/spec_booking.py): its tokens come from the device and `start`
+    # is a lower bound (the true one is higher by that step's accepted drafts)
+    carried: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

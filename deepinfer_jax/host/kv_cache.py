@@ -144,10 +144,12 @@ class KVCacheManager:
         if self.prefix_cache is not None:
             self.prefix_cache.stats.replayed_tokens += num_tokens
 
-    def snapshot_saves(self, seqs: Iterable[ScheduledSeq]) -> tuple[SnapshotSave, ...]:
+    def snapshot_saves(self, seqs: Iterable[ScheduledSeq], snapshots: bool = True
+                       ) -> tuple[SnapshotSave, ...]:
         """At launch, before the step's counts advance: the blocks it completes wait to be
         cached, and where a row ends on a block boundary its slot is to be snapshotted after
-        the step."""
+        the step. snapshots False: blocks only (a row registered after its step ran, its
+        slot gone on: host/spec_booking.py)."""
         if self.prefix_cache is None:
             return ()
         bs, saves = self.page_size, []
@@ -162,7 +164,7 @@ class KVCacheManager:
                 # A row with drafts ends the step past `end` (by its accepted drafts).
                 # (and not inside a bounded replay: its tails are those of its end)
                 wants_snapshot = ((index + 1) * bs == end and seq.num_drafts == 0
-                                  and end >= req.rows_from)
+                                  and end >= req.rows_from and snapshots)
                 if cached is not None and (cached.snapshot is not None or not wants_snapshot):
                     continue
                 snapshot = self.prefix_cache.allocate_snapshot() if wants_snapshot else None

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from deepinfer_jax.config.step import StepConfig
-from deepinfer_jax.contract import BatchPlan
+from deepinfer_jax.contract import CARRIED, BatchPlan
 from deepinfer_jax.host.decision import ScheduleDecision
 
 
@@ -55,10 +55,16 @@ def build_plan(decision: ScheduleDecision, token_bucket: int,
         req, n = seq.request, seq.num_tokens
         span = slice(offset, offset + n)
         # the span's tokens and the one after each (drafts follow the last token)
-        window = req.token_slice(seq.start, seq.start + n + 1, seq.num_drafts)
-        token_ids[span] = window[:n]
-        following = window[1:]
-        next_token_ids[offset: offset + len(following)] = following
+        if seq.carried:      # the device has its tokens and true positions (device/spec_carry.py)
+            token_ids[span] = next_token_ids[span] = CARRIED
+        else:    # the known tokens, then the drafts (a booked step's placeholder may follow
+            # the known tokens already: host/spec_booking.py)
+            d = seq.num_drafts
+            window = req.token_slice(seq.start, seq.start + n - d + 1)
+            fed = window[: n - d] + req.drafts[:d]
+            token_ids[span] = fed
+            following = fed[1:] if d else window[1:]
+            next_token_ids[offset: offset + len(following)] = following
         num_drafts[row], draft_cap[row] = seq.num_drafts, seq.draft_cap
         positions[span] = np.arange(seq.start, seq.start + n)
         token_seq[span] = row

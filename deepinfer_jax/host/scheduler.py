@@ -35,8 +35,9 @@ returning: counts advance, each sampled token is a PLACEHOLDER that the next ste
 device, and a request that reaches max_tokens or max_model_len finishes. `postprocess` fills
 the placeholders; EOS, stop tokens, stop strings and finished grammars end requests there. A
 stop is thus seen one step late, so a stopped request may have one extra token computed,
-which is discarded. A speculative step (run by the synchronous loop only) books nothing at
-launch: how far each row gets is known only from its output.
+which is discarded. A speculative step books its rows as if no draft were accepted (the
+asynchronous loop), or nothing at all (the synchronous one): how far each row gets is known only
+from its output (host/spec_booking.py).
 """
 
 from __future__ import annotations
@@ -50,11 +51,14 @@ from deepinfer_jax.host.kv_cache import PREFETCHING, KVCacheManager
 from deepinfer_jax.host.kv_tiers.prefetch import TierWorker
 from deepinfer_jax.host.output_checks import end_of_output
 from deepinfer_jax.host.pages import pages_needed
-from deepinfer_jax.host.request import PLACEHOLDER, FinishReason, Request, RequestStatus, TokenLogprobs
+from deepinfer_jax.host.request import PLACEHOLDER, FinishReason, Request, RequestStatus
+from deepinfer_jax.host.spec_booking import SpecBooking, apply_speculative, token_logprobs
 
 
 class Scheduler:
     defers_masks = False    # constrained requests may run with a token in flight (core.py)
+    # speculative steps booked at launch (the asynchronous loop; None: read first, host/spec_booking.py)
+    spec_booking: SpecBooking | None = None
 
     def __init__(self, step_cfg: StepConfig, eos_token_ids: tuple[int, ...],
                  tiers: TierWorker | None = None):
@@ -104,9 +108,12 @@ class Scheduler:
         scheduled, budget = self._schedule_running(cap, speculative)
         restores = self._admit(cap, speculative, budget, scheduled)
         seqs = tuple(scheduled)
-        saves = self.kv_cache.snapshot_saves(seqs)     # before the counts advance
+        # before the counts advance; a carried row's once its start is known (spec_booking.py)
+        saves = self.kv_cache.snapshot_saves(s for s in seqs if not s.carried)
         if not speculative:
             self._book_launch(seqs)
+        elif self.spec_booking is not None:
+            self.spec_booking.book(self, seqs)
         # tier copies wait for a step that launches (one without rows launches nothing)
         tier_ops = self.kv_cache.take_tier_ops() if seqs else ()
         if not seqs and not self.running:      # only prefetches to wait for: no busy loop
@@ -123,7 +130,8 @@ class Scheduler:
             raise TypeError(f"a {'speculative' if decision.speculative else 'plain'} step's "
                             f"decision with a {type(output).__name__}")
         if decision.speculative:
-            touched = self._apply_speculative(decision, output)
+            touched = (self.spec_booking.apply(self, decision, output) if self.spec_booking
+                       else apply_speculative(self, decision, output))
         else:
             touched = self._apply_tokens(decision, output)
         for req in touched:
@@ -151,12 +159,15 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:   # preempted earlier in this loop
                 continue
-            n = self._chunk(req, req.num_pending + len(req.drafts), budget)
+            carried = self.spec_booking is not None and self.spec_booking.carried(req)
+            wanted = self.spec_booking.num_drafts(req) if carried else len(req.drafts)
+            n = self._chunk(req, req.num_pending + wanted, budget)
             drafts = max(0, n - req.num_pending)             # drafts ride after the last token
-            if not self._make_room(req, req.num_computed + n, scheduled):
+            shift = self.spec_booking.max_shift(req) if carried else 0   # pages: all accepted
+            if not self._make_room(req, req.num_computed + shift + n, scheduled):
                 continue
             samples = req.num_computed + n - drafts == req.num_tokens
-            scheduled.append(self._row(req, n, samples, drafts, cap, speculative))
+            scheduled.append(self._row(req, n, samples, drafts, cap, speculative, carried))
             budget -= n
         return scheduled, budget
 
@@ -215,12 +226,12 @@ class Scheduler:
         return not self.running or self.kv_cache.can_provide(reserved + self._pages_to_come(req))
 
     def _row(self, req: Request, n: int, samples: bool, num_drafts: int, cap: int,
-             speculative: bool) -> ScheduledSeq:
+             speculative: bool, carried: bool = False) -> ScheduledSeq:
         return ScheduledSeq(
             req, req.num_computed, n, samples, req.slot, req.pages, num_drafts,
             draft_cap=cap if samples and self._may_draft(req) else 0,
             token_index=len(req.generated) if samples and not speculative else None,
-            mask_stops=samples and len(req.generated) < req.params.min_tokens)
+            mask_stops=samples and len(req.generated) < req.params.min_tokens, carried=carried)
 
     def _book_launch(self, seqs: tuple[ScheduledSeq, ...]) -> None:
         """A plain step as launched: advance the computed counts and append a placeholder for
@@ -283,6 +294,9 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request) -> None:
+        if self.spec_booking is not None and self.spec_booking.carried(req):
+            raise RuntimeError(f"request {req.request_id}: preempted with a speculative step "
+                               "in flight (SpecBooking.must_read_first should have prevented it)")
         self._release(req)
         self.running.remove(req)
         req.status, req.num_computed = RequestStatus.WAITING, 0
@@ -302,48 +316,12 @@ class Scheduler:
             token = int(out.next_tokens[row])
             req.generated[index] = token
             if req.params.logprobs is not None:
-                req.logprobs[index] = _token_logprobs(token, out.logprob[row], out.top_ids[row],
+                req.logprobs[index] = token_logprobs(token, out.logprob[row], out.top_ids[row],
                                                       out.top_logprobs[row], req.params.logprobs)
             touched.append(req)
             if self._is_stop(req, token):
                 self._stop_at(req, index, token)    # drops tokens computed after the stop
         self.kv_cache.cache_completed()
-        return touched
-
-    def _apply_speculative(self, decision: ScheduleDecision, out: SpecStepOutput) -> list[Request]:
-        """Each row committed its last token plus `a` accepted drafts and produced a + 1 new
-        tokens; its next drafts wait in `req.drafts`. Stops inside the new tokens drop the
-        tokens after them."""
-        touched = []
-        for row, seq in enumerate(decision.seqs):
-            req = seq.request
-            if req.status is not RequestStatus.RUNNING:
-                continue
-            new = int(out.num_new[row])
-            accepted = max(new - 1, 0)
-            req.num_computed = seq.start + seq.num_tokens - seq.num_drafts + accepted
-            req.drafts = []
-            if not seq.samples:
-                continue
-            req.spec.steps += 1
-            req.spec.drafted += seq.num_drafts
-            req.spec.accepted += accepted
-            touched.append(req)
-            for j in range(new):
-                token = int(out.new_tokens[row, j])
-                req.generated.append(token)
-                req.logprobs.append(None if req.params.logprobs is None else _token_logprobs(
-                    token, out.logprob[row, j], out.top_ids[row, j], out.top_logprobs[row, j],
-                    req.params.logprobs))
-                if self._is_stop(req, token):
-                    self._stop_at(req, len(req.generated) - 1, token)
-                    break
-                if (len(req.generated) >= req.params.max_tokens
-                        or req.num_tokens >= self.step_cfg.max_model_len):
-                    self._finish(req, FinishReason.LENGTH)
-                    break
-            if req.status is RequestStatus.RUNNING:
-                req.drafts = [int(t) for t in out.drafts[row, : int(out.num_drafts[row])]]
         return touched
 
     def _is_stop(self, req: Request, token: int) -> bool:
@@ -381,8 +359,3 @@ class Scheduler:
             self._free_slots.append(req.slot)
             req.slot = None
 
-
-def _token_logprobs(token: int, chosen, top_ids, top, n: int) -> TokenLogprobs:
-    """A sampled token's logprob and its top n alternatives (numpy rows -> Python values)."""
-    return TokenLogprobs(token, float(chosen), tuple(
-        (int(t), float(lp)) for t, lp in zip(top_ids[:n], top[:n])))

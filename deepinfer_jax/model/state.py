@@ -40,6 +40,18 @@ class LayerState:
 
 
 @struct.dataclass
+class SpecCarry:
+    """What each slot's last speculative step leaves for its next one, so that the
+    asynchronous loop can launch that step before the host has read how many drafts were
+    accepted (device/spec_carry.py): the next step's positions shift by `accepted`, it feeds
+    `last_tokens` (the bonus token) and then `drafts`, and verifies `num_drafts` of them."""
+
+    accepted: Array         # i32[slots]     drafts the slot's last speculative step accepted
+    drafts: Array           # i32[slots, k]  the drafts it proposed for the next step
+    num_drafts: Array       # i32[slots]     how many of them are meant (confidence, cap)
+
+
+@struct.dataclass
 class StateCache:
     layers: tuple[LayerState, ...]
     mtp: LayerState | None  # the MTP block's window ring (speculative decoding only)
@@ -49,6 +61,7 @@ class StateCache:
     # i32[L, E] routed (token, expert) pairs per layer and expert since start-up: the expert
     # load balancer's measure (parallel/eplb.py); None without it
     expert_load: Array | None = None
+    spec_carry: SpecCarry | None = None     # with speculation (spec_tokens > 0)
 
 
 def _tail(slots: int, rate: int, overlap: bool, dim: int, spare: int) -> CompressorTail:
@@ -82,10 +95,12 @@ def init_state(cfg: ModelConfig, step_cfg: StepConfig, dtype) -> StateCache:
                          None, None, None, None)
     load = (jnp.zeros((cfg.num_layers, cfg.n_routed_experts), jnp.int32)
             if step_cfg.compute.parallel.eplb is not None else None)
+    carry = (SpecCarry(jnp.zeros((slots,), jnp.int32), jnp.zeros((slots, spare), jnp.int32),
+                       jnp.zeros((slots,), jnp.int32)) if spare else None)
     return StateCache(tuple(layers), mtp=mtp, last_tokens=jnp.zeros((slots,), jnp.int32),
                       prompt_mask=jnp.zeros((slots, cfg.vocab_size), bool),
                       output_counts=jnp.zeros((slots, cfg.vocab_size), jnp.int32),
-                      expert_load=load)
+                      expert_load=load, spec_carry=carry)
 
 
 def state_bytes(state: StateCache) -> int:

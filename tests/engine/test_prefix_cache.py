@@ -161,6 +161,8 @@ def mtp_window_after_prefill(llm, prompt, unrelated) -> np.ndarray:
     req = engine.add_request("probe", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
     while not req.generated:
         engine.step()
+    for flight in engine._in_flight:    # the asynchronous loop: the next step's state (both runs')
+        flight.output.result()
     window = np.asarray(engine.state.mtp.window[req.slot], np.float32)
     engine.abort("probe")
     while engine.has_unfinished():
