@@ -175,8 +175,9 @@ class KVCacheManager:
         return tuple(saves)
 
     def cache_completed(self) -> None:
-        """Move pending blocks whose tokens the host now knows into the cache; drop those
-        whose tokens were cut (stop, abort)."""
+        """Move pending blocks whose tokens the host now knows into the cache (with the token
+        after them, where their snapshot needs it); drop those whose tokens were cut (stop,
+        abort)."""
         if not self._pending:
             return
         bs, waiting = self.page_size, []
@@ -185,7 +186,14 @@ class KVCacheManager:
             known = req.known_tokens
             del req.block_keys[len(known) // bs:]     # a stop may have cut generated tokens
             extend_block_keys(req.block_keys, known, bs)
-            if block.index < len(req.block_keys):
+            if (block.index < len(req.block_keys) and block.snapshot is not None
+                    and self.prefix_cache.snapshots_need_next_token
+                    and len(known) <= end < req.num_tokens):
+                # its snapshot serves only with the token after the block, still in flight
+                # (the asynchronous loop plans before reading): cached now, the snapshot
+                # would be dropped and the block could never be matched
+                waiting.append(block)
+            elif block.index < len(req.block_keys):
                 keys = req.block_keys
                 self.prefix_cache.insert(keys[block.index], keys[block.index - 1] if block.index
                                          else None, tuple(known[end - bs: end]), block.page,

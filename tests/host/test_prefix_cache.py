@@ -8,10 +8,11 @@ import numpy as np
 from deepinfer_jax.config.engine import EngineConfig
 from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.contract import StepOutput
+from deepinfer_jax.host.decision import ScheduledSeq
 from deepinfer_jax.host.kv_cache import KVCacheManager
 from deepinfer_jax.host.pages import PageAllocator
 from deepinfer_jax.host.prefix_cache import PrefixCache, SnapshotAllocator, extend_block_keys
-from deepinfer_jax.host.request import Request, SamplingParams
+from deepinfer_jax.host.request import PLACEHOLDER, Request, SamplingParams
 from deepinfer_jax.host.scheduler import Scheduler
 from tests.conftest import REPO
 
@@ -84,6 +85,32 @@ def test_with_mtp_a_snapshot_serves_only_the_same_next_token():
     match = cache.lookup(other[:9], keys_of(other[:9]), following=other)
     assert match.num_tokens == 4 and match.num_cached == 8
     assert cache.lookup(same[:9], keys_of(same[:9])).num_tokens == 0   # no next token given
+
+
+def test_with_mtp_a_block_whose_next_token_is_in_flight_waits_for_it():
+    """The asynchronous loop plans the next step before reading the one that completed a
+    block: the token after the block is a placeholder then. The block is cached once that
+    token is read, with its snapshot (cached before, it would lose the snapshot, and no later
+    request could match it: the two loops' admissions then differed)."""
+    kv = KVCacheManager(16, BS, prefix_caching=True, num_snapshots=8,
+                        snapshots_need_next_token=True)
+    req = Request("r", [100, 101, 102], SamplingParams(max_tokens=4), 0)
+    req.generated = [103, PLACEHOLDER]     # the step feeds 103 at position 3, samples position 4
+    assert kv.grow(req, 4)
+    (save,) = kv.snapshot_saves([ScheduledSeq(req, 3, 1, True, 0, req.pages)])
+    assert save.end == 4
+    key = keys_of([100, 101, 102, 103])[0]
+    kv.cache_completed()
+    assert kv.prefix_cache.get(key) is None               # its next token is still unread
+    req.generated[-1] = 7                                  # the step is read
+    kv.cache_completed()
+    block = kv.prefix_cache.get(key)
+    assert (block.snapshot, block.snapshot_next) == (save.snapshot, 7)
+    kv.release(req)
+    again = Request("a", [100, 101, 102, 103, 7, 8], SamplingParams(max_tokens=4), 1)
+    assert kv.match_prefix(again).num_tokens == 4
+    other = Request("o", [100, 101, 102, 103, 9, 8], SamplingParams(max_tokens=4), 2)
+    assert kv.match_prefix(other).num_tokens == 0          # another token after the block
 
 
 def test_a_hash_collision_cannot_alias_two_prefixes():
