@@ -83,9 +83,11 @@ def snapshot_bytes(cfg: ModelConfig, spec_tokens: int = 0, dtype_bytes: int = 2,
 
 
 def slot_bytes(cfg: ModelConfig, spec_tokens: int = 0, dtype_bytes: int = 2) -> int:
-    """One slot's state: its rings, last token, prompt mask (bool) and output counts (i32)."""
+    """One slot's state: its rings, last token, prompt mask (bool) and output counts (i32);
+    with speculation its SpecCarry (model/state.py: accepted, k drafts, their count, i32)."""
+    carry = (2 + spec_tokens) * _I32 if spec_tokens else 0
     return (slot_ring_bytes(cfg, spec_tokens, dtype_bytes) + _I32
-            + cfg.vocab_size * (1 + _I32))
+            + cfg.vocab_size * (1 + _I32) + carry)
 
 
 def fixed_cache_bytes(cfg: ModelConfig, step_cfg: StepConfig, dtype_bytes: int = 2) -> int:

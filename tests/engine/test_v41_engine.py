@@ -167,7 +167,7 @@ def test_v41_structured_output_without_an_eos_fails_the_request_alone():
 
 
 def test_v41_weights_that_cannot_fit_fail_before_they_load(monkeypatch):
-    from deepinfer_jax.api import llm as llm_module
+    from deepinfer_jax.api import jax_engine as llm_module  # the JAX backend's start-up
     from deepinfer_jax.config.errors import InsufficientMemoryError
 
     def never(*args, **kwargs):

@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deepinfer_jax.api import llm as llm_module
+from deepinfer_jax.api import jax_engine  # the JAX backend's start-up (api/backends.py)
 from deepinfer_jax.api.cli import main
+from deepinfer_jax.api.llm import LLM
 from deepinfer_jax.api.v41_model import load_v41
 from deepinfer_jax.config.compute import ComputeConfig, KernelChoices
 from deepinfer_jax.config.engine import EngineConfig
@@ -140,15 +141,15 @@ def test_llm_hands_the_engine_stacks_at_its_tables_granule(quantized, monkeypatc
         seen.append((step_cfg.compute.fp4_expert_granule,
                      {e.w2.shape[-2] for e in _experts(params)}))
         raise _Built
-    monkeypatch.setattr(llm_module, "EngineCore", engine)
+    monkeypatch.setattr(jax_engine, "EngineCore", engine)
     sizes = [v41_weight_bytes(cfg, True, 4, False, g) for g in (1, 512)]
     budget = dict(device_memory_gib=sum(sizes) / 2 / 2**30, gpu_memory_utilization=1.0)
     loaded = load_v41(quantized)
     for kernels in (None, {"grouped_gemm": ("interpret",)}):
         for model in (quantized, loaded):
             with pytest.raises(_Built):
-                llm_module.LLM(model, dtype=np.float32, kernels=kernels, **SHAPES)
+                LLM(model, dtype=np.float32, kernels=kernels, **SHAPES)
         with pytest.raises(InsufficientMemoryError if kernels else _Built):
-            llm_module.LLM(quantized, dtype=np.float32, kernels=kernels, **SHAPES, **budget)
+            LLM(quantized, dtype=np.float32, kernels=kernels, **SHAPES, **budget)
     inter = cfg.moe_intermediate_size
     assert seen == [(1, {inter})] * 3 + [(512, {512})] * 2
