@@ -114,6 +114,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=256, help="max tokens per step")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--top", type=int, default=0, help="kernels listed (default 25, 40 with --prefill)")
     ap.add_argument("--prefill", type=int, default=0, help="profile one prompt of N tokens")
     ap.add_argument("--chunk", type=int, default=0,
                     help="with --prefill: tokens per step (default: the whole prompt)")
@@ -170,7 +171,7 @@ def main() -> None:
             for _ in range(10):
                 state, out = compiled(engine.params, state, plan)
             jax.block_until_ready(out)
-        table = kernel_table(args.out / "trace", 10, top=40 if args.prefill else 25)
+        table = kernel_table(args.out / "trace", 10, top=args.top or (40 if args.prefill else 25))
         sources = describe(compiled.executable.as_text(), [name for name, _, _ in table])
         for name, ms, count in table:
             print(f"{ms:8.3f} ms  x{count:<4} {name}  {sources.get(name, '')}")

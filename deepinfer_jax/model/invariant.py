@@ -72,16 +72,16 @@ def _fp8_kernels(compute: ComputeConfig) -> tuple[str, ...]:
 
 
 def fp8_linear(x: jax.Array, w: Fp8Blocks, compute: ComputeConfig, out_dtype=None) -> jax.Array:
-    """x [..., K] @ FP8 w [K, N]: the grouped GEMM kernel on one group (it reads the E4M3
+    """x [..., K] @ FP8 w [K, N]: the GEMM kernel on one group (it reads the E4M3
     codes and their block scales), else the dequantized weight through `linear`. Batch-
     invariant mode takes the latter (its dense GEMM reads 16-bit weights only), and so do
     blocks other than the kernels' 128 x 128 (V4.1's 32 x 32)."""
     kernels = _fp8_kernels(compute)
     if kernels and not compute.batch_invariant and kernel_blocks(w):
-        flat = x.reshape(-1, x.shape[-1])
+        flat = x.reshape(1, -1, x.shape[-1])
         try:
-            out = gemm.grouped_matmul(flat, w.codes[None], jnp.full((1,), flat.shape[0], jnp.int32),
-                                      rhs_scale=w.scale[None], implementation=kernels)
+            out = gemm.batched_matmul(flat, w.codes[None], rhs_scale=w.scale[None],
+                                      implementation=kernels)
             return out.reshape(*x.shape[:-1], w.shape[-1]).astype(out_dtype or x.dtype)
         except NotSupported:
             pass
@@ -109,11 +109,10 @@ def grouped_linear(x: jax.Array, w: jax.Array, compute: ComputeConfig) -> jax.Ar
         if kernels and not compute.batch_invariant and kernel_blocks(w):
             groups, k, n = w.shape
             rows = x.reshape(-1, groups, k).swapaxes(0, 1)                   # [G, M, K]
-            sizes = jnp.full((groups,), rows.shape[1], jnp.int32)
             try:
-                out = gemm.grouped_matmul(rows.reshape(-1, k), w.codes, sizes, rhs_scale=w.scale,
-                                          implementation=kernels)
-                return out.reshape(groups, -1, n).swapaxes(0, 1).reshape(*x.shape[:-1], n)
+                out = gemm.batched_matmul(rows, w.codes, rhs_scale=w.scale,
+                                          implementation=kernels)                # [G, M, N]
+                return out.swapaxes(0, 1).reshape(*x.shape[:-1], n)
             except NotSupported:
                 pass
         w = dequantize(w, x.dtype)

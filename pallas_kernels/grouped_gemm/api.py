@@ -18,6 +18,7 @@ large ones), "reference" XLA's ragged_dot, which takes everything.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -64,6 +65,30 @@ def default_config(num_rows: int, n_out: int, fp8: bool = False, swiglu: bool = 
     return TileConfig(block_m=block_m, block_n=block_n, max_concurrent_steps=steps)
 
 
+# Decode-sized products with few output columns (an FP8 projection at M = 16: 4096 -> 512 is
+# 4 programs of 128 columns) leave most SMs idle, each program streaming its whole K alone.
+# Splitting K into ranges (f32 partials, summed after) until the grid has this many programs
+# puts the weight's bytes in flight on every SM (two programs per SM fit in shared memory);
+# a range keeps at least MIN_SPLIT_K of K (4 pipeline steps of 64). On the H200 the sweep's
+# best split gave 256 programs for each of V4-Flash's larger FP8 projections at M = 16
+# (bench/results/kernels-fp8-gpu.md).
+TARGET_PROGRAMS = 256
+MIN_SPLIT_K = 256
+
+
+def split_for_small_batches(config: Config, tiles: int, k: int, n_out: int) -> Config:
+    """config with K split so that `tiles` row tiles fill the GPU (unchanged where they
+    already do, or where the config is not the one-warpgroup kernel's). Not batch-invariant
+    (the ranges follow M): the batch-invariant mode's K split is invariant.py's."""
+    if not isinstance(config, TileConfig) or not config.block_n or n_out % config.block_n:
+        return config
+    splits = 1
+    while tiles * (n_out // config.block_n) * splits < TARGET_PROGRAMS \
+            and k % (2 * splits * config.block_k) == 0 and k // (2 * splits) >= MIN_SPLIT_K:
+        splits *= 2
+    return dataclasses.replace(config, split_k=splits) if splits > 1 else config
+
+
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)   # wgmma's 16-bit inputs (f32 would run as tf32)
 
 
@@ -99,8 +124,12 @@ def _matmul_kernel(lhs, rhs, group_sizes, *, rhs_scale, swiglu_limit, config, in
         return fp4_path.grouped_matmul(lhs, rhs, group_sizes, swiglu_limit=swiglu_limit,
                                        config=config, interpret=interpret)
     n_out = rhs.shape[2] // (2 if swiglu_limit is not None else 1)
-    config = config or default_config(lhs.shape[0], n_out, rhs_scale is not None,
-                                      swiglu_limit is not None)
+    if config is None:
+        config = default_config(lhs.shape[0], n_out, rhs_scale is not None,
+                                swiglu_limit is not None)
+        if swiglu_limit is None and lhs.shape[0] < 4096:
+            tiles = layout.max_tiles(lhs.shape[0], group_sizes.shape[0], config.block_m)
+            config = split_for_small_batches(config, tiles, lhs.shape[1], n_out)
     _check_fits(lhs.shape[1], n_out, config, rhs_scale is not None, lhs.dtype)
     with kernel_mode(interpret):
         tiles = layout.tile_layout(group_sizes, lhs.shape[0], config.block_m)
@@ -121,6 +150,56 @@ _MATMUL = {
     "interpret": functools.partial(_matmul_kernel, interpret=True),
     "dense": functools.partial(_matmul_jnp, dense=True),
     "reference": functools.partial(_matmul_jnp, dense=False),
+}
+
+
+def batched_config(groups: int, rows: int, k: int, n_out: int, fp8: bool) -> TileConfig:
+    """batched_matmul's config: the one-warpgroup kernel's default tiles, K split where the
+    row tiles leave the GPU idle (decode)."""
+    config = default_config(groups * rows, n_out, fp8, warp_specialized=False)
+    if groups * rows >= 4096:
+        return config
+    return split_for_small_batches(config, groups * -(-rows // config.block_m), k, n_out)
+
+
+def batched_matmul(lhs: jax.Array, rhs: jax.Array, *, rhs_scale: jax.Array | None = None,
+                   implementation: Implementation = "reference",
+                   config: TileConfig | None = None) -> jax.Array:
+    """lhs [G, M, K] @ rhs [G, K, N] (bf16, or FP8 E4M3 codes with rhs_scale f32[G, K/128,
+    N/128]) -> [G, M, N] in lhs's dtype: groups of equal size, so no tile layout (each group's
+    rows padded to whole tiles in place). The FP8 dense projections (G = 1) and the
+    attention's grouped output projection take it."""
+    return dispatch("batched_gemm", _BATCHED, implementation, lhs, rhs, rhs_scale=rhs_scale,
+                    config=config)
+
+
+def _batched_kernel(lhs, rhs, *, rhs_scale, config, interpret):
+    groups, rows, k = lhs.shape
+    n_out, fp8 = rhs.shape[2], rhs_scale is not None
+    config = config or batched_config(groups, rows, k, n_out, fp8)
+    _check_fits(k, n_out, config, fp8, lhs.dtype)
+    with kernel_mode(interpret):
+        padded = jnp.pad(lhs, ((0, 0), (0, -rows % config.block_m), (0, 0)))
+        tile_group = jnp.repeat(jnp.arange(groups, dtype=jnp.int32),
+                                padded.shape[1] // config.block_m)
+        out = mosaic_gpu.tiled_group_matmul(padded.reshape(-1, k), rhs, tile_group, rhs_scale,
+                                            config=config)
+        if config.split_k > 1:          # the K ranges' f32 partial sums
+            out = out.sum(axis=0).astype(lhs.dtype)
+        return out.reshape(groups, -1, n_out)[:, :rows]
+
+
+def _batched_jnp(lhs, rhs, *, rhs_scale, config):
+    if rhs_scale is not None:
+        rhs = reference.dequantize(rhs, rhs_scale, lhs.dtype)
+    out = jnp.einsum("gmk,gkn->gmn", lhs, rhs, preferred_element_type=jnp.float32)
+    return out.astype(lhs.dtype)
+
+
+_BATCHED = {
+    "mosaic_gpu": functools.partial(_batched_kernel, interpret=False),
+    "interpret": functools.partial(_batched_kernel, interpret=True),
+    "reference": _batched_jnp,
 }
 
 
@@ -244,4 +323,6 @@ def _tiled(lhs, rhs, tiles: layout.TileLayout, rhs_scale, swiglu_limit,
     else:
         out = mosaic_gpu.tiled_group_matmul(lhs, rhs, tiles.tile_group, rhs_scale,
                                             swiglu_limit=swiglu_limit, config=config)
+        if config.split_k > 1:          # the K ranges' f32 partial sums
+            out = out.sum(axis=0).astype(lhs.dtype)
     return out if sorted_rows is None else layout.from_tiles(out, tiles)

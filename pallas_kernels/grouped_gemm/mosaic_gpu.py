@@ -55,8 +55,8 @@ class TileConfig:
         if k % (self.block_k * self.split_k) or n_out % self.block_n:
             raise ValueError(f"K={k} and N={n_out} must be multiples of "
                              f"{self.block_k} x {self.split_k} and {self.block_n}")
-        if self.split_k > 1 and (fp8 or swiglu):
-            raise ValueError("split K: bf16 weights and no epilogue (the sums are partial)")
+        if self.split_k > 1 and swiglu:
+            raise ValueError("split K: no epilogue (the sums are partial)")
         if fp8 and (SCALE_BLOCK % self.block_k or SCALE_BLOCK % self.block_n):
             raise ValueError("with FP8 weights a tile must lie inside one 128 x 128 scale block")
 
@@ -139,7 +139,7 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
                 (kk,) = index
                 for half, (acc, w) in enumerate(zip(accs, rhs_smems, strict=True)):
                     if fp8:   # staging alternates between two slots, see the wait below
-                        scale = scale_ref[group, (kk * bk) // SCALE_BLOCK,
+                        scale = scale_ref[group, ((first + kk) * bk) // SCALE_BLOCK,
                                           (col * bn + half * n_out) // SCALE_BLOCK]
                         staging = dequantized.at[kk % 2, half]
                         staging[...] = (w[...].astype(jnp.float32) * scale).astype(lhs.dtype)

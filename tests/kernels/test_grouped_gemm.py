@@ -111,6 +111,53 @@ def test_kernel_matches_reference_fp8_block_scales(case, swiglu):
     close(out, ref)
 
 
+def fp8_problem(sizes, k: int, n: int, seed: int = 0):
+    """FP8 E4M3 weights [G, k, n] with a different scale for every 128 x 128 block."""
+    rng = np.random.default_rng(seed)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    lhs = jnp.asarray(rng.standard_normal((int(sizes.sum()), k)), jnp.bfloat16)
+    scale = rng.uniform(0.01, 0.05, (len(sizes), k // 128, n // 128)).astype(np.float32)
+    full = np.repeat(np.repeat(scale, 128, 1), 128, 2)
+    codes = (rng.standard_normal((len(sizes), k, n)) / 8 / full).astype(ml_dtypes.float8_e4m3fn)
+    return lhs, jnp.asarray(codes), sizes, jnp.asarray(scale)
+
+
+@pytest.mark.parametrize("sizes", [[16], [5, 0, 9]], ids=["one group", "groups"])
+def test_fp8_split_k_reads_each_ranges_block_scales(sizes):
+    """K split into 4 ranges over FP8 weights: each range's programs dequantize with the scales
+    of their own K blocks (range r starts at block r of a 512-row weight), the partials summed."""
+    lhs, codes, group_sizes, scale = fp8_problem(sizes, 512, 128)
+    ref = reference.grouped_matmul(lhs, codes, group_sizes, rhs_scale=scale)
+    out = api.grouped_matmul(lhs, codes, group_sizes, rhs_scale=scale, implementation=KERNEL,
+                             config=TileConfig(block_n=128, split_k=4))
+    close(out, ref)
+
+
+@pytest.mark.parametrize("groups, rows, config", [(1, 16, None), (3, 70, None),
+                                                   (2, 5, TileConfig(block_n=64, split_k=2))])
+def test_batched_matmul_fp8_matches_the_dequantized_product(groups, rows, config):
+    """Equal groups without a tile layout (the FP8 dense projections, G = 1, and the grouped
+    output projection): each group's rows against its own weight, rows not a whole tile."""
+    lhs, codes, _, scale = fp8_problem([rows] * groups, 256, 128, seed=groups)
+    lhs = lhs.reshape(groups, rows, -1)
+    want = np.einsum("gmk,gkn->gmn", np.asarray(lhs, np.float32),
+                     np.asarray(reference.dequantize(codes, scale, jnp.float32)))
+    for impl in ("reference", KERNEL):
+        close(api.batched_matmul(lhs, codes, rhs_scale=scale, implementation=impl, config=config),
+              want)
+
+
+def test_small_batches_split_k_until_the_gpu_is_filled():
+    """The decode default: an FP8 4096 -> 512 projection at M = 16 (one row tile, 4 column
+    blocks) splits K until 256 programs or 256 rows a range; a wide one is left whole."""
+    narrow = api.split_for_small_batches(TileConfig(block_n=128), 1, 4096, 512)
+    assert narrow.split_k == 16                         # 4 x 16 = 64 programs (K floor)
+    assert api.split_for_small_batches(TileConfig(block_n=128), 1, 8192, 4096).split_k == 8
+    assert api.split_for_small_batches(TileConfig(block_n=128), 1, 1024, 32768).split_k == 1
+    assert api.split_for_small_batches(TileConfig(block_n=128), 8, 4096, 1024).split_k == 4
+    assert api.split_for_small_batches(TileConfig(block_n=128), 64, 4096, 4096).split_k == 1
+
+
 def test_expert_mlp_matches_reference_chain():
     rng = np.random.default_rng(7)
     sizes = jnp.asarray(SIZES["empty experts"], jnp.int32)
