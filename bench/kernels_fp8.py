@@ -7,7 +7,7 @@ for every FP8 projection outside batch-invariant mode) against the copy bandwidt
 
 Each projection is timed as a step meets it: LAYERS distinct weights (as many layers, more
 bytes than the L2 cache holds) in one jitted call, so a launch's host cost is not the figure.
-At --sweep-rows the tile width and K split are swept, the engine's choice
+At --sweep-rows the tile shape, pipeline depth and K split are swept, the engine's choice
 (api.batched_config) marked. Every result is checked against the dequantized
 weight's float32 product.
 """
@@ -80,21 +80,26 @@ def bytes_read(p: Projection, rows: int) -> int:
 
 
 def variants(p: Projection, rows: int, sweep: bool) -> list[tuple[str, TileConfig | None]]:
+    """The engine's config, and with `sweep` the K splits of 128- and 64-column tiles with
+    64-row K steps, and of 128-column tiles with 128-row K steps (one scale block a step, half
+    the steps) at 3 and 4 steps in flight."""
     chosen = [("engine", None)]
     if not sweep:
         return chosen
-    for block_n in (128, 64):
+    for block_n, block_k, steps in ((128, 64, 4), (64, 64, 4), (128, 128, 3), (128, 128, 4)):
         splits = 1
-        while p.k % (splits * 64) == 0 and p.k // splits >= 128 and p.n % block_n == 0:
-            chosen.append((f"n{block_n} split{splits}",
-                           TileConfig(block_n=block_n, split_k=splits)))
+        while p.k % (splits * block_k) == 0 and p.k // splits >= 2 * block_k \
+                and p.n % block_n == 0:
+            chosen.append((f"n{block_n} k{block_k}x{steps} split{splits}",
+                           TileConfig(block_n=block_n, block_k=block_k,
+                                      max_concurrent_steps=steps, split_k=splits)))
             splits *= 2
     return chosen
 
 
 def engine_config(p: Projection, rows: int) -> str:
     config = api.batched_config(p.groups, rows, p.k, p.n, fp8=True)
-    return f"n{config.block_n} split{config.split_k}"
+    return f"n{config.block_n} k{config.block_k}x{config.max_concurrent_steps} split{config.split_k}"
 
 
 def case(p: Projection, rows: int, impl: str, sweep: bool, copy_tbps: float) -> list[dict]:
