@@ -25,7 +25,13 @@ from deepinfer_jax.api.server.engine_process import EngineProcess, EngineStartEr
 from tests.api.conftest import CHAT, MODEL, PROMPTS, SCHEMA, running_server
 from tests.api.server_process import wait_until
 from tests.api.test_server_errors import COMPLETION_CASES, _bad
-from tests.api.test_server_lifecycle import _long_request, _metrics, _value
+from tests.api.test_server_lifecycle import (
+    _assert_counted_one_request,
+    _long_request,
+    _metrics,
+    _moved,
+    _value,
+)
 
 
 @pytest.fixture(scope="module")
@@ -101,15 +107,8 @@ def test_metrics_follow_the_engine_in_its_process(remote, served):
                                     temperature=0, extra_body={"ignore_eos": True})
     after = _metrics(base_url)
 
-    def moved(name, **labels):
-        return _value(after, name, **labels) - _value(before, name, **labels)
-
-    assert moved("deepinfer_generation_tokens_total") == out.usage.completion_tokens == 10
-    assert moved("deepinfer_prompt_tokens_total") == out.usage.prompt_tokens
-    assert moved("deepinfer_request_success_total", finished_reason="length") == 1
-    assert moved("deepinfer_time_to_first_token_seconds_count") == 1
-    assert moved("deepinfer_inter_token_latency_seconds_count") == 9
-    assert moved("deepinfer_engine_steps_total") >= 10
+    _assert_counted_one_request(before, after, out.usage, 10)
+    assert _moved(before, after, "deepinfer_engine_steps_total") >= 10
     num_pages = served.llm.step_config.num_pages
     assert _value(after, "deepinfer_cache_pages_total") == num_pages
     assert _value(after, "deepinfer_cache_pages_free") == num_pages

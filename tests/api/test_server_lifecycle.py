@@ -30,6 +30,20 @@ def _value(metrics, name: str, **labels) -> float:
     return metrics.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+def _moved(before, after, name: str, **labels) -> float:
+    return _value(after, name, **labels) - _value(before, name, **labels)
+
+
+def _assert_counted_one_request(before, after, usage, tokens: int) -> None:
+    """One completion of `tokens` tokens (its usage as the response reports it), finished by
+    its length, moved the token, success and latency counters by exactly that much."""
+    assert _moved(before, after, "deepinfer_generation_tokens_total") == usage.completion_tokens == tokens
+    assert _moved(before, after, "deepinfer_prompt_tokens_total") == usage.prompt_tokens
+    assert _moved(before, after, "deepinfer_request_success_total", finished_reason="length") == 1
+    assert _moved(before, after, "deepinfer_time_to_first_token_seconds_count") == 1
+    assert _moved(before, after, "deepinfer_inter_token_latency_seconds_count") == tokens - 1
+
+
 def _long_request(**extra) -> dict:
     return dict(model=MODEL, prompt=PROMPTS[2], max_tokens=400, temperature=0,
                 extra_body={"ignore_eos": True}, **extra)
@@ -87,18 +101,11 @@ def test_metrics_parse_and_follow_the_requests(served):
         pass
     after = _metrics(served.base_url)
 
-    def moved(name, **labels):
-        return _value(after, name, **labels) - _value(before, name, **labels)
-
-    assert moved("deepinfer_generation_tokens_total") == out.usage.completion_tokens == 10
-    assert moved("deepinfer_prompt_tokens_total") == out.usage.prompt_tokens
-    assert moved("deepinfer_request_success_total", finished_reason="length") == 1
-    assert moved("deepinfer_time_to_first_token_seconds_count") == 1
-    assert moved("deepinfer_inter_token_latency_seconds_count") == 9
-    assert moved("deepinfer_e2e_request_latency_seconds_count") == 1
-    assert moved("deepinfer_e2e_request_latency_seconds_sum") > 0
-    assert moved("deepinfer_request_errors_total", kind="model_not_found") == 1
-    assert moved("deepinfer_engine_steps_total") >= 10
+    _assert_counted_one_request(before, after, out.usage, 10)
+    assert _moved(before, after, "deepinfer_e2e_request_latency_seconds_count") == 1
+    assert _moved(before, after, "deepinfer_e2e_request_latency_seconds_sum") > 0
+    assert _moved(before, after, "deepinfer_request_errors_total", kind="model_not_found") == 1
+    assert _moved(before, after, "deepinfer_engine_steps_total") >= 10
     assert _value(after, "deepinfer_cache_pages_total") == served.llm.step_config.num_pages
     assert _value(after, "deepinfer_cache_pages_free") == served.llm.step_config.num_pages
     assert _value(after, "deepinfer_num_requests_waiting") == 0
