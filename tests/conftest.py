@@ -43,26 +43,6 @@ os.environ["DEEPINFER_STEP_CACHE"] = "0"
 # threads always leave the last one room; more cost the other tests time on two cores (two test
 # files: 99 s with 2 threads, 106 s with 4, 123 s with 8). Larger machines keep a thread a core.
 os.environ.setdefault("PJRT_NPROC", str(max(4, os.cpu_count() or 1)))
-# On the CPU the tests' time is mostly tracing and compiling small steps, not running them:
-# LLVM at -O0 compiles them faster (an engine test 43 -> 37 s; the grouped-GEMM and MoE tests,
-# interpreted kernels that do run, 118 -> 109 s; measured on CI's 2-core machine). IEEE
-# arithmetic is the same at every level (no fast-math), so the numerics tests compare the same
-# values. Only where the tests run on the CPU (`make test` sets JAX_PLATFORMS=cpu): a GPU's
-# kernels are compiled as they ship.
-CPU_TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
-if os.environ.get("JAX_PLATFORMS") == "cpu" and CPU_TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_TEST_XLA_FLAGS}".strip()
-
-
-def cpu_devices_env(devices: int | None = None) -> dict[str, str]:
-    """The environment of a test's CPU subprocess: this one's (its XLA flags kept), with
-    `devices` host devices where given."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if devices is not None:
-        flags = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
-    return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-
-
 ORACLE_DIR = Path(os.environ.get("DEEPINFER_ORACLE_DIR", REPO / ".cache" / "oracle"))
 ORACLE_CASES = ("tiny-mixed", "tiny-sigmoid", "tiny-legacy")
 # The two tiny DeepSeek-V4.1 checkpoints with transformers-main reference outputs (issue 36),

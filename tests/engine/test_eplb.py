@@ -9,6 +9,7 @@ device's load; and the engine rebalances on its own every `step_interval` steps.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -27,7 +28,7 @@ from deepinfer_jax.parallel.eplb import (
     placement_tables,
     transfer_sources,
 )
-from tests.conftest import REPO, cpu_devices_env
+from tests.conftest import REPO
 
 CFG = read_model_config(REPO / "configs/tiny/tiny-mixed.json")
 
@@ -84,7 +85,8 @@ def test_bad_balancer_options_name_the_sizes():
 
 @pytest.fixture(scope="module")
 def run():
-    env = cpu_devices_env(8)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, str(REPO / "tests/engine/eplb_run.py")], env=env,
                           capture_output=True, text=True, timeout=900, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -8,6 +8,7 @@ the batch when their background compile ends, at another step in each process) a
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from deepinfer_jax.config.engine import EngineConfig, EngineConfigError
 from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.config.options import DeviceFacts
 from deepinfer_jax.parallel.distributed import join_processes
-from tests.conftest import REPO, cpu_devices_env
+from tests.conftest import REPO
 
 CFG = read_model_config(REPO / "configs/tiny/tiny-mixed.json")
 # (dp, ep, tp): one mesh with every axis, a data-parallel rank a process, the experts over both
@@ -69,14 +70,15 @@ def _run_together(commands: dict[str, list[str]], envs: dict[str, dict]) -> dict
 @pytest.fixture(scope="module")
 def runs():
     address = f"127.0.0.1:{_free_port()}"
-    base = cpu_devices_env()
+    base = dict(os.environ, JAX_PLATFORMS="cpu")
     commands = {"single": [sys.executable, str(REPO / "tests/engine/parallel_run.py"),
                            "configs/tiny/tiny-mixed.json"]}
-    envs = {"single": base}
+    envs = {"single": dict(base, XLA_FLAGS="")}
     for process in range(PROCESSES):
         commands[f"process{process}"] = [sys.executable, str(REPO / "tests/engine/multihost_run.py"),
                                          address, str(PROCESSES), str(process), *MESHES]
-        envs[f"process{process}"] = cpu_devices_env(DEVICES_EACH)
+        envs[f"process{process}"] = dict(
+            base, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_EACH}")
     outs = _run_together(commands, envs)
     return {name: json.loads(out.strip().splitlines()[-1]) for name, out in outs.items()}
 
