@@ -69,9 +69,9 @@ def default_config(num_rows: int, n_out: int, fp8: bool = False, swiglu: bool = 
 # 4 programs of 128 columns) leave most SMs idle, each program streaming its whole K alone.
 # Splitting K into ranges (f32 partials, summed after) until the grid has this many programs
 # puts the weight's bytes in flight on every SM (two programs per SM fit in shared memory);
-# a range keeps at least MIN_SPLIT_K of K (4 pipeline steps of 64). On the H200 the sweep's
-# best split gave 256 programs for each of V4-Flash's larger FP8 projections at M = 16
-# (bench/results/kernels-fp8-gpu.md).
+# a range keeps at least MIN_SPLIT_K of K (4 pipeline steps of 64). 256 programs: the best
+# split of each of V4-Flash's larger FP8 projections at M = 16 on the H200 gave that many
+# (docs/performance-log.md, bench/kernels_fp8.py).
 TARGET_PROGRAMS = 256
 MIN_SPLIT_K = 256
 
