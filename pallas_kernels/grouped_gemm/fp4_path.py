@@ -53,6 +53,12 @@ def _to_kernel_form(rows: jax.Array, tiles: layout.TileLayout, block_m: int) -> 
     return layout.to_tiles(rows, tiles, block_m).T[order]
 
 
+def kernel_input(rows: jax.Array, group_sizes: jax.Array, block_m: int):
+    """Rows sorted by group -> (x^T in the kernel's form, their tile layout)."""
+    tiles = layout.tile_layout(group_sizes, rows.shape[0], block_m)
+    return _to_kernel_form(rows, tiles, block_m), tiles
+
+
 def _from_kernel_form(out_t: jax.Array, tiles: layout.TileLayout, order=None) -> jax.Array:
     return layout.from_tiles(out_t.T, tiles, order)
 

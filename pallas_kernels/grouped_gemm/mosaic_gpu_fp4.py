@@ -65,6 +65,9 @@ class Fp4Config:
     # instead of a program's whole scale rows staged before its first step: no serial
     # round trip ahead of the pipeline, and less shared memory a program.
     scales_in_pipeline: bool = False
+    # The codes come tile-major (`tile_major`): each program step's [block_n, block_k/2] bytes
+    # one contiguous piece of memory, instead of block_n rows of block_k/2 bytes strided by K/2.
+    tile_major: bool = False
 
     def check(self, k: int, n_out: int) -> None:
         if self.block_m % 8 or not 8 <= self.block_m <= 256:
@@ -96,7 +99,15 @@ def kernel_name(config: Fp4Config, k: int, n_out: int, swiglu: bool) -> str:
     return "_".join(["grouped_gemm_fp4", f"{c.block_n}x{c.block_m}x{c.block_k}",
                      f"k{k}", f"n{n_out}"] + ["swiglu"] * swiglu
                     + ["smem_a"] * (not c.a_in_registers) + ["pipelined_scales"] * c.scales_in_pipeline
-                    + [f"chains{c.k_chains}"] * (c.k_chains > 1))
+                    + [f"chains{c.k_chains}"] * (c.k_chains > 1) + ["tile_major"] * c.tile_major)
+
+
+def tile_major(packed: jax.Array, block_n: int, block_k: int) -> jax.Array:
+    """u8[G, N, K/2] -> u8[G, (N/block_n) * (K/block_k) * block_n, block_k/2]: row block r's
+    step s is rows [(r * K/block_k + s) * block_n, +block_n), one contiguous piece."""
+    g, n, half_k = packed.shape
+    tiles = packed.reshape(g, n // block_n, block_n, half_k * 2 // block_k, block_k // 2)
+    return tiles.transpose(0, 1, 3, 2, 4).reshape(g, -1, block_k // 2)
 
 
 @functools.partial(jax.jit, static_argnames=("swiglu_limit", "config", "out_dtype"))
@@ -104,12 +115,13 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
                        tile_group: jax.Array, *, swiglu_limit: float | None = None,
                        config: Fp4Config = Fp4Config(), out_dtype=jnp.bfloat16) -> jax.Array:
     """x_t bf16[K, T * block_m] (columns = tiled rows, K in `nibble_order`; tile t belongs to
-    group tile_group[t], -1: unused), packed u8[G, N, K/2], scale u8[G, K/32, N] ->
+    group tile_group[t], -1: unused), packed u8[G, N, K/2] (`tile_major` form if the config
+    says so), scale u8[G, K/32, N] ->
     out_t [N_out, T * block_m] (N_out = N, or N/2 with the SwiGLU epilogue: rows [0, N/2) of
     the weight are the gate, the rest the up projection). Unused tiles' columns stay unwritten."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     k, cols = x_t.shape
-    n = packed.shape[1]
+    n = scale.shape[-1]
     halves = 2 if swiglu_limit is not None else 1
     n_out = n // halves
     config.check(k, n_out)
@@ -174,9 +186,14 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
                     plgpu.wgmma_wait(0)     # the step's slots are released when it returns
 
                 specs = [plgpu.BlockSpec((bk, bm), lambda kk: (kk, tile), transforms=x_transforms)]
-                specs += [plgpu.BlockSpec((bn, bk // 2), functools.partial(
-                    lambda kk, half: (weight_rows(half), kk), half=half))
-                    for half in range(halves)]
+                if config.tile_major:
+                    specs += [plgpu.BlockSpec((bn, bk // 2), functools.partial(
+                        lambda kk, half: (weight_rows(half) * steps + kk, 0), half=half))
+                        for half in range(halves)]
+                else:
+                    specs += [plgpu.BlockSpec((bn, bk // 2), functools.partial(
+                        lambda kk, half: (weight_rows(half), kk), half=half))
+                        for half in range(halves)]
                 inputs = [x_ref, *[packed_ref.at[group]] * halves]
                 if pipelined:
                     specs += [plgpu.BlockSpec((groups_per_step, bn), functools.partial(

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels import quantized
-from pallas_kernels.common import NotSupported, abstract_gpu
+from pallas_kernels.common import NotSupported, abstract_gpu, kernel_mode
 from pallas_kernels.grouped_gemm import api, fp4_path, reference
-from pallas_kernels.grouped_gemm.mosaic_gpu_fp4 import Fp4Config, tiled_fp4_matmul_t
+from pallas_kernels.grouped_gemm.mosaic_gpu_fp4 import Fp4Config, tile_major, tiled_fp4_matmul_t
 from tests.kernels.gemm_cases import KERNEL, close, routed_pairs
 
 K = 512                       # the kernel stages scale rows in 16-byte pieces: K % 512 == 0
@@ -106,6 +106,25 @@ def test_kernel_reads_every_nibble_and_scale_exactly(dequant, chains, pipelined)
     np.testing.assert_array_equal(bits(out), bits(ref))
 
 
+@pytest.mark.parametrize("swiglu", [None, 7.0])
+def test_tile_major_codes_give_the_same_bits(swiglu):
+    """The codes laid out tile-major (one program step's bytes contiguous) are read as the
+    row-major ones: the same output, bit for bit."""
+    rng = np.random.default_rng(6)
+    lhs, sizes = rows(rng, SIZES["empty experts"], k=2 * K)
+    w = fp4_weights(rng, len(SIZES["empty experts"]), N, 2 * K)
+    config = Fp4Config(block_n=64, block_k=128, a_in_registers=KERNEL != "interpret",
+                       dequant="bits")
+    with kernel_mode(KERNEL == "interpret"):
+        x_t, tiles = fp4_path.kernel_input(lhs, sizes, config.block_m)
+        call = functools.partial(tiled_fp4_matmul_t, x_t, scale=w.scale,
+                                 tile_group=tiles.tile_group, swiglu_limit=swiglu)
+        row_major = call(packed=w.packed, config=config)
+        tiled = call(packed=tile_major(w.packed, 64, 128),
+                     config=dataclasses_replace(config, tile_major=True))
+    np.testing.assert_array_equal(bits(tiled), bits(row_major))
+
+
 @pytest.mark.parametrize("a_in_registers", [True, False])
 def test_expert_mlp_end_to_end(a_in_registers):
     """Tokens in by source_rows, (token, slot) pairs out by out_order, through both FP4 GEMMs
@@ -134,21 +153,22 @@ def test_unfit_shapes_fall_through_to_the_reference():
         bits(api.grouped_matmul(lhs, quantized.dequantize(w), sizes)))
 
 
-@pytest.mark.parametrize("swiglu, k, n, dequant, chains, pipelined", [
-    (10.0, 4096, 4096, "convert", 1, False), (None, 2048, 4096, "convert", 1, False),
-    (10.0, 4096, 4096, "bits_ptx", 1, False), (10.0, 4096, 4096, "bits_ptx", 4, True),
-    (None, 2048, 4096, "bits_ptx", 2, True)])
+@pytest.mark.parametrize("swiglu, k, n, dequant, chains, pipelined, tiled", [
+    (10.0, 4096, 4096, "convert", 1, False, False), (None, 2048, 4096, "convert", 1, False, False),
+    (10.0, 4096, 4096, "bits_ptx", 1, False, False), (10.0, 4096, 4096, "bits_ptx", 4, True, True),
+    (None, 2048, 4096, "bits_ptx", 2, True, False), (None, 2048, 4096, "bits_ptx", 1, True, True)])
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_kernel_lowers_for_cuda_at_v4_flash_shapes(swiglu, k, n, dequant, chains, pipelined,
-                                                    block_m):
+                                                    tiled, block_m):
     """Mosaic's layout, register and shared-memory rules, checked at lowering (no GPU)."""
     config = dataclasses_replace(fp4_path.default_config(100), block_m=block_m, dequant=dequant,
-                                 k_chains=chains, scales_in_pipeline=pipelined)
+                                 k_chains=chains, scales_in_pipeline=pipelined, tile_major=tiled)
     fn = jax.jit(functools.partial(tiled_fp4_matmul_t, swiglu_limit=swiglu, config=config))
     with abstract_gpu():
         exported = jax.export.export(fn, platforms=["cuda"])(
             jax.ShapeDtypeStruct((k, 400 * block_m), jnp.bfloat16),
-            jax.ShapeDtypeStruct((256, n, k // 2), jnp.uint8),
+            jax.ShapeDtypeStruct((256, n, k // 2) if not tiled else
+                                 (256, n * k // config.block_k, config.block_k // 2), jnp.uint8),
             jax.ShapeDtypeStruct((256, k // 32, n), jnp.uint8),
             jax.ShapeDtypeStruct((400,), jnp.int32))
     assert "mosaic_gpu" in exported.mlir_module()
