@@ -52,10 +52,13 @@ def test_logits_and_selections_match_the_reference(folder):
 
 
 
-def test_the_outlier_window_starts_at_an_fp8_rounding_boundary(monkeypatch):
-    """Fixture a's one window of positions beyond 1e-4 (prompt 2) is the README's isolated
-    fake-quant flip: at its first position one layer's window K=V holds a value within 1e-6
-    (relative) of an e4m3 rounding boundary, where a float32 matmul-order difference decides."""
+def test_positions_beyond_1e4_follow_an_fp8_rounding_boundary(monkeypatch):
+    """The README's isolated fake-quant flips: fixture a holds window K=V values within 1e-6
+    (relative) of an e4m3 rounding boundary, where a float32 matmul-order difference decides
+    the rounding, and every position whose logits are beyond 1e-4 of the reference lies in
+    the sliding window that starts at such a value. Whether a flip happens depends on the
+    machine's summation order (none flipped on an AMD EPYC with AVX-512 BF16), so the
+    test checks the boundary values themselves, and the outliers wherever there are any."""
     folder = FIXTURES[0]
     cfg, params, ref = case(folder)
     live = ref["attention_mask"].astype(bool)
@@ -76,19 +79,20 @@ def test_the_outlier_window_starts_at_an_fp8_rounding_boundary(monkeypatch):
         return logits, list(recorded)
 
     logits, window_kv = traced(params, jnp.asarray(ref["input_ids"]), jnp.asarray(live), jnp.asarray(ids))
-    err = np.abs(np.asarray(logits) - ref["logits"]).max(-1) * live
-    rows, cols = np.nonzero(err > 1e-4)
-    assert len(rows), "no outliers left: tighten test_logits_and_selections_match_the_reference"
-    row, first = rows[0], cols[rows == rows[0]].min()
 
     def cast(q):
         return q.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
 
-    near = []
-    for layer, kv in enumerate(window_kv):
-        blocks = np.asarray(kv)[row, first].reshape(-1, 32)
-        scale = np.exp2(np.ceil(np.log2(np.maximum(np.abs(blocks).max(-1, keepdims=True), 1e-4) / 448)))
+    near = np.zeros(live.shape, bool)                      # [B, S]: a window value at a boundary
+    for kv in window_kv:
+        blocks = np.asarray(kv, np.float32).reshape(*live.shape, -1, 32)
+        scale = np.exp2(np.ceil(np.log2(np.maximum(np.abs(blocks).max(-1, keepdims=True), 1e-4)
+                                        / 448)))
         q = blocks / scale
-        if (cast(q * (1 + 1e-6)) != cast(q * (1 - 1e-6))).any():
-            near.append(layer)
-    assert near, f"no window value of position {first} (row {row}) near an e4m3 boundary"
+        near |= (cast(q * (1 + 1e-6)) != cast(q * (1 - 1e-6))).any((-2, -1))
+    near &= live
+    assert near.any(), "no window value of fixture a near an e4m3 boundary"
+    err = np.abs(np.asarray(logits) - ref["logits"]).max(-1) * live
+    for row, col in zip(*np.nonzero(err > 1e-4), strict=True):
+        starts = np.nonzero(near[row, max(0, col - cfg.sliding_window + 1):col + 1])[0]
+        assert len(starts), f"row {row} position {col}: {err[row, col]:.1e} off, no boundary value before it"
