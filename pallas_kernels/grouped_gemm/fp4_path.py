@@ -69,8 +69,8 @@ def grouped_matmul(lhs, w: quantized.Fp4Blocks, group_sizes, *, swiglu_limit, co
                                       "gate_up" if swiglu_limit is not None else "down", n_out)
     _check(lhs, w, n_out, config)
     with kernel_mode(interpret):
-        tiles = layout.tile_layout(group_sizes, lhs.shape[0], config.block_m)
-        out_t = tiled_fp4_matmul_t(_to_kernel_form(lhs, tiles, config.block_m), w.packed,
+        x_t, tiles = kernel_input(lhs, group_sizes, config.block_m)
+        out_t = tiled_fp4_matmul_t(x_t, w.packed,
                                    w.scale, tiles.tile_group, swiglu_limit=swiglu_limit,
                                    config=config, out_dtype=lhs.dtype)
         return _from_kernel_form(out_t, tiles)

@@ -122,7 +122,8 @@ def test_tile_major_codes_give_the_same_bits(swiglu):
         row_major = call(packed=w.packed, config=config)
         tiled = call(packed=tile_major(w.packed, 64, 128),
                      config=dataclasses_replace(config, tile_major=True))
-    np.testing.assert_array_equal(bits(tiled), bits(row_major))
+    used = np.repeat(np.asarray(tiles.tile_group) >= 0, config.block_m)   # unused: unwritten
+    np.testing.assert_array_equal(bits(tiled)[:, used], bits(row_major)[:, used])
 
 
 @pytest.mark.parametrize("a_in_registers", [True, False])
