@@ -52,6 +52,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--quantized", action="store_true")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--trace", type=Path, default=None,
+                    help="profile as many more steps per row under DIR: device busy ms per step "
+                         "and the kernels by time, beside the loop's host/wait split")
     args = ap.parse_args()
     ceilings = measure_ceilings(small=jax.default_backend() != "gpu")
     print(ceilings, flush=True)
@@ -70,7 +73,8 @@ def main() -> None:
         engine_s = time.perf_counter() - start
         rng = np.random.default_rng(layers)
         for batch in args.batches:
-            row = decode(llm, batch, args.context, args.steps, rng)
+            trace_dir = args.trace / f"l{layers}-b{batch}" if args.trace else None
+            row = decode(llm, batch, args.context, args.steps, rng, trace_dir)
             roof = decode_roofline(counts, cfg, batch, args.context, ceilings["copy_tbps"])
             ms = 1e3 * batch / row["tokens_per_s"]
             rows.append({"layers": layers, "batch": batch, "ms_per_step": ms,
@@ -78,8 +82,18 @@ def main() -> None:
                          "roofline_ms": 1e3 * batch / roof["tokens_per_s"],
                          "datasheet_roofline_ms": 1e3 * batch / roof["tokens_per_s"]
                          * ceilings["copy_tbps"] / DATASHEET_TBPS,
-                         "bytes_per_step": roof["bytes_per_step"], "engine_s": engine_s})
-            print(rows[-1], flush=True)
+                         "bytes_per_step": roof["bytes_per_step"], "engine_s": engine_s,
+                         **{k: row[k] for k in ("host_ms_per_step", "wait_ms_per_step",
+                                                "device_busy_ms_per_step", "kernels_per_step",
+                                                "top_kernels", "idle") if k in row}})
+            print({k: v for k, v in rows[-1].items() if k not in ("top_kernels", "idle")},
+                  flush=True)
+            if "idle" in rows[-1]:
+                print({k: v for k, v in rows[-1]["idle"].items() if k != "longest"}, flush=True)
+                for gap in rows[-1]["idle"]["longest"]:
+                    print(f"  gap {gap['us']:7.1f} us after {gap['after']} before {gap['before']}")
+            for k in rows[-1].get("top_kernels", []):
+                print(f"  {k['ms_per_step']:8.3f} ms  x{k['launches']:<4} {k['name']}", flush=True)
         del llm, params
         gc.collect()
     slopes = {}
@@ -93,12 +107,16 @@ def main() -> None:
     lines = [f"Model: {label}, random weights; decode at a {args.context}-token context; mean ms "
              f"per step over {args.steps} loop steps (bench/e2e.py decode); copy ceiling "
              f"{ceilings['copy_tbps']:.2f} TB/s measured in this run.", "",
-             "| layers | batch | ms/step | ITL p50 / p90 ms | roofline ms (measured copy) | "
-             "roofline ms (4.8 TB/s) |", "|---:|---:|---:|---:|---:|---:|"]
+             "| layers | batch | ms/step | ITL p50 / p90 ms | host / waiting ms | device busy / "
+             "idle ms (kernels) | roofline ms (measured copy) | roofline ms (4.8 TB/s) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        busy = (f"{r['device_busy_ms_per_step']:.3f} / {r['idle']['idle_ms_per_call']:.3f} "
+                f"({r['kernels_per_step']:.0f})" if "device_busy_ms_per_step" in r else "-")
         lines.append(f"| {r['layers']} | {r['batch']} | {r['ms_per_step']:.3f} | "
-                     f"{r['itl_p50_ms']:.3f} / {r['itl_p90_ms']:.3f} | {r['roofline_ms']:.3f} | "
-                     f"{r['datasheet_roofline_ms']:.3f} |")
+                     f"{r['itl_p50_ms']:.3f} / {r['itl_p90_ms']:.3f} | "
+                     f"{r['host_ms_per_step']:.3f} / {r['wait_ms_per_step']:.3f} | {busy} | "
+                     f"{r['roofline_ms']:.3f} | {r['datasheet_roofline_ms']:.3f} |")
     lines += ["", "| batch | slope ms/layer | roofline slope (measured copy) | (4.8 TB/s) | "
               "slope / roofline slope |", "|---:|---:|---:|---:|---:|"]
     for batch, s in slopes.items():

@@ -76,6 +76,28 @@ def busy_and_span_of(events: list[dict], calls: int) -> tuple[float, float]:
     return busy / 1e3 / calls, span / 1e3 / calls
 
 
+def idle_gaps(events: list[dict], calls: int, top: int = 12) -> dict:
+    """Where the GPU waited, from complete events: the idle time per call between kernels,
+    split by gap length (many short gaps: the kernels are launched one by one slower than
+    they run; a few long ones: the host held the next launch back), and the longest gaps
+    with the kernels either side."""
+    events = sorted(events, key=lambda e: e["ts"])
+    gaps, end, last = [], None, None
+    for e in events:
+        start, stop = e["ts"], e["ts"] + e.get("dur", 0)
+        if end is not None and start > end:
+            gaps.append((start - end, last["name"][:60], e["name"][:60]))
+        if end is None or stop > end:
+            end, last = stop, e
+    bins = {"under_10us": (0, 10), "10_to_100us": (10, 100), "over_100us": (100, float("inf"))}
+    return {"idle_ms_per_call": sum(g for g, _, _ in gaps) / 1e3 / calls,
+            "gaps_per_call": len(gaps) / calls,
+            **{f"idle_ms_{label}": sum(g for g, _, _ in gaps if lo <= g < hi) / 1e3 / calls
+               for label, (lo, hi) in bins.items()},
+            "longest": [{"us": g, "after": a, "before": b}
+                        for g, a, b in sorted(gaps, key=lambda t: -t[0])[:top]]}
+
+
 def device_ms(fn, *args, calls: int = 20) -> float:
     """Kernel time per call of `fn(*args)` on the GPU (the sum of its kernels' durations)."""
     return sum(ms for ms, _ in device_kernels(fn, *args, calls=calls).values())

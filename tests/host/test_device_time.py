@@ -1,11 +1,12 @@
 """bench/lib/device_time.py: a trace's kernel events summed by name, and the GPU's busy time
-against its span (overlapping kernels counted once, gaps not at all), and each call's share."""
+against its span (overlapping kernels counted once, gaps not at all), each call's share, and
+the idle gaps between kernels."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.lib.device_time import busy_and_span_of, kernel_totals, per_call_ms
+from bench.lib.device_time import busy_and_span_of, idle_gaps, kernel_totals, per_call_ms
 
 
 def event(name: str, ts: float, dur: float) -> dict:
@@ -35,3 +36,19 @@ def test_per_call_splits_launch_ordered_events_into_calls():
     events = [event("b", 20, 20), event("a", 0, 10), event("c", 50, 15), event("d", 70, 5)]
     assert per_call_ms(events, calls=2) == [pytest.approx(0.03), pytest.approx(0.02)]
     assert per_call_ms(events[:3], calls=2) is None       # a kernel not every call launched
+
+
+def test_idle_gaps_are_the_holes_between_the_kernels_union():
+    # [0, 10) and [5, 20) overlap: no gap; 20 -> 25 (5 us, short), [25, 40) holding [30, 35);
+    # 40 -> 90 (50 us, medium) after "c" (the kernel that ended last, not "d"); [90, 100);
+    # 100 -> 400 (300 us, long); [400, 410). Idle 355 us over 2 calls.
+    events = [event("b", 5, 15), event("a", 0, 10), event("c", 25, 15), event("d", 30, 5),
+              event("e", 90, 10), event("f", 400, 10)]
+    idle = idle_gaps(events, calls=2, top=2)
+    assert idle["idle_ms_per_call"] == pytest.approx(355 / 1e3 / 2)
+    assert idle["gaps_per_call"] == 1.5
+    assert idle["idle_ms_under_10us"] == pytest.approx(5 / 1e3 / 2)
+    assert idle["idle_ms_10_to_100us"] == pytest.approx(50 / 1e3 / 2)
+    assert idle["idle_ms_over_100us"] == pytest.approx(300 / 1e3 / 2)
+    assert idle["longest"] == [{"us": 300, "after": "e", "before": "f"},
+                               {"us": 50, "after": "c", "before": "e"}]
