@@ -121,10 +121,13 @@ BATCH_INVARIANT_COMPILER_OPTIONS = {"xla_allow_excess_precision": False,
 
 
 # Engines of equal shapes in one process (a notebook that builds its LLM again, a test suite)
-# share their compiled steps: the persistent cache saves XLA's compile, but tracing the step
-# again still takes seconds a bucket. Bounded: the oldest entry goes first.
+# share their compiled steps, and so does the memory plan's probe with the engine it plans
+# (engine/memory_plan.py): the persistent cache saves XLA's compile, but tracing the step
+# again still takes seconds a bucket. Per trace key, each (bucket, sampler variant)'s step;
+# bounded: the least recently used trace key goes first.
 _MEMO_SIZE = 32
-_memo: collections.OrderedDict[tuple, CompiledSteps] = collections.OrderedDict()
+_memo: collections.OrderedDict[tuple, dict[tuple[int, bool | None], CompiledStep]] = \
+    collections.OrderedDict()
 
 
 def _trace_key(params: ModelParams, state: StateCache, cfg: ModelConfig,
@@ -143,32 +146,36 @@ def _trace_key(params: ModelParams, state: StateCache, cfg: ModelConfig,
 def compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
                   step_cfg: StepConfig, host: HostOptions,
                   speculative: bool = False,
-                  truncations: tuple[bool | None, ...] | None = None) -> CompiledSteps:
+                  truncations: tuple[bool | None, ...] | None = None,
+                  buckets: tuple[int, ...] | None = None) -> CompiledSteps:
     """The step compiled for every token bucket (and sampler variant; state donated): the
-    plain step, or the speculative one (verify drafts, then MTP drafting). Memoised per
-    process (`_trace_key`), and across processes by the step cache (engine/step_cache.py)
-    under the compilation cache directory. `truncations` restricts the sampler variants
-    compiled (the memory probe's, engine/memory_plan.py); None: the formulation's."""
+    plain step, or the speculative one (verify drafts, then MTP drafting). params and state
+    may be abstract (their shapes, dtypes and shardings are what is compiled for). Memoised per
+    process and step (`_trace_key`, bucket, variant), and across processes by the step cache
+    (engine/step_cache.py) under the compilation cache directory. `truncations` and `buckets`
+    restrict the sampler variants and buckets compiled (the memory probe's,
+    engine/memory_plan.py); None: the formulation's, every declared bucket."""
     trace_key = _trace_key(params, state, cfg, step_cfg, speculative)
-    key = trace_key + (truncations,)
-    if key in _memo:
-        _memo.move_to_end(key)
-        return _memo[key]
-    _memo[key] = steps = _compile_steps(params, state, cfg, step_cfg, host, speculative,
-                                        trace_key, truncations)
+    truncations = truncations or ((False, True) if step_cfg.compute.launch_bound else (None,))
+    keys = [(t, truncation) for t in buckets or step_cfg.token_buckets for truncation in truncations]
+    known = _memo.setdefault(trace_key, {})
+    _memo.move_to_end(trace_key)
+    missing = [key for key in keys if key not in known]
+    if missing:
+        known.update(_compile_steps(params, state, cfg, step_cfg, host, speculative, trace_key,
+                                    missing))
     if len(_memo) > _MEMO_SIZE:
         _memo.popitem(last=False)
-    return steps
+    return CompiledSteps({key: known[key] for key in keys})
 
 
 def _compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
                    step_cfg: StepConfig, host: HostOptions, speculative: bool,
-                   trace_key: tuple, truncations: tuple | None = None) -> CompiledSteps:
+                   trace_key: tuple, keys: list[tuple[int, bool | None]]
+                   ) -> dict[tuple[int, bool | None], CompiledStep]:
     enable_persistent_cache(host.compilation_cache_dir)
     options = BATCH_INVARIANT_COMPILER_OPTIONS if step_cfg.batch_invariant else None
     launch_bound = step_cfg.compute.launch_bound
-    truncations = truncations or ((False, True) if launch_bound else (None,))
-    keys = [(t, truncation) for t in step_cfg.token_buckets for truncation in truncations]
     plan_wires = {key: Wire.of(build_plan(ScheduleDecision(()), key[0], step_cfg))
                   for key in keys}                                    # shapes are fixed
     ranks = step_cfg.compute.parallel.dp
@@ -197,7 +204,7 @@ def _compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
                        f"{time.perf_counter() - start:.1f} s ({Path(cache_dir) / 'steps'})")
     missing = [key for key in keys if key not in compiled]
     if not missing:
-        return CompiledSteps(compiled)
+        return compiled
     _say(host, f"deepinfer: cold start, tracing and compiling {len(missing)} {kind} "
                f"(token buckets {sorted({t for t, _ in missing})}); "
                f"{_estimate(cache_dir, cfg, len(missing))}"
@@ -209,7 +216,7 @@ def _compile_steps(params: ModelParams, state: StateCache, cfg: ModelConfig,
                                plan_wires, plan_specs, options, paths))
     if cache_dir:
         _record_time(cache_dir, cfg, (time.perf_counter() - start) / len(missing))
-    return CompiledSteps(compiled)
+    return compiled
 
 
 def _plan_spec(plan_wire: Wire, state: StateCache, ranks: int) -> jax.ShapeDtypeStruct:

@@ -59,7 +59,13 @@ from deepinfer_jax.host.tokenizer import TextTokenizer
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.model.v41.params import V41ModelParams
 from deepinfer_jax.parallel.eplb import ExpertBalancer, compile_transfer, with_placement
-from deepinfer_jax.parallel.mesh import make_mesh, mesh_context, place_params, placed_state
+from deepinfer_jax.parallel.mesh import (
+    abstract_state,
+    make_mesh,
+    mesh_context,
+    place_params,
+    placed_state,
+)
 
 
 @dataclasses.dataclass
@@ -138,15 +144,18 @@ class EngineCore:
         # names none (the V4.1 fixtures) refuses constrained requests instead (request_checks.py)
         self.structured = None if tokenizer is None or not cfg.eos_token_ids else StructuredOutputs(
             tokenizer.path, cfg.vocab_size, cfg.eos_token_ids, host.grammar_compile_timeout_s)
-        self.state = placed_state(self.cfg, step_cfg, params.embed.dtype, self.mesh)
-        self.steps = compile_steps(params, self.state, self.cfg, step_cfg, host)
+        # Compiled for the state's shapes (as the memory plan's probe was, whose step this
+        # finds done where the plan kept the pool it probed), then the state is allocated.
+        state = abstract_state(self.cfg, step_cfg, params.embed.dtype, self.mesh)
+        self.steps = compile_steps(params, state, self.cfg, step_cfg, host)
         # With speculation, small batches run the speculative step and large ones (no room in
         # the verify budget) the plain one; the MTP window then lags, which only costs drafts.
-        self.spec_steps = (compile_steps(params, self.state, self.cfg, step_cfg, host,
+        self.spec_steps = (compile_steps(params, state, self.cfg, step_cfg, host,
                                          speculative=True)
                            if step_cfg.spec_tokens else None)
         if self.memory_plan is not None:
             check_compiled(self.memory_plan, self.steps, self.spec_steps)
+        self.state = placed_state(self.cfg, step_cfg, params.embed.dtype, self.mesh)
         # slot snapshots of the prefix cache, and the KV tiers below the device (None: off)
         self.snapshots = (SnapshotCopies(self.state, step_cfg) if step_cfg.enable_prefix_caching
                           else None)

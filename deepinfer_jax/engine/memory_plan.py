@@ -12,8 +12,11 @@ the cache's layout and the pool's rule; this module supplies the figures only ja
 * Devices: DeepSeek's serving layout, routed experts split N ways (expert parallel),
   everything else replicated (data-parallel attention); figures are per device.
 * Activations: XLA's memory analysis of the largest token bucket's compiled step, compiled
-  once with a one-page pool (the temporaries do not depend on the pool's size) before the
-  real pool is chosen; the probe goes through the step cache, so a warm start loads it.
+  before the real pool is chosen (the temporaries do not depend on the pool's size) over the
+  pool the engine has where memory does not cap it (the stated `num_pages`, else every
+  slot's reach): where it does not, the engine's own compile finds that step done
+  (engine/compile.py's memo) and the plan costs no compile. The probe goes through the step
+  cache, so a warm start loads it.
 """
 
 from __future__ import annotations
@@ -101,16 +104,14 @@ def step_peak(executable: jax.stages.Compiled) -> int | None:
 
 def measured_activations(params: ModelParams, cfg: ModelConfig, step_cfg: StepConfig,
                          host: HostOptions, mesh: Mesh | None = None) -> int | None:
-    """The largest bucket's activation peak, from its step compiled over a one-page pool (the
+    """The largest bucket's activation peak, from its step compiled over step_cfg's pool (the
     truncating sampler's variant where there are two; the speculative step's too)."""
-    probe = dataclasses.replace(step_cfg, num_pages=1,
-                                token_buckets=(max(step_cfg.token_buckets),))
-    state = abstract_state(cfg, probe, params.embed.dtype, mesh)
+    state = abstract_state(cfg, step_cfg, params.embed.dtype, mesh)
     truncations = (True,) if step_cfg.compute.launch_bound else None
     peaks = []
     for speculative in (False, True) if step_cfg.spec_tokens else (False,):
-        steps = compile_steps(params, state, cfg, probe, host, speculative=speculative,
-                              truncations=truncations)
+        steps = compile_steps(params, state, cfg, step_cfg, host, speculative=speculative,
+                              truncations=truncations, buckets=(max(step_cfg.token_buckets),))
         peaks += [step_peak(c.executable) for c in steps.by_key.values()]
     return None if None in peaks else max(peaks)
 

@@ -114,7 +114,9 @@ def test_engines_of_equal_shapes_share_their_compiled_steps(llm, model):
     # of the memo, so it is not the one a new engine would find.
     first = deepinfer_jax.LLM(model, **{**ENGINE, "seed": 7})
     again = deepinfer_jax.LLM(model, **{**ENGINE, "seed": 11, "async_scheduling": False})
-    assert again.engine.steps is first.engine.steps
+    shared = first.engine.steps.by_key
+    assert shared.keys() == again.engine.steps.by_key.keys()
+    assert all(again.engine.steps.by_key[key] is step for key, step in shared.items())
     core = llm.engine
 
     def key(step_cfg=core.step_cfg, state=core.state):

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import deepinfer_jax.engine.compile as engine_compile
 import deepinfer_jax.engine.core as core
 import deepinfer_jax.engine.memory_plan as memory_plan
 from deepinfer_jax import LLM, load
@@ -25,6 +26,7 @@ from deepinfer_jax.config.errors import InsufficientMemoryError
 from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.config.memory import cache_bytes
 from deepinfer_jax.device.snapshots import init_pool
+from deepinfer_jax.engine import step_cache
 from deepinfer_jax.model.state import init_state
 from tests.conftest import REPO
 
@@ -117,11 +119,30 @@ def test_the_pool_is_sized_from_the_stated_memory():
     assert llm.step_config.num_pages == expected == llm.memory_plan.pages
     assert _nbytes(llm.engine.state) == fixed + expected * page
     assert llm.memory_plan.activations_measured and llm.memory_plan.fits
-    # the probe's one-page pool measured what the real pool's step needs
+    # the probe's pool (every slot's reach) measured what the real pool's step needs
     real = [memory_plan.step_peak(c.executable) for c in llm.engine.steps.by_key.values()]
     assert max(real) == activations
     out = llm.generate([[0, 5, 7]], {"max_tokens": 3}, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_the_probed_step_is_the_engines_where_memory_does_not_cap_the_pool():
+    """The probe compiles the largest bucket over every slot's reach; where memory leaves the
+    pool there, the engine's compile finds that step done (it traces nothing more here: one
+    bucket); where memory caps the pool, the bucket is traced again for the smaller pool."""
+    model = load(TINY)
+    engine_compile._memo.clear()
+    before = step_cache.stats.traced
+    step_cfg, weights, activations, fixed, page = _plan_inputs(model)    # the probe
+    assert step_cache.stats.traced - before == 1
+    capped = (weights + activations + fixed + 20.5 * page) / 0.9
+    for device, pages, traced in ((64 * GiB, step_cfg.num_pages, 0), (capped, 20, 1)):
+        before = step_cache.stats.traced
+        llm = LLM(model, device_memory_gib=device / GiB, **SHAPES)
+        assert llm.step_config.num_pages == pages
+        assert step_cache.stats.traced - before == traced, device
+        out = llm.generate([[0, 5, 7]], {"max_tokens": 3}, use_tqdm=False)   # the probe's step
+        assert len(out[0].outputs[0].token_ids) == 3
 
 
 def test_without_stated_memory_the_cpu_pool_keeps_its_size():
