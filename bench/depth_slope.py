@@ -29,9 +29,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.e2e import decode  # noqa: E402
 from bench.lib.ceilings import DATASHEET_TBPS  # noqa: E402
 from bench.lib.ceilings import measure as measure_ceilings  # noqa: E402
+from bench.lib.decode import decode  # noqa: E402
 from bench.lib.models import V4_FLASH, slice_config  # noqa: E402
 from bench.lib.results import environment, write_results  # noqa: E402
 from bench.lib.rooflines import decode_roofline, weight_counts  # noqa: E402

@@ -1,0 +1,74 @@
+"""Steady decode through the engine loop, as bench/e2e.py and bench/depth_slope.py time it:
+requests sharing a long prefix (in the prefix cache), each with a short tail of its own."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from bench.lib.device_time import device_events, idle_gaps, kernel_totals, trace_events
+from deepinfer_jax import LLM, SamplingParams
+
+TAIL = 64            # tokens of each decode request after the shared prefix
+
+
+def decode(llm: LLM, batch: int, context: int, steps: int, rng, trace_dir: Path | None = None) -> dict:
+    """Steady decode at `batch` requests sharing a (context - TAIL)-token prefix: the loop's
+    time per step, its split into host work and waiting for the device, and with trace_dir
+    the device's kernels over as many more steps (busy ms per step and the kernels by time)."""
+    engine, vocab = llm.engine, llm.model.config.vocab_size
+    shared = rng.integers(2, vocab, context - TAIL).tolist()
+    params = SamplingParams(max_tokens=engine.step_cfg.max_model_len - context, ignore_eos=True)
+    engine.add_request("d0", shared + rng.integers(2, vocab, TAIL).tolist(), params)
+    while not any(r.generated for r in engine.scheduler.running):
+        engine.step()                          # the shared prefix is now in the prefix cache
+    for i in range(1, batch):
+        engine.add_request(f"d{i}", shared + rng.integers(2, vocab, TAIL).tolist(), params)
+    while not (len(engine.scheduler.running) == batch
+               and all(len(r.generated) >= 2 for r in engine.scheduler.running)):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    times = []
+    stats = engine.stats
+    before = (stats.steps, stats.host_seconds, stats.wait_seconds)
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    counted = max(stats.steps - before[0], 1)
+    split = {"host_ms_per_step": 1e3 * (stats.host_seconds - before[1]) / counted,
+             "wait_ms_per_step": 1e3 * (stats.wait_seconds - before[2]) / counted}
+    if trace_dir is not None:
+        split |= traced_decode(engine, steps, trace_dir)
+    for req in list(engine.scheduler.running):
+        engine.abort(req.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    p50, p90, p99 = np.percentile(times, [50, 90, 99])
+    return {"tokens_per_s": batch / statistics.mean(times), "itl_p50_s": p50, "itl_p90_s": p90,
+            "itl_p99_s": p99, **split}
+
+
+def traced_decode(engine, steps: int, trace_dir: Path, top: int = 40) -> dict:
+    """The device's kernels over `steps` more loop steps: busy ms per step and the `top`
+    kernels by ms per step (a busy time well under the loop's step time: the host bounds it)."""
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    with jax.profiler.trace(str(trace_dir)):
+        for _ in range(steps):
+            engine.step()
+        # the launched steps' kernels end inside the trace: their calls made (the same
+        # launcher again), then the state they leave is ready
+        engine.set_launch_thread(engine.host.launch_thread)
+        jax.block_until_ready(engine.state)
+    events = trace_events(trace_dir)
+    totals = kernel_totals(events, steps)
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"device_busy_ms_per_step": sum(ms for ms, _ in totals.values()),
+            "kernels_per_step": sum(c for _, c in totals.values()),
+            "top_kernels": [{"name": n, "ms_per_step": ms, "launches": c} for n, (ms, c) in ranked],
+            "idle": idle_gaps(device_events(events), steps)}
