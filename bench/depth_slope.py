@@ -85,9 +85,13 @@ def main() -> None:
                          "bytes_per_step": roof["bytes_per_step"], "engine_s": engine_s,
                          **{k: row[k] for k in ("host_ms_per_step", "wait_ms_per_step",
                                                 "device_busy_ms_per_step", "kernels_per_step",
-                                                "top_kernels", "idle") if k in row}})
-            print({k: v for k, v in rows[-1].items() if k not in ("top_kernels", "idle")},
-                  flush=True)
+                                                "top_kernels", "idle", "launch_thread")
+                            if k in row}})
+            print({k: v for k, v in rows[-1].items()
+                   if k not in ("top_kernels", "idle", "launch_thread")}, flush=True)
+            for e in rows[-1].get("launch_thread", []):
+                print(f"  launch thread {e['ms_per_call']:8.3f} ms  x{e['count_per_call']:<6.1f} "
+                      f"{e['name']}")
             if "idle" in rows[-1]:
                 print({k: v for k, v in rows[-1]["idle"].items() if k != "longest"}, flush=True)
                 for gap in rows[-1]["idle"]["longest"]:

@@ -7,9 +7,11 @@
 
 Runs steady decode at one batch size and reports (1) the engine loop's split between host
 work and waiting for the device, (2) the compiled step's device time alone (same inputs,
-called back to back), (3) with --out, a profiler trace and the device kernels ranked by total
-time (from the trace's Perfetto JSON), each with the model line it came from (the optimised
-HLO's source metadata, bench/lib/hlo_sources.py). With --prefill N: (2) and (3) for one
+called back to back), (2b) the host's launch time alone (each call waited for: what an
+overlapped loop cannot go below) and, with --out, the runtime's host events of that launch
+by name, (3) with --out, a profiler trace and the device kernels ranked by total time (from
+the trace's Perfetto JSON), each with the model line it came from (the optimised HLO's
+source metadata, bench/lib/hlo_sources.py). With --prefill N: (2) and (3) for one
 N-token prompt in one step instead.
 """
 
@@ -31,7 +33,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.lib.device_time import kernel_totals, trace_events  # noqa: E402
+from bench.lib.device_time import host_totals, kernel_totals, launching_thread, trace_events  # noqa: E402
 from bench.lib.hlo_sources import describe  # noqa: E402
 from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
 from deepinfer_jax.host.buckets import token_bucket  # noqa: E402
@@ -103,6 +105,40 @@ def loop_split(engine, steps: int, label: str) -> None:
     pstats.Stats(profile).sort_stats("tottime").print_stats(15)
 
 
+def dispatch_cost(compiled, params, state, plan, buffer, args):
+    """How long the host takes to launch the step, with the device idle at each call (each
+    call waited for before the next): a loop that overlaps launching with running can only
+    be as fast as this. Both with a fresh plan per call (the engine's case: XLA's CUDA
+    graphs see new input addresses) and with one plan buffer reused; then what the host
+    spent its launch in, by the runtime's own trace events."""
+    for label, call, inputs in (("fresh plan", compiled, plan),
+                                ("plan buffer reused", compiled.executable, buffer)):
+        launch, whole = [], []
+        for i in range(args.steps + 3):
+            start = time.perf_counter()
+            state, out = call(params, state, inputs)
+            launched = time.perf_counter()
+            jax.block_until_ready(out)
+            if i >= 3:
+                launch.append(launched - start)
+                whole.append(time.perf_counter() - start)
+        print(f"dispatch ({label}, each call waited for): launch {1e3 * np.median(launch):.2f} "
+              f"ms (min {1e3 * min(launch):.2f}), launch + run {1e3 * np.median(whole):.2f} ms")
+    if args.out:
+        options = jax.profiler.ProfileOptions()
+        options.host_tracer_level = 3
+        trace_dir = args.out / "dispatch-trace"
+        with jax.profiler.trace(str(trace_dir), profiler_options=options):
+            for _ in range(10):
+                state, out = compiled(params, state, plan)
+                jax.block_until_ready(out)
+        events = trace_events(trace_dir)
+        print("the launching thread's host events per call, nested events counted in each:")
+        for e in host_totals(events, 10, launching_thread(events), top=40):
+            print(f"{e['ms_per_call']:8.3f} ms  x{e['count_per_call']:<6.1f} {e['name']}")
+    return state
+
+
 def main() -> None:
     faulthandler.register(signal.SIGTERM, chain=True)   # where a run cut by `timeout` was
     t0 = time.perf_counter()
@@ -165,6 +201,7 @@ def main() -> None:
     jax.block_until_ready(out)
     print(f"compiled step alone, one plan buffer on the device reused: "
           f"{1e3 * (time.perf_counter() - start) / args.steps:.2f} ms")
+    state = dispatch_cost(compiled, engine.params, state, plan, buffer, args)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         with jax.profiler.trace(str(args.out / "trace"), create_perfetto_trace=True):

@@ -10,7 +10,14 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from bench.lib.device_time import device_events, idle_gaps, kernel_totals, trace_events
+from bench.lib.device_time import (
+    device_events,
+    host_totals,
+    idle_gaps,
+    kernel_totals,
+    launching_thread,
+    trace_events,
+)
 from deepinfer_jax import LLM, SamplingParams
 
 TAIL = 64            # tokens of each decode request after the shared prefix
@@ -19,7 +26,8 @@ TAIL = 64            # tokens of each decode request after the shared prefix
 def decode(llm: LLM, batch: int, context: int, steps: int, rng, trace_dir: Path | None = None) -> dict:
     """Steady decode at `batch` requests sharing a (context - TAIL)-token prefix: the loop's
     time per step, its split into host work and waiting for the device, and with trace_dir
-    the device's kernels over as many more steps (busy ms per step and the kernels by time)."""
+    the device's kernels over as many more steps (busy ms per step and the kernels by time) and
+    the launcher thread's host events (what launching a step cost the host)."""
     engine, vocab = llm.engine, llm.model.config.vocab_size
     shared = rng.integers(2, vocab, context - TAIL).tolist()
     params = SamplingParams(max_tokens=engine.step_cfg.max_model_len - context, ignore_eos=True)
@@ -58,7 +66,9 @@ def traced_decode(engine, steps: int, trace_dir: Path, top: int = 40) -> dict:
     """The device's kernels over `steps` more loop steps: busy ms per step and the `top`
     kernels by ms per step (a busy time well under the loop's step time: the host bounds it)."""
     trace_dir.mkdir(parents=True, exist_ok=True)
-    with jax.profiler.trace(str(trace_dir)):
+    options = jax.profiler.ProfileOptions()
+    options.host_tracer_level = 3          # XLA's runtime events: graph updates and launches
+    with jax.profiler.trace(str(trace_dir), profiler_options=options):
         for _ in range(steps):
             engine.step()
         # the launched steps' kernels end inside the trace: their calls made (the same
@@ -71,4 +81,5 @@ def traced_decode(engine, steps: int, trace_dir: Path, top: int = 40) -> dict:
     return {"device_busy_ms_per_step": sum(ms for ms, _ in totals.values()),
             "kernels_per_step": sum(c for _, c in totals.values()),
             "top_kernels": [{"name": n, "ms_per_step": ms, "launches": c} for n, (ms, c) in ranked],
-            "idle": idle_gaps(device_events(events), steps)}
+            "idle": idle_gaps(device_events(events), steps),
+            "launch_thread": host_totals(events, steps, launching_thread(events))}

@@ -29,6 +29,40 @@ def device_events(events: list[dict]) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and (not gpus or e["pid"] in gpus)]
 
 
+def host_events(events: list[dict], thread: tuple[int, int] | None = None) -> list[dict]:
+    """The complete events on the host's timelines (not a GPU's), only those of one
+    (pid, tid) where given: what the host spent in XLA's runtime (launches, copies, waits)."""
+    processes = {e["pid"]: e["args"]["name"] for e in events
+                 if e.get("ph") == "M" and e.get("name") == "process_name"}
+    return [e for e in events if e.get("ph") == "X" and "GPU" not in processes.get(e["pid"], "")
+            and (thread is None or (e["pid"], e.get("tid")) == thread)]
+
+
+def launching_thread(events: list[dict]) -> tuple[int, int] | None:
+    """The (pid, tid) of the host thread that spent longest in jitted calls (jax's
+    "PjitFunction(...)" events): the one that launched the steps. The trace names Python's
+    threads all alike, so the thread is found by what it did."""
+    time = collections.Counter()
+    for e in host_events(events):
+        if e["name"].startswith("PjitFunction("):
+            time[(e["pid"], e.get("tid"))] += e.get("dur", 0)
+    return time.most_common(1)[0][0] if time else None
+
+
+def host_totals(events: list[dict], calls: int, thread: tuple[int, int] | None = None,
+                top: int = 30) -> list[dict]:
+    """The `top` host event names of `thread` (host_events) by ms per call, nested events
+    counted in each of their parents: where the host's time went."""
+    total = collections.defaultdict(lambda: [0.0, 0])
+    for e in host_events(events, thread):
+        t = total[e["name"][:90]]
+        t[0] += e.get("dur", 0) / 1e3 / calls
+        t[1] += 1
+    ranked = sorted(total.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"name": name, "ms_per_call": ms, "count_per_call": count / calls}
+            for name, (ms, count) in ranked]
+
+
 def kernel_totals(events: list[dict], calls: int) -> dict[str, tuple[float, int]]:
     """name -> (ms per call, launches per call) over the device events."""
     total = collections.defaultdict(lambda: [0.0, 0])

@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from bench.lib.device_time import busy_and_span_of, idle_gaps, kernel_totals, per_call_ms
+from bench.lib.device_time import (
+    busy_and_span_of,
+    host_events,
+    host_totals,
+    idle_gaps,
+    kernel_totals,
+    launching_thread,
+    per_call_ms,
+)
 
 
 def event(name: str, ts: float, dur: float) -> dict:
@@ -52,3 +60,23 @@ def test_idle_gaps_are_the_holes_between_the_kernels_union():
     assert idle["idle_ms_over_100us"] == pytest.approx(300 / 1e3 / 2)
     assert idle["longest"] == [{"us": 300, "after": "e", "before": "f"},
                                {"us": 50, "after": "c", "before": "e"}]
+
+
+def test_host_totals_are_the_launching_threads_events_not_the_gpus():
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}]
+
+    def host(tid, name, dur):
+        return {"ph": "X", "pid": 2, "tid": tid, "name": name, "ts": 0, "dur": dur}
+
+    # thread 7 launched (the longest in jitted calls), thread 8 planned and made one short call
+    events = meta + [event("gemm", 0, 10), host(7, "PjitFunction(jit(step))", 400),
+                     host(7, "cuGraphLaunch", 300), host(7, "PjitFunction(jit(step))", 400),
+                     host(8, "plan", 900), host(8, "PjitFunction(jit(copy))", 50)]
+    assert launching_thread(events) == (2, 7)
+    assert host_events(events, (2, 8)) == events[-2:]
+    totals = host_totals(events, calls=2, thread=(2, 7))
+    assert totals == [{"name": "PjitFunction(jit(step))", "ms_per_call": pytest.approx(0.4),
+                       "count_per_call": 1.0},
+                      {"name": "cuGraphLaunch", "ms_per_call": pytest.approx(0.15),
+                       "count_per_call": 0.5}]
