@@ -33,7 +33,13 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.lib.device_time import host_totals, kernel_totals, launching_thread, trace_events  # noqa: E402
+from bench.lib.device_time import (  # noqa: E402
+    host_totals,
+    kernel_totals,
+    launching_thread,
+    runtime_trace_options,
+    trace_events,
+)
 from bench.lib.hlo_sources import describe  # noqa: E402
 from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
 from deepinfer_jax.host.buckets import token_bucket  # noqa: E402
@@ -125,10 +131,8 @@ def dispatch_cost(compiled, params, state, plan, buffer, args):
         print(f"dispatch ({label}, each call waited for): launch {1e3 * np.median(launch):.2f} "
               f"ms (min {1e3 * min(launch):.2f}), launch + run {1e3 * np.median(whole):.2f} ms")
     if args.out:
-        options = jax.profiler.ProfileOptions()
-        options.host_tracer_level = 3
         trace_dir = args.out / "dispatch-trace"
-        with jax.profiler.trace(str(trace_dir), profiler_options=options):
+        with jax.profiler.trace(str(trace_dir), profiler_options=runtime_trace_options()):
             for _ in range(10):
                 state, out = compiled(params, state, plan)
                 jax.block_until_ready(out)

@@ -16,6 +16,7 @@ from bench.lib.device_time import (
     idle_gaps,
     kernel_totals,
     launching_thread,
+    runtime_trace_options,
     trace_events,
 )
 from deepinfer_jax import LLM, SamplingParams
@@ -66,9 +67,7 @@ def traced_decode(engine, steps: int, trace_dir: Path, top: int = 40) -> dict:
     """The device's kernels over `steps` more loop steps: busy ms per step and the `top`
     kernels by ms per step (a busy time well under the loop's step time: the host bounds it)."""
     trace_dir.mkdir(parents=True, exist_ok=True)
-    options = jax.profiler.ProfileOptions()
-    options.host_tracer_level = 3          # XLA's runtime events: graph updates and launches
-    with jax.profiler.trace(str(trace_dir), profiler_options=options):
+    with jax.profiler.trace(str(trace_dir), profiler_options=runtime_trace_options()):
         for _ in range(steps):
             engine.step()
         # the launched steps' kernels end inside the trace: their calls made (the same

@@ -49,28 +49,37 @@ def launching_thread(events: list[dict]) -> tuple[int, int] | None:
     return time.most_common(1)[0][0] if time else None
 
 
+def runtime_trace_options() -> jax.profiler.ProfileOptions:
+    """Profiler options that keep XLA's runtime events on the host (CUDA graph updates and
+    launches, thunks), which the default level leaves out."""
+    options = jax.profiler.ProfileOptions()
+    options.host_tracer_level = 3
+    return options
+
+
+def _by_name(events: list[dict]) -> dict[str, list]:
+    """name (cut to 90 characters) -> [total us, count] over the events."""
+    total = collections.defaultdict(lambda: [0.0, 0])
+    for e in events:
+        t = total[e["name"][:90]]
+        t[0] += e.get("dur", 0)
+        t[1] += 1
+    return total
+
+
 def host_totals(events: list[dict], calls: int, thread: tuple[int, int] | None = None,
                 top: int = 30) -> list[dict]:
     """The `top` host event names of `thread` (host_events) by ms per call, nested events
     counted in each of their parents: where the host's time went."""
-    total = collections.defaultdict(lambda: [0.0, 0])
-    for e in host_events(events, thread):
-        t = total[e["name"][:90]]
-        t[0] += e.get("dur", 0) / 1e3 / calls
-        t[1] += 1
-    ranked = sorted(total.items(), key=lambda kv: -kv[1][0])[:top]
-    return [{"name": name, "ms_per_call": ms, "count_per_call": count / calls}
-            for name, (ms, count) in ranked]
+    ranked = sorted(_by_name(host_events(events, thread)).items(), key=lambda kv: -kv[1][0])
+    return [{"name": name, "ms_per_call": us / 1e3 / calls, "count_per_call": count / calls}
+            for name, (us, count) in ranked[:top]]
 
 
 def kernel_totals(events: list[dict], calls: int) -> dict[str, tuple[float, int]]:
     """name -> (ms per call, launches per call) over the device events."""
-    total = collections.defaultdict(lambda: [0.0, 0])
-    for e in device_events(events):
-        t = total[e["name"][:90]]
-        t[0] += e.get("dur", 0) / 1e3 / calls
-        t[1] += 1
-    return {name: (ms, count // calls) for name, (ms, count) in total.items()}
+    return {name: (us / 1e3 / calls, count // calls)
+            for name, (us, count) in _by_name(device_events(events)).items()}
 
 
 def traced(fn, *args, calls: int = 20) -> list[dict]:
