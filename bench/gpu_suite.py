@@ -85,8 +85,8 @@ RUNS = {
                          (("env", "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95", PY, "bench/e2e.py",
                            "--quantized", "--layers", "0", "--prefill", "8192", "--batches", "1",
                            "16", "64", "--steps", "16", "--peer-python", "", "--versus-layers",
-                           "0", "--gpu-memory-utilization", "0.95", "--name",
-                           "e2e-quantized-gpu"),)),
+                           "0", "--gpu-memory-utilization", "0.95", "--token-buckets", "16",
+                           "64", "--name", "e2e-quantized-gpu"),)),
     "e2e-quantized-versus": Run(540, "4 V4-Flash layers quantized vs the same weights in bf16, "
                                      "decode batch 16 at 4k",
                                 (bench("e2e.py", "--quantized", "--layers", "4", "--prefill",
@@ -180,16 +180,34 @@ def run_one(name: str, run: Run, log: Path, env: dict, scratch: Path) -> tuple[i
             try:
                 code = proc.wait(timeout=max(left, 1))
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+                stop(proc)
                 out.write(f"\n{name}: stopped at its limit of {run.limit_s} s\n")
                 return 124, time.monotonic() - start
+            except Stopped:
+                stop(proc)
+                out.write(f"\n{name}: stopped with the suite\n")
+                raise
             status = status or code
     return status, time.monotonic() - start
+
+
+class Stopped(Exception):
+    """The suite itself was told to stop (SIGTERM, as `timeout` sends)."""
+
+
+def _raise_stopped(signum, frame):
+    raise Stopped(signum)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the run's process group (its own session: a stopped suite must not leave a
+    benchmark running into the machine's next use), 15 s later SIGKILL."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def tail(path: Path, lines: int = 3) -> str:
@@ -229,12 +247,17 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu-suite-")) if args.pack else out
     (work / "logs").mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _raise_stopped)
     env = environment(work / "results", install_wheels())
     gpu_snapshot(work / "gpu.txt")
     summary = ["| run | exit | seconds | last lines |", "|---|---:|---:|---|"]
     for name in names:
         log = work / "logs" / f"{name}.log"
-        code, seconds = run_one(name, RUNS[name], log, env, Path(tempfile.mkdtemp()))
+        try:
+            code, seconds = run_one(name, RUNS[name], log, env, Path(tempfile.mkdtemp()))
+        except Stopped:
+            print(f"{name}: stopped with the suite\n" + "\n".join(summary), flush=True)
+            raise SystemExit(124) from None
         print(f"{name}: exit {code} in {seconds:.0f} s\n{tail(log)}", flush=True)
         summary.append(f"| {name} | {code} | {seconds:.0f} | "
                        f"{tail(log, 1).replace('|', '/')[:200]} |")

@@ -48,13 +48,13 @@ def quantized_checkpoint(tmp_path_factory):
 
 def test_quantized_engine_matches_bf16_dequantized_on_gpu(quantized_checkpoint, monkeypatch):
     fp8_kernel_calls = []
-    kernel = gemm._MATMUL["mosaic_gpu"]
+    kernel = gemm._BATCHED["mosaic_gpu"]        # the FP8 projections' (model/invariant.py)
 
     def recording(lhs, rhs, *args, **kwargs):
         out = kernel(lhs, rhs, *args, **kwargs)      # NotSupported passes through unrecorded
         fp8_kernel_calls.append(rhs.dtype == jnp.float8_e4m3fn)
         return out
-    monkeypatch.setitem(gemm._MATMUL, "mosaic_gpu", recording)
+    monkeypatch.setitem(gemm._BATCHED, "mosaic_gpu", recording)
 
     prompts = ["def fibonacci(n):", "import numpy as np\n\n", "class Stack:\n    def __init__"]
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, logprobs=1)
