@@ -113,7 +113,7 @@ V41 = FamilyFacts(
     page_bytes=lambda cfg, page_size, dtype_bytes: memory_v41.v41_page_bytes(cfg, page_size),
     fixed_cache_bytes=_v41_fixed_cache_bytes, activation_estimate=_v41_activation_estimate,
     engram_shape=_v41_engram_shape, no_mtp_reason=_v41_no_mtp_reason,
-    unbuilt=("a device mesh (parallel)", "several processes (distributed)"))
+    unbuilt=("several processes (distributed)",))
 
 FAMILIES = (V4, V41)
 

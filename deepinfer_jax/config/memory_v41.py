@@ -99,7 +99,8 @@ def _fp8_bytes(out_dim: int, in_dim: int, block: tuple[int, int]) -> int:
 
 
 def v41_weight_bytes(cfg: V41Config, quantized: bool, dtype_bytes: int = 2,
-                     engram_on_host: bool = False, fp4_k_granule: int = 1) -> int:
+                     engram_on_host: bool = False, fp4_k_granule: int = 1,
+                     devices: int = 1) -> int:
     """The bytes of V4.1's weights as the loader holds them (weights/v41.py).
 
     quantized: as released (the architecture notes, section 8) and kept so: FP8 attention
@@ -111,9 +112,13 @@ def v41_weight_bytes(cfg: V41Config, quantized: bool, dtype_bytes: int = 2,
     tables (FP8 in the release, dequantized on load);
     norms, mHC parameters, sinks, router biases and the engram gate weights in float32.
     quantized=False: every projection and expert at `dtype_bytes` (the float twin).
-    engram_on_host: the device's share only, the Engram tables left out (engram_table_bytes)."""
+    engram_on_host: the device's share only, the Engram tables left out (engram_table_bytes).
+    devices: the bytes one of them holds in DeepSeek's serving layout, the routed experts split
+    `devices` ways (each holds ceil(E / devices) of them), everything else replicated."""
     c, b, dt = cfg, cfg.fp8_block, dtype_bytes
-    d, hc, e, inter = c.hidden_size, c.hc_mult, c.n_routed_experts, c.moe_intermediate_size
+    d, inter = c.hidden_size, c.moe_intermediate_size
+    hc, e = c.hc_mult, c.n_routed_experts
+    held = -(-e // devices)                     # routed experts on one device
     g, low, rank = c.o_groups, c.o_lora_rank, c.q_lora_rank
     group_in = c.num_heads * c.head_dim // g
 
@@ -148,9 +153,9 @@ def v41_weight_bytes(cfg: V41Config, quantized: bool, dtype_bytes: int = 2,
             si = c.shared_intermediate_size
             total += 2 * fp8(si, d, keeps=si % b[0] == 0) + fp8(d, si)
         if quantized:               # FP4 stacks zero-padded to I' (weights/fp4_pad.py)
-            routed = e * 3 * d * (-(-inter // fp4_k_granule) * fp4_k_granule)
+            routed = held * 3 * d * (-(-inter // fp4_k_granule) * fp4_k_granule)
             total += routed // 2 + routed // 32
         else:
-            total += e * 3 * d * inter * dt
+            total += held * 3 * d * inter * dt
         total += small * _F32 + plain * dt
     return total

@@ -18,8 +18,9 @@ host while the device is idle between steps (after the previous step's tokens we
 and the copy runs ahead of the step on the device's transfer stream; the step starts when its
 plan (rows included) has landed. The rows are T x L_e x C x ed values a step, whatever the
 tables' size. (Prefetching the next step's rows while a step runs would need the next step's
-tokens, which the synchronous loop only has after this step. Over a mesh the tables could be
-sharded by rows across the devices' memory instead; V4.1 refuses a mesh for now.)
+tokens, which the synchronous loop only has after this step. Over a mesh the host's rows
+go with each data-parallel rank's plan; the tables could instead be sharded by rows across
+the devices' memory, which is not built.)
 """
 
 from __future__ import annotations

@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from deepinfer_jax.config.errors import EngineConfigError
 from deepinfer_jax.config.family import facts_of
 from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.config.host import HostOptions
@@ -155,12 +154,10 @@ def config_plan(cfg: ModelConfig, step_cfg: StepConfig, *, devices: int = 1,
     family = facts_of(cfg)
     host_weights = 0
     if isinstance(cfg, V41Config):
-        if devices > 1:
-            raise EngineConfigError("a plan over several devices is not supported for "
-                                    "DeepSeek-V4.1 yet (issue 36)")
         on_host = step_cfg.engram_rows_on_host
         weights = v41_weight_bytes(cfg, quantized, dtype_bytes, engram_on_host=on_host,
-                                   fp4_k_granule=step_cfg.compute.fp4_expert_granule)
+                                   fp4_k_granule=step_cfg.compute.fp4_expert_granule,
+                                   devices=devices)
         if on_host:      # the tables, and so the step's rows, in the load's dtype
             host_weights = engram_table_bytes(cfg, dtype_bytes)
             step_cfg = dataclasses.replace(step_cfg, engram_row_dtype=jnp.dtype(dtype).name)

@@ -129,6 +129,11 @@ def test_memory_plan_counts_the_formats_the_loader_holds(pair, capsys):
         for keep in (True, False):
             params = load_v41_params(quantized, cfg, dtype, keep_quantized=keep)
             assert weight_bytes(params) == v41_weight_bytes(cfg, keep, size)
+            # over 2 and 4 devices: each holds its share of the expert stacks (the pytree's
+            # `.moe.experts.` leaves split, memory_plan.weight_bytes), the rest whole
+            for devices in (2, 4):
+                assert (weight_bytes(params, devices)
+                        == v41_weight_bytes(cfg, keep, size, devices=devices))
     kept, floats = v41_weight_bytes(cfg, True, 2), v41_weight_bytes(cfg, False, 2)
     assert kept < 0.65 * floats       # the tiny model's experts and projections are most of it
     # the tables on the device, as this pytree holds them (host tables: test_v41_engram_host)

@@ -40,6 +40,7 @@ from deepinfer_jax.config.compute import ComputeConfig
 from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.config.v41 import V41Config
 from deepinfer_jax.model.invariant import rowwise
+from deepinfer_jax.model.paged_forward import token_shards
 from deepinfer_jax.model.ragged import TokenContext, token_context, window_keys, write_ring
 from deepinfer_jax.model.rope import cos_sin, inv_freq
 from deepinfer_jax.model.v41 import csa, paged_csa, segments
@@ -86,7 +87,7 @@ def forward_step(params: V41ModelParams, state: V41State, plan, token_ids: Array
     engram_rows [T, L_e, C, ed] the rows the host gathered for them, None where the tables are
     device weights) -> (new state, FinalStreams)."""
     ctx = token_context(plan, step_cfg.compute.launch_bound)
-    rows = rowwise(step_cfg.compute)
+    per_token = _per_token(step_cfg.compute)
     freqs = {False: inv_freq(cfg.rope_head_dim, cfg.rope_theta, None),
              True: inv_freq(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.compress_yarn)}
     tok = _Token(ctx=ctx, rope={k: cos_sin(ctx.positions, f) for k, f in freqs.items()},
@@ -102,8 +103,8 @@ def forward_step(params: V41ModelParams, state: V41State, plan, token_ids: Array
             k = cfg.engram.layer_ids.index(i)
             table_rows = (params.engram_tables[k][engram_ids[:, k]] if engram_rows is None
                           else engram_rows[:, k]).astype(jnp.float32)
-            streams = rows(lambda *a, lp=lp: segments.engram_outputs(lp, cfg, *a), streams,
-                           table_rows, ctx.valid)                            # rows [T, C, ed]
+            streams = per_token(lambda p, *a: segments.engram_outputs(p, cfg, *a), lp,
+                                streams, table_rows, ctx.valid)              # rows [T, C, ed]
         streams, pre, ls, group = layer_step(lp, streams, pre, ls, group, i, tok, cfg, step_cfg)
         layers.append(ls)
         top_k.append(group.selected if cfg.is_index_source(i) else None)
@@ -140,10 +141,10 @@ def layer_step(p: V41LayerParams, streams: Array, pre: Array, ls: V41LayerState,
     the layer's state, the group state for the layers after it). The per-token segments run
     through `rows` (row tiles in batch-invariant mode, segments.py)."""
     ctx, ratio, compute = tok.ctx, cfg.compress_ratios[i], step_cfg.compute
-    rows = rowwise(compute)
+    per_token = _per_token(compute)
     rope = tok.rope[ratio > 0]
-    t = rows(lambda *a: segments.token_inputs(p, i, cfg, *a), streams, pre, *rope,
-             *tok.rope[True])
+    t = per_token(lambda p, *a: segments.token_inputs(p, i, cfg, *a), p, streams, pre, *rope,
+                  *tok.rope[True])
     window, window_visible, ls = _window(t.window, ls, ctx, cfg, step_cfg)
     if cfg.is_kv_source(i):
         ls = paged_csa.publish(t.comp_kv, t.comp_gate, p.attn, ls, ctx, ratio, tok.compress_freqs,
@@ -155,13 +156,22 @@ def layer_step(p: V41LayerParams, streams: Array, pre: Array, ls: V41LayerState,
     if ratio > 0:
         picked, picked_visible = paged_csa.selected_entries(group.entries, group.selected, ctx,
                                                             ratio, step_cfg)
-    streams = rows(lambda *a: segments.attention_outputs(p, cfg, compute, *a), t.q, window,
-                   window_visible, picked, picked_visible, streams, t.a_post, t.a_comb, *rope)
+    streams = per_token(lambda p, *a: segments.attention_outputs(p, cfg, compute, *a), p, t.q,
+                        window, window_visible, picked, picked_visible, streams, t.a_post,
+                        t.a_comb, *rope)
     valid = None if compute.batch_invariant else ctx.valid
-    streams, f_pre = rows(lambda s, a_pre, v: segments.ffn_outputs(p, cfg, compute, tok.dtype, s,
-                                                                   a_pre, v),
-                          streams, t.a_pre, valid)
+    streams, f_pre = per_token(lambda p, s, a_pre, v: segments.ffn_outputs(
+        p, cfg, compute, tok.dtype, s, a_pre, v), p, streams, t.a_pre, valid)
     return streams, f_pre, ls, group
+
+
+def _per_token(compute: ComputeConfig):
+    """How a per-token segment fn(layer_params, *rows) runs: on the rows in row tiles in
+    batch-invariant mode (`rowwise`), and with context parallelism on each "cp" device's share
+    of the tokens (V4's `token_shards`: the routed experts' cp share inside, the results whole
+    on every cp device, where the cross-token part of the layer needs every token)."""
+    rows, shards = rowwise(compute), token_shards(compute)
+    return lambda fn, p, *args: shards(lambda p, *a: rows(lambda *a: fn(p, *a), *a), p, *args)
 
 
 def _window(kv: Fp8Rows, ls: V41LayerState, ctx: TokenContext, cfg: V41Config,

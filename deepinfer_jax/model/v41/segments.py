@@ -91,9 +91,9 @@ def ffn_outputs(p: V41LayerParams, cfg: V41Config, compute: ComputeConfig, dtype
     bool[t] False: a padding row, routed to no expert)."""
     f_pre, f_post, f_comb = one_row(lambda s: blocks.hc_site(s, p.ffn_hc, cfg), streams)
     x = rms_norm(blocks.hc_collapse(streams, a_pre), p.ffn_norm, cfg.rms_norm_eps)
-    if compute.batch_invariant:
+    if compute.batch_invariant and compute.parallel.expert_ranks == 1:
         out = blocks.moe(x, p.moe, cfg)
-    else:
+    else:       # on a mesh each device holds some experts: V4's expert-parallel exchange
         out = experts.moe(x, p.moe, cfg, compute, dtype, valid)
     return one_row(blocks.hc_expand, out, streams, f_post, f_comb), f_pre
 
