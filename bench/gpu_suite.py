@@ -99,6 +99,10 @@ RUNS = {
                              (bench("kernels_attention.py"),)),
     "kernels-indexer": Run(240, "lightning indexer kernel vs the XLA path",
                            (bench("kernels_indexer.py"),)),
+    "kernels-fp8": Run(360, "the FP8 projections at decode sizes: the kernel beside XLA's dot on "
+                            "the weights dequantized in the call and on bf16 weights",
+                       (bench("kernels_fp8.py", "--rows", "1", "16", "64", "--sweep-rows", "0",
+                              "--xla", "--name", "kernels-fp8-xla-gpu"),)),
     "kernels-dense": Run(240, "batch-invariant dense GEMM vs XLA's dot",
                          (bench("kernels_dense.py"),)),
     "batch-invariant": Run(420, "the batch-invariant mode's cost, decode and chunked prefill",

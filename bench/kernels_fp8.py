@@ -102,26 +102,47 @@ def engine_config(p: Projection, rows: int) -> str:
     return f"n{config.block_n} k{config.block_k}x{config.max_concurrent_steps} split{config.split_k}"
 
 
-def case(p: Projection, rows: int, impl: str, sweep: bool, copy_tbps: float) -> list[dict]:
+def run_xla(dequantized: bool):
+    """The same layers through XLA: the FP8 weights dequantized inside the jitted call (the
+    engine's fallback, api.batched_matmul's "reference": whether XLA fuses the decode into its
+    GEMM decides what it reads), or with `dequantized`, bf16 weights made beforehand (the bf16
+    model's projection, twice the bytes)."""
+    def call(x, codes, scale):
+        return jnp.stack([api.batched_matmul(x, codes[i], rhs_scale=None if dequantized
+                                             else scale[i], implementation="reference")
+                          for i in range(codes.shape[0])])
+    return jax.jit(call)
+
+
+def case(p: Projection, rows: int, impl: str, sweep: bool, copy_tbps: float,
+         xla: bool = False) -> list[dict]:
     codes, scale = weights(p, LAYERS, seed=rows)
     x = jax.random.normal(jax.random.key(1), (p.groups, rows, p.k), jnp.bfloat16)
     want = np.stack([np.einsum("gmk,gkn->gmn", np.asarray(x, np.float32), np.asarray(
         reference.dequantize(codes[i], scale[i], jnp.float32))) for i in range(LAYERS)])
+    # (label, the jitted call, its weights' argument and scales, the bytes it must read)
+    runs = [(label if config else f"engine ({engine_config(p, rows)})", run_layers(config, impl),
+             codes, scale, bytes_read(p, rows)) for label, config in variants(p, rows, sweep)]
+    if xla:
+        bf16 = jnp.stack([reference.dequantize(codes[i], scale[i], jnp.bfloat16)
+                          for i in range(LAYERS)])
+        runs += [("xla: dequantize + dot", run_xla(False), codes, scale, bytes_read(p, rows)),
+                 ("xla: bf16 weights (2 B each)", run_xla(True), bf16, scale,
+                  bytes_read(p, rows) + p.groups * p.k * p.n)]
     out = []
-    for label, config in variants(p, rows, sweep):
-        fn = run_layers(config, impl)
-        got = np.asarray(fn(x, codes, scale), np.float32)
+    for label, fn, w, s, nbytes in runs:
+        got = np.asarray(fn(x, w, s), np.float32)
         err = rel_err(got, want)
         if err > 2e-2:
             raise AssertionError(f"{p.name} M={rows} {label}: relative error {err:.3g}")
-        t = timing(fn, x, codes, scale, calls=5)
+        t = timing(fn, x, w, s, calls=5)
         ms = t.ms / LAYERS
-        tbps = bytes_read(p, rows) / ms / 1e9
+        tbps = nbytes / ms / 1e9
         out.append({"projection": p.name, "k": p.k, "n": p.n, "groups": p.groups, "rows": rows,
-                    "config": label if config else f"engine ({engine_config(p, rows)})",
-                    **t.row(), "ms_per_layer": ms, "rel_err": err, "tbps": tbps,
-                    "pct_copy": 100 * tbps / copy_tbps, "pct_datasheet": 100 * tbps / DATASHEET_TBPS})
-        print(f"{p.name:15s} M={rows:<4d} {out[-1]['config']:22s} {1e3 * ms:8.1f} us "
+                    "config": label, **t.row(), "ms_per_layer": ms, "rel_err": err,
+                    "tbps": tbps, "pct_copy": 100 * tbps / copy_tbps,
+                    "pct_datasheet": 100 * tbps / DATASHEET_TBPS})
+        print(f"{p.name:15s} M={rows:<4d} {label:28s} {1e3 * ms:8.1f} us "
               f"{tbps:6.2f} TB/s  {out[-1]['pct_copy']:5.1f}% of copy", flush=True)
     return out
 
@@ -133,6 +154,8 @@ def table(rows: list[dict], ceilings: dict) -> str:
              f"median per layer over the repeats (spread: the whole call).", "",
              "| projection | K x N (groups) | M | config | us | spread ms (repeats) | TB/s | "
              "% of copy | % of datasheet |", "|---|---|---:|---|---:|---|---:|---:|---:|"]
+    lines[0] += (" The xla rows count the same bytes; its bf16-weights row counts 2 bytes a "
+                 "weight." if any(r["config"].startswith("xla") for r in rows) else "")
     for r in rows:
         lines.append(f"| {r['projection']} | {r['k']} x {r['n']} ({r['groups']}) | {r['rows']} | "
                      f"{r['config']} | {1e3 * r['ms_per_layer']:.1f} | {spread(r)} | "
@@ -145,6 +168,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; kernel interpreted on CPU")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--sweep-rows", type=int, default=16, help="M at which configs are swept")
+    ap.add_argument("--xla", action="store_true",
+                    help="also XLA's dot on the weights dequantized in the call, and on bf16 "
+                         "weights (the bf16 model's projection)")
     ap.add_argument("--name", default=None)
     args = ap.parse_args()
     impl = "interpret" if args.smoke else "mosaic_gpu"
@@ -153,7 +179,8 @@ def main() -> None:
     name = args.name or ("kernels-fp8-smoke" if args.smoke else "kernels-fp8-gpu")
     for rows in args.rows:      # written after each M: a run cut short keeps what it measured
         for p in SMOKE if args.smoke else V4_FLASH:
-            results.extend(case(p, rows, impl, rows == args.sweep_rows, ceilings["copy_tbps"]))
+            results.extend(case(p, rows, impl, rows == args.sweep_rows, ceilings["copy_tbps"],
+                                args.xla))
         path = write_results(name, {"ceilings": ceilings, "layers": LAYERS, "results": results},
                              table(results, ceilings))
     print(path)
