@@ -131,6 +131,16 @@ class KVCacheManager:
             match = bounded_replay(req, match, self.replay_tokens)
         return match
 
+    def cached_prefix_blocks(self, req: Request) -> int:
+        """The leading blocks of req's known tokens this device's prefix cache holds (0
+        without prefix caching), without taking them: where data-parallel placement sends
+        a request."""
+        if self.prefix_cache is None:
+            return 0
+        extend_block_keys(req.block_keys, req.known_tokens, self.page_size)
+        usable = req.tokens[: req.num_tokens - 1]
+        return self.prefix_cache.cached_blocks(usable, req.block_keys[: len(usable) // self.page_size])
+
     def count_lookup(self, req: Request, match: Match) -> None:
         """An admitted request used `match`: count it, and mark its cached tokens as computed
         before (recomputing them is a replay)."""

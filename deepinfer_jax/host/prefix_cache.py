@@ -110,13 +110,7 @@ class PrefixCache:
         """The longest cached prefix of `tokens` (block keys `keys`) ending in a snapshot; when
         snapshots need the next token, one whose recorded next token is the one in `following`
         (the sequence's tokens, at least one past the prefix looked up)."""
-        chain = []
-        for i, key in enumerate(keys):
-            block = self.blocks.get(key)
-            if block is None or block.tokens != tuple(
-                    tokens[i * self.block_size: (i + 1) * self.block_size]):
-                break
-            chain.append(block)
+        chain = self._chain(tokens, keys)
         cached = len(chain) * self.block_size
         while chain and not self._snapshot_serves(chain[-1], len(chain), following):
             chain.pop()
@@ -126,6 +120,21 @@ class PrefixCache:
         end = len(chain) * self.block_size
         return Match(tuple(b.page for b in chain), chain[-1].snapshot if chain else None,
                      end, cached, end)
+
+    def cached_blocks(self, tokens: list[int], keys: list[int]) -> int:
+        """How many leading blocks of `tokens` this cache holds, looked at only: nothing is
+        shared and no block's recency changes (data-parallel placement asks every rank)."""
+        return len(self._chain(tokens, keys))
+
+    def _chain(self, tokens: list[int], keys: list[int]) -> list[CachedBlock]:
+        chain = []
+        for i, key in enumerate(keys):
+            block = self.blocks.get(key)
+            if block is None or block.tokens != tuple(
+                    tokens[i * self.block_size: (i + 1) * self.block_size]):
+                break
+            chain.append(block)
+        return chain
 
     def _snapshot_serves(self, block: CachedBlock, num_blocks: int, following) -> bool:
         if block.snapshot is None:

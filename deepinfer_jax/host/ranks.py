@@ -7,8 +7,13 @@ rank's tokens fit. With prefix caching each rank has its own prefix cache and sn
 
 Placement: a request joins the rank with the fewest requests (running and waiting), then the
 most free pages, then the lowest index, and stays there: its pages and slot live on that
-rank's devices. A rank's scheduler admits, preempts and finishes its own requests as on one
-device, so balance comes from placement.
+rank's devices. With prefix caching a request follows its cached prefix: among the ranks
+holding at most `affinity_slack` more requests than the least loaded one, the rank whose
+cache holds the most leading blocks of its prompt takes it (load decides among equals). The
+slack is an eighth of a rank's slots: a cached prefix is worth that much imbalance, and no
+more, so a prefix every request shares (a system prompt) cannot pile them on one rank. A
+rank's scheduler admits, preempts and finishes its own requests as on one device, so balance
+comes from placement.
 """
 
 from __future__ import annotations
@@ -67,14 +72,19 @@ class RankedScheduler:
 
     def __init__(self, step_cfg: StepConfig, eos_token_ids: tuple[int, ...], ranks: int):
         self.ranks = [Scheduler(step_cfg, eos_token_ids) for _ in range(ranks)]
+        self.affinity_slack = step_cfg.max_num_seqs // 8
 
     # ---- queue management -----------------------------------------------------------------
     def add(self, request: Request) -> None:
-        def load(rank: int) -> tuple:
-            scheduler = self.ranks[rank]
-            return (len(scheduler.running) + len(scheduler.waiting),
-                    -scheduler.kv_cache.num_free_pages, rank)
-        self.ranks[min(range(len(self.ranks)), key=load)].add(request)
+        loads = [(len(s.running) + len(s.waiting), -s.kv_cache.num_free_pages, rank)
+                 for rank, s in enumerate(self.ranks)]
+        fewest = min(load[0] for load in loads)
+
+        def placement(rank: int) -> tuple:
+            if loads[rank][0] > fewest + self.affinity_slack:
+                return (1, 0, loads[rank])
+            return (0, -self.ranks[rank].kv_cache.cached_prefix_blocks(request), loads[rank])
+        self.ranks[min(range(len(self.ranks)), key=placement)].add(request)
 
     def has_work(self) -> bool:
         return any(scheduler.has_work() for scheduler in self.ranks)

@@ -24,7 +24,7 @@ from tests.model.v41_oracle import FIXTURES
 pytestmark = pytest.mark.skipif(not FIXTURES[0].exists(), reason="no V4.1 oracle fixtures")
 
 # fixture a: 8 experts, 4 heads in 2 output groups, Engram; fixture b: 6 experts
-CASES = {"a": ("2,2,2", "1,4,1:prefix", "1,4,1,2:invariant"), "b": ("1,1,1,2:invariant",)}
+CASES = {"a": ("2,2,2", "2,4,1:prefix", "1,4,1,2:invariant"), "b": ("1,1,1,2:invariant",)}
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -64,5 +64,8 @@ def test_every_mesh_gives_the_reference_tokens(runs):
             assert min(ran["requests_per_rank"]) > 0, case
         if "invariant" in flags:    # a prompt alone gives its batched logprobs bit for bit
             assert ran["alone_logprobs"] == ran["logprobs"], case
-        if "prefix" in flags:       # the second pass found cached blocks on its rank
+        if "prefix" in flags:
+            # the 70-token prompt's first chunk ends on a block end (a snapshot): its second
+            # pass goes back to the rank caching it (host/ranks.py), which by load alone it
+            # does not (the other rank has more free pages)
             assert ran["prefix_hits"] >= 1, case

@@ -4,9 +4,10 @@ a step's bucket is the one the busiest rank's tokens fit."""
 
 from __future__ import annotations
 
+from deepinfer_jax.config.engine import EngineConfig
 from deepinfer_jax.host.ranks import RankedScheduler
-from deepinfer_jax.host.request import RequestStatus
-from tests.host.test_scheduler import make, output, request
+from deepinfer_jax.host.request import Request, RequestStatus, SamplingParams
+from tests.host.test_scheduler import MODEL, make, output, request
 
 
 def ranked(ranks=2, **kwargs) -> RankedScheduler:
@@ -66,3 +67,34 @@ def test_a_rank_with_nothing_to_do_still_takes_part():
     assert [len(d.seqs) for d in decision.ranks] == [1, 0]
     sched.postprocess(decision, [output([3]), output([])])
     assert sched.ranks[0].running[0].status is RequestStatus.RUNNING
+
+
+def test_a_request_follows_its_cached_prefix_within_the_slack():
+    """With prefix caching a request goes to the rank caching most of its prompt's leading
+    blocks while that rank holds at most `affinity_slack` (an eighth of its slots) more
+    requests than the least loaded one; past that, load decides."""
+    step_cfg = EngineConfig(max_num_seqs=16, max_model_len=128, page_size=16, num_pages=64,
+                            max_num_batched_tokens=64, enable_prefix_caching=True,
+                            compilation_cache_dir=None).resolve(MODEL)
+    sched = RankedScheduler(step_cfg, MODEL.eos_token_ids, 2)
+    assert sched.affinity_slack == 2
+    prefix = list(range(100, 148))                  # three 16-token blocks
+
+    def asking(name, last):
+        return Request(name, prefix + [last], SamplingParams(max_tokens=1), 0)
+
+    sched.add(request("filler", 20, max_tokens=1))  # rank 0
+    sched.add(asking("first", 1))                   # rank 1, which caches the prefix
+    assert ranks_of(sched) == {"filler": 0, "first": 1}
+    while sched.has_work():
+        decision = sched.schedule()
+        sched.postprocess(decision, [output([5] * len(d.seqs)) for d in decision.ranks])
+    assert [s.kv_cache.cached_prefix_blocks(asking("probe", 2)) for s in sched.ranks] == [0, 3]
+    # both ranks idle: the prefix's rank, where load alone sends it to rank 0
+    for i in range(3):          # rank 1 then holds 0, 1, 2 more than rank 0: within the slack
+        sched.add(asking(f"again{i}", 2 + i))
+    assert [ranks_of(sched)[f"again{i}"] for i in range(3)] == [1, 1, 1]
+    sched.add(asking("past the slack", 9))            # 3 more: the least loaded rank
+    assert ranks_of(sched)["past the slack"] == 0
+    sched.add(request("no prefix", 20))             # nothing cached anywhere: load decides
+    assert ranks_of(sched)["no prefix"] == 0
