@@ -18,11 +18,11 @@ needs_ascend_env = pytest.mark.skipif(
                                 "`make ascend-env` builds it (`make test` does)")
 
 
-def run_in_ascend_env(*args: str, timeout: float = 600) -> str:
-    """Run `python args...` in .venv-ascend from the repository root -> its stdout; a failure
-    fails the calling test with the subprocess's output."""
+def run_in_ascend_env(*args: str, timeout: float = 600, **environ: str) -> str:
+    """Run `python args...` in .venv-ascend from the repository root (`environ`: variables
+    to set) -> its stdout; a failure fails the calling test with the subprocess's output."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **environ)
     done = subprocess.run([str(PYTHON), *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
     if done.returncode != 0:

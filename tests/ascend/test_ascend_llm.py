@@ -17,6 +17,7 @@ import pytest
 
 import deepinfer_jax
 from deepinfer_jax import SamplingParams
+from deepinfer_jax.api.cli import main
 from deepinfer_jax.config.errors import EngineConfigError
 from deepinfer_jax.host.tokenizer import TextTokenizer
 from tests.ascend.ascend_env import needs_ascend_env, run_in_ascend_env
@@ -108,3 +109,20 @@ def test_the_ascend_backend_where_torch_is_missing_is_a_typed_error(monkeypatch)
     monkeypatch.setenv("DEEPINFER_BACKEND", "tpu")
     with pytest.raises(EngineConfigError, match="unknown backend 'tpu'"):
         deepinfer_jax.LLM(SHIPPED, **ENGINE)
+
+
+def test_the_cli_generates_on_the_ascend_backend(capsys):
+    """`deepinfer generate` with DEEPINFER_BACKEND=ascend in .venv-ascend (no jax) prints the
+    JAX engine's greedy continuations (float32 on both sides: the default dtypes differ)."""
+    args = ["generate", "--prompt", "def answer():\n    return ", "--prompt", "config = ",
+            "--max-tokens", "24", "--ignore-eos", "--temperature", "0", "--dtype", "float32"]
+    assert main(args) == 0
+    jax_lines = _completions(capsys.readouterr().out)
+    ascend_lines = _completions(run_in_ascend_env("-m", "deepinfer_jax.api.cli", *args,
+                                                  DEEPINFER_BACKEND="ascend"))
+    assert len(jax_lines) == 2 and ascend_lines == jax_lines
+
+
+def _completions(stdout: str) -> list[str]:
+    """The CLI's result lines: `[i] (finish reason) 'text'`."""
+    return [line for line in stdout.splitlines() if re.match(r"\[\d+\] \(", line)]
