@@ -90,6 +90,7 @@ class AscendEngine:
     # memory plan (the pool follows the shapes) and no KV tiers on this backend
     memory_plan = None
     tiers = None
+    num_steps = 0           # steps run (the server's metrics), counted per engine from here
 
     def __init__(self, cfg: ModelConfig, params, step_cfg: StepConfig, *,
                  device: str = "cpu", seed: int = 0, tokenizer: TextTokenizer | None = None,
@@ -149,11 +150,17 @@ class AscendEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def num_awaiting_grammar(self) -> int:
+        """Requests queued until their grammar compiles: none here (add_request compiles
+        it before queueing); the server's engine loop reports the JAX engine's count."""
+        return 0
+
     def step(self) -> list[Request]:
         """One step: schedule, run, postprocess -> the requests that received tokens."""
         decision = self.scheduler.schedule()
         if not decision.seqs:
             return []
+        self.num_steps += 1
         plan = build_plan(decision, token_bucket(self.step_cfg.token_buckets,
                                                  decision.num_tokens), self.step_cfg)
         # token bitmasks of the constrained rows that sample (their matchers have seen every

@@ -44,3 +44,13 @@ def model_config_path(name: str):
             return path
     raise FileNotFoundError(f"no model directory, config.json or project config named {name!r} "
                             f"(configs/: {sorted(p.stem for p in (repo / 'configs').glob('*.json'))})")
+
+
+def model_directory(path):
+    """Where a model's other files (tokenizer.json, chat template) lie: the directory itself,
+    or the one holding a config file. (Here, not beside the dummy weights: the server imports it
+    on the Ascend backend, where there is no jax.)"""
+    from pathlib import Path
+
+    path = Path(path)
+    return path if path.is_dir() else path.parent

@@ -33,12 +33,6 @@ def config_file(path: str | Path) -> Path:
     return path / "config.json" if path.is_dir() else path
 
 
-def model_directory(path: str | Path) -> Path:
-    """Where a model's other files (tokenizer.json, chat template) would lie."""
-    path = Path(path)
-    return path if path.is_dir() else path.parent
-
-
 def dummy_model(path: str | Path, dtype=None, weights: str = "quantized",
                 layers: int | None = None, seed: int = 0) -> Model:
     """Random weights for the config at `path` (a directory or a config.json file).

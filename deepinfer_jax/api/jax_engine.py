@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from deepinfer_jax.api.dummy import LOAD_FORMATS, dummy_model, model_directory
+from deepinfer_jax.api.cli_llm import model_directory
+from deepinfer_jax.api.dummy import LOAD_FORMATS, dummy_model
 from deepinfer_jax.api.model import Model, checkpoint_dtype, load
 from deepinfer_jax.api.v41_model import V41Model, load_v41
 from deepinfer_jax.config.engine import EngineConfig

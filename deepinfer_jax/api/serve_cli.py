@@ -42,8 +42,7 @@ def serve(args) -> int:
 
     import uvicorn
 
-    from deepinfer_jax.api.cli_llm import make_llm, model_config_path
-    from deepinfer_jax.api.dummy import model_directory
+    from deepinfer_jax.api.cli_llm import make_llm, model_config_path, model_directory
     from deepinfer_jax.api.llm import DEFAULT_MODEL
     from deepinfer_jax.api.server.app import build_app
     from deepinfer_jax.api.server.engine_process import EngineProcess

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import urllib.request
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from deepinfer_jax import SamplingParams
 from deepinfer_jax.api.cli import main
 from deepinfer_jax.config.errors import EngineConfigError
 from deepinfer_jax.host.tokenizer import TextTokenizer
-from tests.ascend.ascend_env import needs_ascend_env, run_in_ascend_env
+from tests.ascend.ascend_env import ascend_server, needs_ascend_env, run_in_ascend_env
 from tests.conftest import REPO
 
 pytestmark = needs_ascend_env
@@ -111,16 +112,29 @@ def test_the_ascend_backend_where_torch_is_missing_is_a_typed_error(monkeypatch)
         deepinfer_jax.LLM(SHIPPED, **ENGINE)
 
 
-def test_the_cli_generates_on_the_ascend_backend(capsys):
-    """`deepinfer generate` with DEEPINFER_BACKEND=ascend in .venv-ascend (no jax) prints the
-    JAX engine's greedy continuations (float32 on both sides: the default dtypes differ)."""
-    args = ["generate", "--prompt", "def answer():\n    return ", "--prompt", "config = ",
-            "--max-tokens", "24", "--ignore-eos", "--temperature", "0", "--dtype", "float32"]
-    assert main(args) == 0
+def test_the_cli_and_the_server_on_the_ascend_backend(capsys):
+    """`deepinfer generate` and `deepinfer serve` with DEEPINFER_BACKEND=ascend in .venv-ascend
+    (no jax) give the JAX engine's greedy continuations (the JAX CLI's, in this process),
+    float32 on both sides: the JAX default for the shipped model is its checkpoint's bf16."""
+    prompts = ["def answer():\n    return ", "config = "]
+    args = ["--max-tokens", "24", "--ignore-eos", "--temperature", "0", "--dtype", "float32"]
+    asked = [arg for prompt in prompts for arg in ("--prompt", prompt)]
+    assert main(["generate", *asked, *args]) == 0
     jax_lines = _completions(capsys.readouterr().out)
-    ascend_lines = _completions(run_in_ascend_env("-m", "deepinfer_jax.api.cli", *args,
-                                                  DEEPINFER_BACKEND="ascend"))
-    assert len(jax_lines) == 2 and ascend_lines == jax_lines
+    assert len(jax_lines) == 2
+    ascend_lines = _completions(run_in_ascend_env("-m", "deepinfer_jax.api.cli", "generate",
+                                                  *asked, *args, DEEPINFER_BACKEND="ascend"))
+    assert ascend_lines == jax_lines
+    # the OpenAI server: its engine process on the Ascend backend
+    with ascend_server("--dtype", "float32", DEEPINFER_BACKEND="ascend") as url:
+        body = json.dumps({"model": "deepinfer-tiny-v4", "prompt": prompts, "max_tokens": 24,
+                           "temperature": 0, "ignore_eos": True}).encode()
+        request = urllib.request.Request(url + "/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            choices = sorted(json.load(response)["choices"], key=lambda c: c["index"])
+    served = [f"[{c['index']}] ({c['finish_reason']}) {c['text']!r}" for c in choices]
+    assert served == jax_lines
 
 
 def _completions(stdout: str) -> list[str]:
