@@ -34,9 +34,6 @@ def check_prefix_replay(options) -> None:
             # the MTP block's window is snapshotted with the token after the block
             raise EngineConfigError("prefix_replay='bounded' is not supported with "
                                     "speculative decoding yet")
-        if options.parallel.size > 1:
-            raise EngineConfigError("prefix_replay='bounded' is not supported over a device "
-                                    "mesh yet")
 
 
 def bounded_replay_tokens(options) -> int:

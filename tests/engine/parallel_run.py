@@ -76,9 +76,11 @@ def run(model, prompts, parallel, batch_invariant, passes=1, **options):
 
 
 def main() -> None:
-    """argv: CONFIG[:invariant][:long][:prefix] and mesh shapes "dp,ep,tp" or "dp,ep,tp,cp";
+    """argv: CONFIG[:invariant][:long][:prefix[:bounded|:replay-all]] and mesh shapes
+    "dp,ep,tp" or "dp,ep,tp,cp";
     ":long" adds a 440-token prompt (seven 64-token prefill chunks); ":prefix" serves three
-    prompts sharing a 192-token prefix twice with prefix caching on; ":spec" keeps the MTP
+    prompts sharing a 192-token prefix twice with prefix caching on (":bounded": its bounded
+    replay of 48 tokens; ":replay-all": of 512, longer than any prefix); ":spec" keeps the MTP
     block and speculates with up to 2 drafts."""
     config, shapes = sys.argv[1], sys.argv[2:]
     flags = config.split(":")[1:]
@@ -96,6 +98,10 @@ def main() -> None:
         shared = rng.integers(2, cfg.vocab_size, 192).tolist()
         prompts = [shared + rng.integers(2, cfg.vocab_size, n).tolist() for n in (20, 70, 45)]
         options = {"passes": 2, "enable_prefix_caching": True}
+        if "bounded" in flags:        # hits rebuild the windows from the last 48 tokens
+            options |= {"prefix_replay": "bounded", "swa_replay_tokens": 48}
+        if "replay-all" in flags:     # a bounded replay as long as any prefix: the cold run's
+            options |= {"prefix_replay": "bounded", "swa_replay_tokens": 512}
     if speculative:
         options["speculative_config"] = {"num_speculative_tokens": 2, "varlen": False}
     results = {"single": run(model, prompts, None, batch_invariant, **options)}

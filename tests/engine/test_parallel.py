@@ -90,3 +90,28 @@ def test_data_parallel_ranks_speculate_and_keep_their_own_prefix_caches():
     # the second pass: every prompt found its prefix on its own rank
     assert ranked["prefix_hits"] >= 3 and single["prefix_hits"] >= 3
     assert ranked["prefix_hit_tokens"] >= 3 * 192 - 3 * 64
+
+
+def test_bounded_prefix_replay_over_a_mesh():
+    """prefix_replay="bounded" (48 tokens) on expert and tensor, and on context parallel
+    meshes: one device's tokens, logprobs within 1e-5, the same hits. Data-parallel ranks hit
+    where their own cache holds the prefix, so their hits (and a short replay's approximation)
+    differ from one device's; with a replay longer than any prefix each hit recomputes its
+    windows whole, and the ranks give one device's tokens."""
+    short = run_meshes("configs/tiny/tiny-mixed.json:prefix:bounded", ["1,4,2", "1,2,1,2"])
+    single = short["single"]
+    assert single["prefix_hits"] >= 3 and single["prefix_hit_tokens"] > 0
+    for mesh in ("1,4,2", "1,2,1,2"):
+        ran = short[mesh]
+        assert ran["tokens"] == single["tokens"], mesh
+        for ours, one in zip(ran["logprobs"], single["logprobs"], strict=True):
+            np.testing.assert_allclose(ours, one, rtol=0, atol=1e-5, err_msg=mesh)
+        assert (ran["prefix_hits"], ran["prefix_hit_tokens"]) == (
+            single["prefix_hits"], single["prefix_hit_tokens"]), mesh
+    whole = run_meshes("configs/tiny/tiny-mixed.json:prefix:replay-all", ["2,2,1"])
+    ranked, single = whole["2,2,1"], whole["single"]
+    assert ranked["prefix_hits"] >= 3 and ranked["requests_per_rank"] == [4, 2]
+    assert ranked["tokens"] == single["tokens"]
+    for ours, one in zip(ranked["logprobs"], single["logprobs"], strict=True):
+        np.testing.assert_allclose(ours, one, rtol=0, atol=1e-5)
+
