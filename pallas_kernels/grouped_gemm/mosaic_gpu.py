@@ -43,6 +43,10 @@ class TileConfig:
     max_concurrent_steps: int = 4
     split_k: int = 1              # K ranges summed by separate programs (f32 partials out)
     group_tiles: int = 0          # programs ordered by groups of this many row tiles (0: by tile)
+    # FP8: the group's whole scale grid [K/128, N/128] copied into shared memory when a program
+    # starts, so that a step reads its block's scale there, not from global memory in the
+    # step's critical path (before its dequantization can begin).
+    scales_in_smem: bool = False
 
     def check(self, k: int, n_out: int, fp8: bool, swiglu: bool = False) -> None:
         # block_n: 16-bit operands in shared memory take 32-byte swizzle tiles at the least:
@@ -59,6 +63,19 @@ class TileConfig:
             raise ValueError("split K: no epilogue (the sums are partial)")
         if fp8 and (SCALE_BLOCK % self.block_k or SCALE_BLOCK % self.block_n):
             raise ValueError("with FP8 weights a tile must lie inside one 128 x 128 scale block")
+        if fp8 and self.scales_in_smem and not scale_grid_fits(k, n_out * (1 + swiglu)):
+            raise ValueError(f"scales_in_smem: a scale row of N={n_out} takes whole 16-byte "
+                             f"pieces and the grid at most {MAX_SCALE_SMEM} bytes")
+
+
+# TMA copies rows of whole 16-byte pieces (4 f32 scales: N % 512), and the grid shares the SM's
+# shared memory with the pipeline (V4-Flash's largest, wq_b's and wo_b's: 8 KB).
+MAX_SCALE_SMEM = 16 * 1024
+
+
+def scale_grid_fits(k: int, n: int) -> bool:
+    return n % (4 * SCALE_BLOCK) == 0 and 4 * (-(-k // SCALE_BLOCK)) * (n // SCALE_BLOCK) \
+        <= MAX_SCALE_SMEM
 
 
 def kernel_name(kind: str, config, k: int, n_out: int, swiglu_limit: float | None,
@@ -69,7 +86,8 @@ def kernel_name(kind: str, config, k: int, n_out: int, swiglu_limit: float | Non
     splits, grouped = getattr(config, "split_k", 1), getattr(config, "group_tiles", 0)
     return "_".join([kind, tile, f"k{k}", f"n{n_out}"] + [f"split{splits}"] * (splits > 1)
                     + [f"by{grouped}tiles"] * (grouped > 0)
-                    + ["swiglu"] * (swiglu_limit is not None) + ["fp8"] * fp8)
+                    + ["swiglu"] * (swiglu_limit is not None) + ["fp8"] * fp8
+                    + ["smem_scales"] * (fp8 and getattr(config, "scales_in_smem", False)))
 
 
 def program_grid(tiles: int, columns: int, splits: int, group_tiles: int) -> tuple[int, ...]:
@@ -108,6 +126,13 @@ def epilogue(accs: tuple[jax.Array, ...], swiglu_limit: float | None) -> jax.Arr
     return gate / (1.0 + jnp.exp(-gate)) * up
 
 
+def stage_fp8(w_smem, scale: jax.Array, staging) -> None:
+    """One step's FP8 tile -> its bf16 weights in `staging`, in shared memory for the wgmma:
+    E4M3 -> f32, times the block's f32 scale, rounded once (`quantized.dequantize`'s order)."""
+    staging[...] = (w_smem[...].astype(jnp.float32) * scale).astype(staging.dtype)
+    plgpu.commit_smem()
+
+
 # Jitted: the model calls it per layer with the same shapes, and jax lowers a jitted callee
 # once per module (Mosaic GPU lowering is ~0.1-0.5 s a kernel).
 @functools.partial(jax.jit, static_argnames=("swiglu_limit", "config", "out_dtype"))
@@ -128,22 +153,27 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
     splits, steps = config.split_k, k // (bk * config.split_k)   # K steps per program
     halves = 2 if swiglu_limit is not None else 1     # gate and up column blocks
 
-    def body(tile_group_ref, lhs_ref, rhs_ref, *refs, dequantized=None):
+    scales_in_smem = fp8 and config.scales_in_smem
+
+    def body(tile_group_ref, lhs_ref, rhs_ref, *refs, dequantized=None, scale_smem=None,
+             scale_bar=None):
         scale_ref, out_ref = refs if fp8 else (None, *refs)
         tile, col = program_tile_and_column(rows // bm, n_out // bn, config.group_tiles)
         first = lax.axis_index("split") * steps if splits > 1 else 0     # of its K steps
         group = tile_group_ref[tile]
+
+        def block_scale(kb, nb):
+            return scale_smem[kb, nb] if scales_in_smem else scale_ref[group, kb, nb]
 
         def accumulate(*accs):
             def step(index, lhs_smem, *rhs_smems):
                 (kk,) = index
                 for half, (acc, w) in enumerate(zip(accs, rhs_smems, strict=True)):
                     if fp8:   # staging alternates between two slots, see the wait below
-                        scale = scale_ref[group, ((first + kk) * bk) // SCALE_BLOCK,
-                                          (col * bn + half * n_out) // SCALE_BLOCK]
+                        scale = block_scale(((first + kk) * bk) // SCALE_BLOCK,
+                                            (col * bn + half * n_out) // SCALE_BLOCK)
                         staging = dequantized.at[kk % 2, half]
-                        staging[...] = (w[...].astype(jnp.float32) * scale).astype(lhs.dtype)
-                        plgpu.commit_smem()
+                        stage_fp8(w, scale, staging)
                         w = staging
                     plgpu.wgmma(acc, lhs_smem, w)
                 # Keep this step's wgmmas in flight but retire the previous step's: its
@@ -161,6 +191,9 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
 
         @pl.when(group >= 0)
         def _():
+            if scales_in_smem:
+                plgpu.copy_gmem_to_smem(scale_ref.at[group], scale_smem, scale_bar.at[0])
+                plgpu.barrier_wait(scale_bar.at[0])
             result = epilogue(pl.run_scoped(accumulate, *[plgpu.ACC((bm, bn))
                                                           for _ in range(halves)]), swiglu_limit)
 
@@ -176,6 +209,9 @@ def tiled_group_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
     scratch = {}
     if fp8:
         scratch["dequantized"] = plgpu.SMEM((2, halves, bk, bn), lhs.dtype)
+    if scales_in_smem:
+        scratch["scale_smem"] = plgpu.SMEM(rhs_scale.shape[1:], jnp.float32)
+        scratch["scale_bar"] = plgpu.Barrier(num_barriers=1)
     out_type = (jax.ShapeDtypeStruct((rows, n_out), out_dtype or lhs.dtype) if splits == 1 else
                 jax.ShapeDtypeStruct((splits, rows, n_out), jnp.float32))
     kernel = plgpu.kernel(

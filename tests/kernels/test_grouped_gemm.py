@@ -147,6 +147,27 @@ def test_batched_matmul_fp8_matches_the_dequantized_product(groups, rows, config
               want)
 
 
+@pytest.mark.parametrize("swiglu, split_k", [(None, 4), (0.0, 1)])
+def test_fp8_scales_staged_in_shared_memory(swiglu, split_k):
+    """scales_in_smem: each program copies its group's scale grid into shared memory and reads
+    its steps' scales there; every 128 x 128 block has its own scale, K split into ranges or
+    the SwiGLU's gate and up halves (the up half's blocks at columns N/2 on)."""
+    lhs, codes, group_sizes, scale = fp8_problem([5, 0, 9], 512, 1024, seed=7)
+    config = TileConfig(block_n=128, split_k=split_k, scales_in_smem=True)
+    ref = reference.grouped_matmul(lhs, codes, group_sizes, rhs_scale=scale, swiglu_limit=swiglu)
+    out = api.grouped_matmul(lhs, codes, group_sizes, rhs_scale=scale, swiglu_limit=swiglu,
+                             implementation=KERNEL, config=config)
+    close(out, ref)
+
+
+def test_fp8_scales_in_shared_memory_need_whole_tma_rows():
+    """A scale row narrower than TMA's 16 bytes (N = 256: 2 scales) is refused with the
+    reason, not miscompiled."""
+    with pytest.raises(ValueError, match="16-byte"):
+        TileConfig(block_n=128, scales_in_smem=True).check(512, 256, fp8=True)
+    TileConfig(block_n=128, scales_in_smem=True).check(512, 512, fp8=True)
+
+
 def test_small_batches_split_k_until_the_gpu_is_filled():
     """The decode default: an FP8 4096 -> 512 projection at M = 16 (one row tile, 4 column
     blocks) splits K until 256 programs or 256 rows a range; a wide one is left whole."""
@@ -321,6 +342,20 @@ def test_persistent_grouped_kernel_lowers_for_cuda(block_n, swiglu):
             jax.ShapeDtypeStruct((400 * 128, k), jnp.bfloat16),
             jax.ShapeDtypeStruct((256, k, n), jnp.bfloat16), tiles, tiles)
     assert "mosaic_gpu" in exported.mlir_module()
+
+
+def test_fp8_kernel_with_scales_in_shared_memory_lowers_for_cuda():
+    """The scale grid's TMA copy and the steps' scalar reads from shared memory pass Mosaic
+    GPU's lowering (V4-Flash's wo_b: K 8192, N 4096, K in 8 ranges)."""
+    config = TileConfig(block_n=128, split_k=8, scales_in_smem=True)
+    fn = jax.jit(functools.partial(tiled_group_matmul, config=config))
+    with abstract_gpu():
+        exported = jax.export.export(fn, platforms=["cuda"])(
+            jax.ShapeDtypeStruct((64, 8192), jnp.bfloat16),
+            jax.ShapeDtypeStruct((1, 8192, 4096), ml_dtypes.float8_e4m3fn),
+            jax.ShapeDtypeStruct((1,), jnp.int32),
+            jax.ShapeDtypeStruct((1, 64, 32), jnp.float32))
+    assert "smem_scales" in exported.mlir_module()
 
 
 def test_warp_specialized_kernel_lowers_for_cuda():
