@@ -104,15 +104,17 @@ def test_a_model_that_does_not_fit_fails_before_its_steps_compile(monkeypatch):
     with pytest.raises(InsufficientMemoryError, match=r"activations .*GiB \(measured\).*"
                                                       r"max_num_seqs.*max_model_len"):
         LLM(model, device_memory_gib=device / GiB, **SHAPES)
-    roomy = (weights + activations + fixed + 64 * page) / 0.9      # 64 pages fit, 10**4 not
+    roomy = (weights + memory_plan.with_slack(activations) + fixed + 64 * page) / 0.9
+    # 64 pages fit, 10**4 do not
     with pytest.raises(InsufficientMemoryError, match="num_pages=10000"):
         LLM(model, device_memory_gib=roomy / GiB, num_pages=10**4, **SHAPES)
 
 
 def test_the_pool_is_sized_from_the_stated_memory():
     model = load(TINY)
-    step_cfg, weights, activations, fixed, page = _plan_inputs(model)
-    assert activations > 0
+    step_cfg, weights, measured, fixed, page = _plan_inputs(model)
+    assert measured > 0
+    activations = measured + max(2**20, math.ceil(0.02 * measured))    # the plan's margin
     device = int((weights + activations + fixed + 20.5 * page) / 0.9)
     llm = LLM(model, device_memory_gib=device / GiB, **SHAPES)
     expected = (int(device * 0.9) - weights - activations - fixed) // page
@@ -120,9 +122,11 @@ def test_the_pool_is_sized_from_the_stated_memory():
     assert llm.step_config.num_pages == expected == llm.memory_plan.pages
     assert _nbytes(llm.engine.state) == fixed + expected * page
     assert llm.memory_plan.activations_measured and llm.memory_plan.fits
-    # the probe's pool (every slot's reach) measured what the real pool's step needs
+    assert llm.memory_plan.activations == activations
+    # the probe's pool (every slot's reach) measured what the real pool's step needs, within
+    # the margin (on the H200 the real, smaller pool's step took 4 KB more than the probe's)
     real = [memory_plan.step_peak(c.executable) for c in llm.engine.steps.by_key.values()]
-    assert max(real) == activations
+    assert abs(max(real) - measured) <= activations - measured
     out = llm.generate([[0, 5, 7]], {"max_tokens": 3}, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
 
@@ -138,7 +142,7 @@ def test_the_probed_step_is_the_engines_where_memory_does_not_cap_the_pool():
     step_cfg, weights, activations, fixed, page = _plan_inputs(model)    # the probe
     assert step_cache.stats.traced - before == 1
     variants = 2 if step_cfg.compute.launch_bound else 1
-    capped = (weights + activations + fixed + 20.5 * page) / 0.9
+    capped = (weights + memory_plan.with_slack(activations) + fixed + 20.5 * page) / 0.9
     for device, pages, traced in ((64 * GiB, step_cfg.num_pages, variants - 1),
                                   (capped, 20, variants)):
         before = step_cache.stats.traced

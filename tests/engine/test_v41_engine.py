@@ -155,7 +155,8 @@ def test_v41_memory_plan_counts_the_v41_state():
     assert plan.weights == memory_plan.weight_bytes(engine.params)
     assert plan.host_weights == (290 + 370) * 32 * 4
     measured = memory_plan.measured_activations(engine.params, cfg, engine.step_cfg, engine.host)
-    assert plan.activations_measured and plan.activations == measured + 16 * 2 * 4 * 32 * 4
+    assert plan.activations_measured
+    assert plan.activations == memory_plan.with_slack(measured) + 16 * 2 * 4 * 32 * 4
 
 
 def test_v41_structured_output_without_an_eos_fails_the_request_alone():
