@@ -22,6 +22,7 @@ import numpy as np
 
 from deepinfer_jax.config.v41 import V41Config
 from deepinfer_jax.model.v41.params import V41ModelParams
+from deepinfer_jax.weights.random_source import random_bytes
 from deepinfer_jax.weights.v41 import _build
 from pallas_kernels.quantized import FP4_GROUP, Fp4Blocks, Fp8Blocks
 
@@ -77,7 +78,7 @@ class RandomReader:
         if not self.keep_quantized:
             w = jax.random.normal(key, (n, in_dim, parts * out_dim), jnp.float32)
             return (w * in_dim ** -0.5).astype(self.dtype)
-        packed = jax.random.bits(key, (n, parts * out_dim, in_dim // 2), jnp.uint8)
+        packed = random_bytes(key, (n, parts * out_dim, in_dim // 2))
         # E2M1 codes average |v| ~ 2.6: one scale 2^e with 2.6 * 2^e ~ in^-1/2
         e = round(-np.log2(in_dim) / 2 - 1.4)
         scale = jnp.full((n, in_dim // FP4_GROUP, parts * out_dim), 127 + e, jnp.uint8)
