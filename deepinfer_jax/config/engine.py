@@ -15,7 +15,7 @@ from deepinfer_jax.config import options
 from deepinfer_jax.config.compute import KernelChoices
 from deepinfer_jax.config.distributed import DistributedConfig
 from deepinfer_jax.config.errors import EngineConfigError
-from deepinfer_jax.config.family import facts_of, refuse_unbuilt
+from deepinfer_jax.config.family import facts_of
 from deepinfer_jax.config.host import HostOptions
 from deepinfer_jax.config.kv_tiers import DEFAULT_RETENTION_S, KVTierConfig
 from deepinfer_jax.config.memory import MemoryLimits
@@ -153,15 +153,6 @@ class EngineConfig:
         """The step's configuration for this model on this device (arguments, then
         DEEPINFER_* variables, then the device's defaults)."""
         family = facts_of(model)
-        refuse_unbuilt(model, {
-            "speculative decoding": self.speculative_config is not None,
-            "prefix caching": self.enable_prefix_caching,
-            "a bounded prefix replay": (self.enable_prefix_caching
-                                        and self.prefix_replay == "bounded"),
-            "KV tiers": self.kv_tiers.enabled,
-            "batch-invariant mode": bool(self.batch_invariant),
-            "a device mesh (parallel)": self.parallel.size > 1 or self.parallel.eplb is not None,
-            "several processes (distributed)": device.process_count > 1})
         no_mtp = family.no_mtp_reason(model)
         if self.speculative_config is not None and no_mtp is not None:
             raise EngineConfigError(no_mtp)

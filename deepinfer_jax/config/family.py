@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 from deepinfer_jax.config import memory, memory_v41
-from deepinfer_jax.config.errors import EngineConfigError
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.config.v41 import V41Config
@@ -31,8 +30,6 @@ class FamilyFacts:
     engram_shape: Callable[[Any], tuple[int, int]]              # (L_e, C) per plan token
     # why this model cannot draft for speculative decoding, None when it has an MTP block
     no_mtp_reason: Callable[[Any], str | None]
-    # engine features not built for the family yet, by the names refuse_unbuilt is asked
-    unbuilt: tuple[str, ...] = ()
 
 
 def _v4_rates(cfg: ModelConfig) -> tuple[int, ...]:
@@ -112,8 +109,7 @@ V41 = FamilyFacts(
     page_rates=lambda cfg: tuple(sorted(set(cfg.compress_ratios) - {0})),
     page_bytes=lambda cfg, page_size, dtype_bytes: memory_v41.v41_page_bytes(cfg, page_size),
     fixed_cache_bytes=_v41_fixed_cache_bytes, activation_estimate=_v41_activation_estimate,
-    engram_shape=_v41_engram_shape, no_mtp_reason=_v41_no_mtp_reason,
-    unbuilt=("several processes (distributed)",))
+    engram_shape=_v41_engram_shape, no_mtp_reason=_v41_no_mtp_reason)
 
 FAMILIES = (V4, V41)
 
@@ -123,13 +119,3 @@ def facts_of(cfg) -> FamilyFacts:
         if isinstance(cfg, family.config_type):
             return family
     raise TypeError(f"not a model config the engine serves: {type(cfg).__name__}")
-
-
-def refuse_unbuilt(cfg, asked: dict[str, bool]) -> None:
-    """asked: engine feature -> whether the options ask for it. Raises EngineConfigError for
-    the first one asked for that the model's family does not have yet."""
-    family = facts_of(cfg)
-    for feature in family.unbuilt:
-        if asked.get(feature):
-            raise EngineConfigError(f"{feature} is not supported for {family.name} yet "
-                                    f"(issue 36); turn it off to serve this model")

@@ -4,7 +4,10 @@ requests on the same meshes (parallel_run.py's `run`) and prints its outputs as 
 stdout, so the test can check that every process saw the same tokens.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/engine/multihost_run.py \\
-        127.0.0.1:PORT NUM_PROCESSES PROCESS_ID "2,4,1" "1,8,1" ...
+        127.0.0.1:PORT NUM_PROCESSES PROCESS_ID [--model FOLDER] "2,4,1" "1,8,1" ...
+
+Without --model: the tiny mixed config's random weights. --model FOLDER: a checkpoint folder
+with a reference.npz (the DeepSeek-V4.1 oracle fixtures), its prompts served.
 """
 
 from __future__ import annotations
@@ -29,17 +32,29 @@ CONFIG = "configs/tiny/tiny-mixed.json"
 JOIN_TIMEOUT_S = 120
 
 
+def reference_prompts(folder: Path) -> list[list[int]]:
+    """The oracle fixture's prompts, each row's last `lengths[r]` ids (left-padded rows)."""
+    ref = np.load(folder / "reference.npz")
+    return [ref["input_ids"][r, -n:].tolist() for r, n in enumerate(ref["lengths"])]
+
+
 def main() -> None:
     address, processes, process_id, shapes = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]),
                                               sys.argv[4:])
+    folder = None
+    if shapes[:1] == ["--model"]:
+        folder, shapes = Path(shapes[1]), shapes[2:]
     distributed = {"coordinator_address": address, "num_processes": processes,
                    "process_id": process_id, "initialization_timeout_s": JOIN_TIMEOUT_S}
     # before the model's arrays start jax's backend
     deepinfer_jax.join_processes(distributed)
-    cfg = read_model_config(REPO / CONFIG).replace(num_mtp_layers=0)
-    model = deepinfer_jax.Model(cfg, deepinfer_jax.random_params(cfg, 5, jnp.float32))
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(2, cfg.vocab_size, n).tolist() for n in (30, 130, 75)]
+    if folder is None:
+        cfg = read_model_config(REPO / CONFIG).replace(num_mtp_layers=0)
+        model = deepinfer_jax.Model(cfg, deepinfer_jax.random_params(cfg, 5, jnp.float32))
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(2, cfg.vocab_size, n).tolist() for n in (30, 130, 75)]
+    else:
+        model, prompts = folder, reference_prompts(folder)
     results = {}
     for shape in shapes:
         dp, ep, tp = map(int, shape.split(","))

@@ -3,7 +3,9 @@ processes of multihost_run.py on the loopback address, 4 CPU devices each, run e
 the 2 x 4 devices, with gloo's collectives between them. Both give the tokens of one process
 on one device and its logprobs within 1e-5; the distributed options and the meshes several
 processes cannot take fail with errors naming them; structured outputs (whose grammars join
-the batch when their background compile ends, at another step in each process) are refused."""
+the batch when their background compile ends, at another step in each process) are refused.
+DeepSeek-V4.1 (issue 36) spans the two processes too: an oracle fixture's greedy tokens, the
+reference's (transformers'), from both."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.config.options import DeviceFacts
 from deepinfer_jax.parallel.distributed import join_processes
 from tests.conftest import REPO
+from tests.model.v41_oracle import FIXTURES as V41_FIXTURES
 
 CFG = read_model_config(REPO / "configs/tiny/tiny-mixed.json")
 # (dp, ep, tp): one mesh with every axis, a data-parallel rank a process, the experts over both
@@ -67,20 +70,28 @@ def _run_together(commands: dict[str, list[str]], envs: dict[str, dict]) -> dict
     return {name: (logs / f"{name}.out").read_text() for name in procs}
 
 
+def _processes(*args: str) -> tuple[dict[str, list[str]], dict[str, dict]]:
+    """multihost_run.py's commands and environments, one a process, joined at a free port."""
+    address = f"127.0.0.1:{_free_port()}"
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_EACH}")
+    names = [f"process{process}" for process in range(PROCESSES)]
+    commands = {name: [sys.executable, str(REPO / "tests/engine/multihost_run.py"), address,
+                       str(PROCESSES), str(process), *args] for process, name in enumerate(names)}
+    return commands, dict.fromkeys(names, env)
+
+
+def _outputs(outs: dict[str, str]) -> dict:
+    return {name: json.loads(out.strip().splitlines()[-1]) for name, out in outs.items()}
+
+
 @pytest.fixture(scope="module")
 def runs():
-    address = f"127.0.0.1:{_free_port()}"
-    base = dict(os.environ, JAX_PLATFORMS="cpu")
-    commands = {"single": [sys.executable, str(REPO / "tests/engine/parallel_run.py"),
-                           "configs/tiny/tiny-mixed.json"]}
-    envs = {"single": dict(base, XLA_FLAGS="")}
-    for process in range(PROCESSES):
-        commands[f"process{process}"] = [sys.executable, str(REPO / "tests/engine/multihost_run.py"),
-                                         address, str(PROCESSES), str(process), *MESHES]
-        envs[f"process{process}"] = dict(
-            base, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_EACH}")
-    outs = _run_together(commands, envs)
-    return {name: json.loads(out.strip().splitlines()[-1]) for name, out in outs.items()}
+    commands, envs = _processes(*MESHES)
+    commands["single"] = [sys.executable, str(REPO / "tests/engine/parallel_run.py"),
+                          "configs/tiny/tiny-mixed.json"]
+    envs["single"] = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    return _outputs(_run_together(commands, envs))
 
 
 @pytest.mark.parametrize("mesh", MESHES)
@@ -136,3 +147,21 @@ def test_joining_after_the_backend_started_says_what_to_do():
     with pytest.raises(EngineConfigError, match=r"backend started before the processes joined"):
         join_processes({"coordinator_address": "127.0.0.1:1", "num_processes": 2,
                         "process_id": 0})
+
+
+@pytest.mark.skipif(not V41_FIXTURES[0].exists(), reason="no V4.1 oracle fixtures")
+def test_v41_over_two_processes_gives_the_reference_tokens():
+    """Fixture a (Engram tables in each process's host memory, 8 experts) on a (2,2,2) mesh
+    over both processes: a data-parallel rank a process, its share of the experts a device,
+    and transformers' greedy tokens from each process."""
+    folder = V41_FIXTURES[0]
+    outs = _outputs(_run_together(*_processes("--model", str(folder), "2,2,2")))
+    reference = np.load(folder / "reference.npz")["gen_tokens"].tolist()
+    experts = read_model_config(folder).n_routed_experts
+    for process in range(PROCESSES):
+        ran = outs[f"process{process}"]["2,2,2"]
+        assert ran["mesh_devices"] == PROCESSES * DEVICES_EACH
+        assert ran["tokens"] == reference, process
+        assert ran["expert_shard_rows"] == experts // 4 and ran["state_rank_rows"] == 1
+    assert outs["process0"] == outs["process1"]
+

@@ -16,11 +16,8 @@ import pytest
 
 import deepinfer_jax
 from bench.lib.admission import admit_first_chunks
-from deepinfer_jax.config.engine import EngineConfig
 from deepinfer_jax.config.errors import EngineConfigError
-from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.config.memory_v41 import v41_page_bytes, v41_slot_bytes
-from deepinfer_jax.config.options import DeviceFacts
 from deepinfer_jax.engine import memory_plan
 from deepinfer_jax.host.request import SamplingParams
 from tests.model.v41_oracle import FIXTURES
@@ -112,15 +109,6 @@ def test_v41_engine_runs_synchronously():
     before it plans the next step."""
     llm = _engine(FIXTURES[0])
     assert llm.step_config.engram_shape == (2, 4) and not llm.host_options.async_scheduling
-
-
-def test_v41_over_several_processes_is_refused_by_name():
-    """A mesh in one process serves V4.1 (test_v41_parallel.py); several processes do not
-    yet, and say so before anything loads."""
-    cfg = read_model_config(FIXTURES[0])
-    with pytest.raises(EngineConfigError, match=r"several processes \(distributed\) is not "
-                                                r"supported for DeepSeek-V4.1"):
-        EngineConfig(**ENGINE).resolve(cfg, DeviceFacts(device_count=2, process_count=2))
 
 
 @pytest.mark.parametrize("folder, why", [
