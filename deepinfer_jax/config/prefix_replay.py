@@ -29,11 +29,6 @@ def check_prefix_replay(options) -> None:
                                 f"got {mode!r}")
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise EngineConfigError(f"swa_replay_tokens must be an int >= 1, got {tokens!r}")
-    if mode == "bounded":
-        if options.speculative_config is not None:
-            # the MTP block's window is snapshotted with the token after the block
-            raise EngineConfigError("prefix_replay='bounded' is not supported with "
-                                    "speculative decoding yet")
 
 
 def bounded_replay_tokens(options) -> int:

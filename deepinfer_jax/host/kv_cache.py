@@ -150,9 +150,14 @@ class KVCacheManager:
         stats.hit_tokens += match.num_tokens
         req.replay_until = max(req.replay_until, match.num_cached)
 
-    def count_replayed(self, num_tokens: int) -> None:
+    def count_replayed(self, req: Request, start: int) -> None:
+        """A launched row computed req's tokens from `start` up to req.num_computed: those
+        below its replay_until had been computed before (a replay: a bounded prefix replay, a
+        preempted request's recomputation)."""
         if self.prefix_cache is not None:
-            self.prefix_cache.stats.replayed_tokens += num_tokens
+            self.prefix_cache.stats.replayed_tokens += max(
+                0, min(req.num_computed, req.replay_until) - start)
+        req.replay_until = max(req.replay_until, req.num_computed)
 
     def snapshot_saves(self, seqs: Iterable[ScheduledSeq], snapshots: bool = True
                        ) -> tuple[SnapshotSave, ...]:

@@ -239,8 +239,7 @@ class Scheduler:
         for seq in seqs:
             req = seq.request
             req.num_computed = seq.start + seq.num_tokens
-            self.kv_cache.count_replayed(max(0, min(req.num_computed, req.replay_until) - seq.start))
-            req.replay_until = max(req.replay_until, req.num_computed)
+            self.kv_cache.count_replayed(req, seq.start)
             if seq.token_index is None:
                 continue
             req.generated.append(PLACEHOLDER)

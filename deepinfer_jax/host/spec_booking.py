@@ -146,6 +146,7 @@ class SpecBooking:
         for seq in seqs:
             req = seq.request
             req.num_computed = seq.start + seq.num_tokens - seq.num_drafts
+            sched.kv_cache.count_replayed(req, seq.start)
             if not seq.samples:
                 continue
             self._unread.setdefault(req, collections.deque()).append(Booked(seq))

@@ -27,9 +27,6 @@ PARAMS = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
     (dict(prefix_replay="approximate"), "prefix_replay must be one of"),
     (dict(prefix_replay="bounded", swa_replay_tokens=0), "swa_replay_tokens must be an int"),
     (dict(swa_replay_tokens=1.5), "swa_replay_tokens must be an int"),
-    (dict(prefix_replay="bounded", speculative_config={"method": "mtp",
-                                                       "num_speculative_tokens": 1}),
-     "speculative"),
 ])
 def test_bad_replay_options_are_refused(options, message):
     with pytest.raises(EngineConfigError, match=message):
@@ -96,3 +93,32 @@ def test_a_short_replay_serves_hits_close_to_the_exact_run():
         diff = np.abs(np.subtract([lp.logprob for lp in out.logprobs],
                                   [lp.logprob for lp in ref.logprobs]))
         assert diff.mean() < 0.1 and diff.max() < 1.0, diff
+
+
+def test_with_mtp_speculation_a_whole_replay_equals_the_cold_run_bitwise():
+    """Bounded replay with MTP speculation on the shipped trained model (drafts accepted):
+    the replay rebuilds the MTP block's window with the main layers' (its rows below the
+    replay's start hidden like theirs), so a replay of the whole cached prefix gives the cold
+    speculative run's tokens and logprobs bit for bit and accepts as many drafts, with an
+    unrelated request's state left in the slot before each."""
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "varlen": False}
+    engine = {**ENGINE, "token_buckets": (32, 128)}
+    cold = deepinfer_jax.LLM(TINY, speculative_config=spec, **engine)
+    warm = deepinfer_jax.LLM(TINY, speculative_config=spec, enable_prefix_caching=True,
+                             prefix_replay="bounded", swa_replay_tokens=1024, **engine)
+    source = (REPO / "deepinfer_jax" / "host" / "scheduler.py").read_text()
+    ids = cold.tokenizer.encode(source)
+    base, other = ids[:300], ids[1000:1050]
+    params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=1)
+    warm.generate([base + ids[300:305]], params, use_tqdm=False)              # fills the cache
+    for prompt in (base[:256] + ids[256:266], base + ids[300:310]):
+        warm.generate([other], params, use_tqdm=False)          # leaves its state in the slot
+        accepted = cold.spec_metrics.accepted, warm.spec_metrics.accepted
+        replayed = warm.prefix_cache_stats.replayed_tokens
+        out_cold = cold.generate([prompt], params, use_tqdm=False)
+        out_warm = warm.generate([prompt], params, use_tqdm=False)
+        assert_same(out_warm, out_cold)
+        assert warm.prefix_cache_stats.replayed_tokens - replayed == 256    # the cached blocks
+        assert (warm.spec_metrics.accepted - accepted[1]
+                == cold.spec_metrics.accepted - accepted[0] > 0)
+
