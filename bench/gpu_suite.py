@@ -99,6 +99,13 @@ RUNS = {
                              (bench("kernels_attention.py"),)),
     "kernels-indexer": Run(240, "lightning indexer kernel vs the XLA path",
                            (bench("kernels_indexer.py"),)),
+    "fp8-probe": Run(300, "the FP8 kernel's configs and ablations at M = 16 (what bounds it)",
+                     (bench("fp8_probe.py"),)),
+    "e2e-v41": Run(560, "a V4.1-Flash slice (8 layers: the first CSA2 source and its five reusers) "
+                        "in the release's formats: prefill 8k, decode 1/16 at 4k",
+                   (bench("e2e.py", "--model", "v4.1", "--prefill", "8192", "--batches", "1", "16",
+                          "--context", "4096", "--steps", "16", "--token-buckets", "16",
+                          "--peer-python", "", "--name", "e2e-v41-gpu"),)),
     "kernels-fp8": Run(360, "the FP8 projections at decode sizes: the kernel beside XLA's dot on "
                             "the weights dequantized in the call and on bf16 weights",
                        (bench("kernels_fp8.py", "--rows", "1", "16", "64", "--sweep-rows", "0",
