@@ -1,7 +1,8 @@
 """The KV tiers in the engine: blocks the device prefix cache evicts go to host memory or
 disk, and a request whose prefix was evicted gets them back, with the same tokens and
 per-token logprobs as a cold run, bitwise (batch-invariant mode, bf16). The disk case runs
-in a fresh engine on the same directory: a restart."""
+in a fresh engine on the same directory: a restart. With MTP speculation too (the shipped
+trained model, whose drafts are accepted)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ ENGINE = dict(max_num_seqs=4, max_model_len=1024, max_num_batched_tokens=128,
               token_buckets=(16, 32, 64, 128), page_size=64, num_pages=20, show_progress=False,
               batch_invariant=True)
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
+TINY = REPO / "models" / "deepinfer-tiny-v4"      # the shipped trained model
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +119,29 @@ def test_a_prefetch_in_flight_holds_only_its_request_back(model, prompts, refere
     assert stats.counters.hits >= 6 and stats.prefetch_latency.count >= 6
     assert stats.prefetch_latency.p50_s > 0
     assert llm.prefix_cache_stats.hit_tokens >= 6 * 64
+
+
+def test_with_mtp_speculation_a_prefix_back_from_the_host_tier_equals_the_cold_run():
+    """MTP speculation on the shipped trained model (drafts accepted): the snapshots then hold
+    the MTP block's window too, and a prefix the device evicted to host memory comes back
+    with it: the cold speculative run's tokens and logprobs bit for bit, as many drafts
+    accepted."""
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "varlen": False}
+    engine = {**ENGINE, "token_buckets": (32, 128)}
+    cold = deepinfer_jax.LLM(TINY, speculative_config=spec, **engine)
+    warm = deepinfer_jax.LLM(TINY, speculative_config=spec, enable_prefix_caching=True,
+                             kv_host_tier_bytes=1 << 30, **engine)
+    ids = cold.tokenizer.encode((REPO / "deepinfer_jax" / "host" / "scheduler.py").read_text())
+    base, target = ids[:500], ids[:540]
+    fillers = [ids[600 + 600 * i: 1160 + 600 * i] for i in range(3)]
+    run_alone(warm, base)
+    for filler in fillers:                          # evict the base's blocks from the device
+        run_alone(warm, filler)
+    warm.engine.tiers.drain()
+    assert warm.engine.tiers.store.stats().host.entries >= 7
+    hits, accepted = warm.prefix_cache_stats.hit_tokens, warm.spec_metrics.accepted
+    out_warm, out_cold = run_alone(warm, target), run_alone(cold, target)
+    assert_same(out_warm, out_cold)
+    assert warm.engine.tiers.store.stats().host.hits >= 6
+    assert warm.prefix_cache_stats.hit_tokens - hits >= 6 * 64
+    assert warm.spec_metrics.accepted - accepted == cold.spec_metrics.accepted > 0
