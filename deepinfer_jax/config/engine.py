@@ -133,12 +133,14 @@ class EngineConfig:
         if tiers.enabled and not self.enable_prefix_caching:
             raise EngineConfigError("KV tiers keep prefix-cache blocks: they need "
                                     "enable_prefix_caching=True")
-        if tiers.enabled and self.parallel.size > 1:
-            # the tier copies are compiled for one device's state (ranks keep one prefix cache
-            # and snapshot pool each). Lifted for a mesh without ranks (ep 4, jax 0.11.2), an
-            # engine with a host tier aborted in XLA's CPU compiler ("Invalid binary
-            # instruction opcode copy"), not yet traced to its op
-            raise EngineConfigError("KV tiers are not supported over a device mesh yet")
+        if tiers.enabled and self.parallel.dp > 1:
+            # the tier copies are compiled for one logical state (data-parallel ranks keep a
+            # prefix cache and a snapshot pool each)
+            raise EngineConfigError("KV tiers are not supported with data-parallel ranks "
+                                    "(dp > 1) yet")
+        if tiers.enabled and self.distributed is not None:
+            # each process would write and read its own tier files
+            raise EngineConfigError("KV tiers are not supported over several processes yet")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise EngineConfigError(f"gpu_memory_utilization must be in (0, 1], got "
                                     f"{self.gpu_memory_utilization}")

@@ -15,6 +15,8 @@ jnp path, `invariant=True`).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -118,9 +120,10 @@ def expert_parallel(x: jax.Array, experts: jax.Array, weights: jax.Array, p: Exp
         local_ids = jnp.where(mine, experts - first, NO_EXPERT)
         per_slot = _slot_outputs(x, local_ids, weights, p, limit, compute)
         if parallel.ep > 1:
-            per_slot = jax.lax.psum(per_slot, "ep")
+            per_slot = _exact_sum(jax.lax.psum, per_slot, "ep", compute)
         for axis in reversed(gathered):
-            per_slot = jax.lax.psum_scatter(per_slot, axis, tiled=True)
+            per_slot = _exact_sum(functools.partial(jax.lax.psum_scatter, tiled=True),
+                                  per_slot, axis, compute)
         return per_slot
 
     if parallel.ep > 1:
@@ -129,6 +132,18 @@ def expert_parallel(x: jax.Array, experts: jax.Array, weights: jax.Array, p: Exp
                                                jax.tree.map(lambda _: spec("ep"), p)),
                               out_specs=spec(), axis_names={"ep"}, check_vma=False)
     return _sum_slots(local(x, experts, weights, p), compute)
+
+
+def _exact_sum(collective, x: jax.Array, axis: str, compute: ComputeConfig) -> jax.Array:
+    """A summing collective (psum, psum_scatter) of slot outputs that are non-zero on one
+    device each: exact in any precision. The CPU formulation sums bf16 in float32 (the same
+    bits back): XLA's CPU compiler widens a bf16 all-reduce itself (AllReducePromotion) and
+    aborted on one inside a loop whose reduction had become add-then-copy (jax 0.11.2,
+    "Invalid binary instruction opcode copy": ep 4 or cp 2 with prefix caching in
+    batch-invariant mode)."""
+    if compute.formulation == "cpu" and x.dtype == jnp.bfloat16:
+        return collective(x.astype(jnp.float32), axis).astype(x.dtype)
+    return collective(x, axis)
 
 
 def _slot_outputs(x: jax.Array, experts: jax.Array, weights: jax.Array, p: ExpertParams,
