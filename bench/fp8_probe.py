@@ -29,18 +29,19 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench import kernels_fp8  # noqa: E402
 from bench.kernels_fp8 import (  # noqa: E402
     LAYERS,
     V4_FLASH,
     Projection,
     bytes_read,
     run_layers,
+    timed_row,
     weights,
 )
-from bench.lib.ceilings import DATASHEET_TBPS  # noqa: E402
 from bench.lib.ceilings import measure as measure_ceilings  # noqa: E402
 from bench.lib.results import write_results  # noqa: E402
-from bench.lib.timing import rel_err, spread, timing  # noqa: E402
+from bench.lib.timing import rel_err  # noqa: E402
 from pallas_kernels.grouped_gemm import api, mosaic_gpu, reference  # noqa: E402
 
 
@@ -100,32 +101,15 @@ def case(p, rows: int, impl: str, copy_tbps: float) -> list[dict]:
             err = rel_err(got, want)
             if staging is None and err > 2e-2:
                 raise AssertionError(f"{p.name} M={rows} {label}: relative error {err:.3g}")
-            t = timing(fn, x, codes, scale, calls=5)
-        ms = t.ms / LAYERS
-        tbps = bytes_read(p, rows) / ms / 1e9
-        out.append({"projection": p.name, "k": p.k, "n": p.n, "groups": p.groups, "rows": rows,
-                    "config": label, **t.row(), "ms_per_layer": ms,
-                    "rel_err": None if staging else err, "tbps": tbps,
-                    "pct_copy": 100 * tbps / copy_tbps,
-                    "pct_datasheet": 100 * tbps / DATASHEET_TBPS})
-        print(f"{p.name:15s} M={rows:<4d} {label:30s} {1e3 * ms:8.1f} us "
-              f"{tbps:6.2f} TB/s  {out[-1]['pct_copy']:5.1f}% of copy", flush=True)
+            out.append(timed_row(p, rows, label, fn, (x, codes, scale), bytes_read(p, rows),
+                                 None if staging else err, copy_tbps))
     return out
 
 
 def table(rows: list[dict], ceilings: dict) -> str:
-    lines = [f"Copy ceiling (this run, {ceilings['copy_source']}): {ceilings['copy_tbps']:.2f} "
-             f"TB/s; datasheet {DATASHEET_TBPS} TB/s. Bytes: the FP8 codes, their scales, the "
-             f"bf16 rows in and out. Each row: {LAYERS} layers' distinct weights in one jitted "
-             "call, the median per layer over the repeats (spread: the whole call). Rows "
-             "marked (wrong) are ablations: their results are not the product.", "",
-             "| projection | K x N (groups) | M | variant | us | spread ms (repeats) | TB/s | "
-             "% of copy | % of datasheet |", "|---|---|---:|---|---:|---|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['projection']} | {r['k']} x {r['n']} ({r['groups']}) | {r['rows']} | "
-                     f"{r['config']} | {1e3 * r['ms_per_layer']:.1f} | {spread(r)} | "
-                     f"{r['tbps']:.2f} | {r['pct_copy']:.0f}% | {r['pct_datasheet']:.0f}% |")
-    return "\n".join(lines)
+    return kernels_fp8.table(rows, ceilings).replace(
+        "(spread: the whole call).", "(spread: the whole call). Rows marked (wrong) are "
+        "ablations: their results are not the product.", 1)
 
 
 def main() -> None:

@@ -135,16 +135,23 @@ def case(p: Projection, rows: int, impl: str, sweep: bool, copy_tbps: float,
         err = rel_err(got, want)
         if err > 2e-2:
             raise AssertionError(f"{p.name} M={rows} {label}: relative error {err:.3g}")
-        t = timing(fn, x, w, s, calls=5)
-        ms = t.ms / LAYERS
-        tbps = nbytes / ms / 1e9
-        out.append({"projection": p.name, "k": p.k, "n": p.n, "groups": p.groups, "rows": rows,
-                    "config": label, **t.row(), "ms_per_layer": ms, "rel_err": err,
-                    "tbps": tbps, "pct_copy": 100 * tbps / copy_tbps,
-                    "pct_datasheet": 100 * tbps / DATASHEET_TBPS})
-        print(f"{p.name:15s} M={rows:<4d} {label:28s} {1e3 * ms:8.1f} us "
-              f"{tbps:6.2f} TB/s  {out[-1]['pct_copy']:5.1f}% of copy", flush=True)
+        out.append(timed_row(p, rows, label, fn, (x, w, s), nbytes, err, copy_tbps))
     return out
+
+
+def timed_row(p: Projection, rows: int, label: str, fn, args: tuple, nbytes: int,
+              err: float | None, copy_tbps: float) -> dict:
+    """fn(*args) timed (5 repeats), as a result row (printed as it comes): per layer, and
+    its rate on `nbytes` against the copy ceiling and the datasheet."""
+    t = timing(fn, *args, calls=5)
+    ms = t.ms / LAYERS
+    tbps = nbytes / ms / 1e9
+    row = {"projection": p.name, "k": p.k, "n": p.n, "groups": p.groups, "rows": rows,
+           "config": label, **t.row(), "ms_per_layer": ms, "rel_err": err, "tbps": tbps,
+           "pct_copy": 100 * tbps / copy_tbps, "pct_datasheet": 100 * tbps / DATASHEET_TBPS}
+    print(f"{p.name:15s} M={rows:<4d} {label:30s} {1e3 * ms:8.1f} us "
+          f"{tbps:6.2f} TB/s  {row['pct_copy']:5.1f}% of copy", flush=True)
+    return row
 
 
 def table(rows: list[dict], ceilings: dict) -> str:

@@ -103,9 +103,8 @@ def step_peak(executable: jax.stages.Compiled) -> int | None:
 
 
 # XLA's buffer assignment follows the shapes, so the real pool's step may need a little more
-# than the probe's (on the H200, the tiny model's real step 4 KB above the probe's 880 KB;
-# bench/results/gpu-tests.md): the plan keeps this margin above the measured peak, and
-# check_compiled warns if a compiled step still needs more.
+# than the probe's: the plan keeps this margin above the measured peak, and check_compiled
+# warns if a compiled step still needs more.
 SLACK_FRACTION = 0.02
 SLACK_MIN_BYTES = 1 << 20
 

@@ -15,10 +15,9 @@ from pallas_kernels import quantized
 
 
 def random_bytes(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Uniform random uint8 of `shape`, drawn as 32-bit words and bit-cast four bytes a word.
-    (`jax.random.bits` in uint8 holds 32-bit counters and words for every byte on the way:
-    16x the result in temporaries on the CPU, enough to run the H200 out of memory drawing
-    a V4.1 slice's 4.5 GB expert stacks; this way about 3x.)"""
+    """Uniform random uint8 of `shape`, drawn as 32-bit words and bit-cast four bytes a word:
+    `jax.random.bits` in uint8 holds 32-bit counters and words for every byte on the way, a
+    transient many times larger than this one's (tests/weights/test_random_bytes.py)."""
     *lead, last = shape
     if last % 4:
         return jax.random.bits(key, shape, jnp.uint8)
