@@ -4,6 +4,10 @@ bandwidth (results: kernels-fp4-probe*-gpu.md; the story: docs/performance-log.m
     python bench/fp4_probe.py --study options        # k_chains, scales_in_pipeline; ptxas report
     python bench/fp4_probe.py --study tile-major     # codes laid out one step's bytes contiguous
     python bench/fp4_probe.py --study wgmma-twice    # every wgmma issued twice (same traffic)
+    python bench/fp4_probe.py --study swizzle        # the codes' shared-memory tile swizzled
+    python bench/fp4_probe.py --study occupancy      # smaller steps: more programs an SM
+    python bench/fp4_probe.py --study no-code-loads  # codes never read from shared memory
+    python bench/fp4_probe.py --study step-wgmma     # one wgmma call a half and pipeline step
 
 Each row: the median of 5 repeats of 10 calls (min-max beside it); `tbps` the hit experts'
 stored bytes (codes + scales) / time. Rows are printed and written to $OUT as they come.
@@ -25,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.kernels_moe import LIMIT, Shapes, fp4_blocks, row_problem  # noqa: E402
+from bench.lib.ceilings import measure as measure_ceilings  # noqa: E402
 from bench.lib.timing import timing  # noqa: E402
 from pallas_kernels.grouped_gemm import api, fp4_path  # noqa: E402
 from pallas_kernels.grouped_gemm import mosaic_gpu_fp4 as fp4_kernel  # noqa: E402
@@ -49,7 +54,55 @@ def candidates(study: str, base: fp4_kernel.Fp4Config, op: str) -> dict:
                 "tile_major k256": rep(tiled, block_k=256, max_concurrent_steps=3),
                 "tile_major chains4": rep(tiled, k_chains=4),
                 f"tile_major n{wide['block_n']}": rep(tiled, **wide)}
+    if study == "swizzle":
+        sw = rep(base, codes_swizzle=base.block_k // 2)
+        other_n = {"block_n": 128 if base.block_n == 64 else 64}
+        return {"default": base, "swizzle": sw, "swizzle tile_major": rep(sw, tile_major=True),
+                f"swizzle n{other_n['block_n']}": rep(sw, **other_n),
+                "swizzle k256": rep(sw, block_k=256, codes_swizzle=128),
+                "swizzle k256 (3 deep)": rep(sw, block_k=256, codes_swizzle=128,
+                                             max_concurrent_steps=3),
+                "swizzle chains2": rep(sw, k_chains=2)}
+    if study == "step-wgmma":
+        st = rep(base, wgmma_per_step=True)
+        tm = rep(st, tile_major=True)
+        other_n = {"block_n": 128 if base.block_n == 64 else 64}
+        return {"default": base, "tile_major": rep(base, tile_major=True), "step": st,
+                "step tile_major": tm, "step tile_major 2 deep": rep(tm, max_concurrent_steps=2),
+                f"step tile_major n{other_n['block_n']}": rep(tm, **other_n),
+                "step tile_major k256": rep(tm, block_k=256),
+                "step tile_major k64": rep(tm, block_k=64)}
+    if study == "no-code-loads":
+        tm = rep(base, tile_major=True)
+        return {"default": base, "tile_major": tm,
+                "tile_major 2 deep": rep(tm, max_concurrent_steps=2)}
+    if study == "occupancy":
+        tm = rep(base, tile_major=True)
+        return {"default": base, "tile_major": tm,
+                "tile_major 3 deep": rep(tm, max_concurrent_steps=3),
+                "tile_major 2 deep": rep(tm, max_concurrent_steps=2),
+                "tile_major k64": rep(tm, block_k=64),
+                "tile_major k64 6 deep": rep(tm, block_k=64, max_concurrent_steps=6),
+                "tile_major k64 3 deep": rep(tm, block_k=64, max_concurrent_steps=3),
+                "tile_major k64 n128": rep(tm, block_k=64, block_n=128),
+                "tile_major k256 2 deep": rep(tm, block_k=256, max_concurrent_steps=2)}
     return {"default": base, "chains4": rep(base, k_chains=4)}
+
+
+class NoCodeLoads:
+    """plgpu whose loads of packed codes (uint8 tiles) give constant registers instead: the
+    same TMA traffic, dequantization and wgmmas without the shared-memory reads of codes."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def load(self, ref, *args, layout=None, **kwargs):
+        if ref.dtype == jnp.uint8 and len(ref.shape) == 2 and ref.shape[1] >= 16 and not args:
+            return self._real.layout_cast(jnp.full(ref.shape, 0x35, jnp.uint8), layout)
+        return self._real.load(ref, *args, layout=layout, **kwargs)
 
 
 class WgmmaTwice:
@@ -87,21 +140,26 @@ def main() -> None:
     if sys.argv[1:] == ["--compile-one"]:
         return compile_one()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--study", choices=("options", "tile-major", "wgmma-twice"),
+    ap.add_argument("--study", choices=("options", "tile-major", "wgmma-twice", "swizzle", "occupancy",
+                                        "no-code-loads", "step-wgmma"),
                     default="options")
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT", "/tmp"))
     out_file = out_dir / f"fp4_probe_{args.study}.json"
     if args.study == "options":
         ptxas_report(out_dir)
+    ceilings = measure_ceilings()
+    print(json.dumps({"ceilings": ceilings}), flush=True)
     shapes = Shapes()
     w13 = fp4_blocks(jax.random.key(1), shapes.experts, 2 * shapes.inter, shapes.hidden,
                      shapes.hidden)
     w2 = fp4_blocks(jax.random.key(2), shapes.experts, shapes.hidden, shapes.inter, shapes.inter)
     real = fp4_kernel.plgpu
     results = []
-    for variant in ("once", "twice") if args.study == "wgmma-twice" else ("once",):
-        fp4_kernel.plgpu = WgmmaTwice(real) if variant == "twice" else real
+    variants = {"wgmma-twice": ("once", "twice"), "no-code-loads": ("once", "no code loads")}
+    for variant in variants.get(args.study, ("once",)):
+        fp4_kernel.plgpu = {"twice": WgmmaTwice, "no code loads": NoCodeLoads}.get(
+            variant, lambda real: real)(real)
         jax.clear_caches()
         for tokens in (16, 64):
             sizes, x, h = row_problem(tokens, shapes, tokens)
@@ -126,16 +184,18 @@ def main() -> None:
                                                                    config=cfg))
                         got = fn(x_t, packed, w.scale, tiles.tile_group).astype(jnp.float32)
                         reference = got if reference is None else reference
-                        if variant == "once":     # twice: wrong values by design
+                        if variant == "once":     # the others: wrong values by design
                             row["max_diff_vs_default"] = float(
                                 jnp.where(used, jnp.abs(got - reference), 0).max())
                         row |= timing(fn, x_t, packed, w.scale, tiles.tile_group).row()
                         row["tbps"] = nbytes / row["ms"] / 1e9
+                        row["pct_copy"] = 100 * row["tbps"] / ceilings["copy_tbps"]
                     except Exception as e:  # noqa: BLE001
                         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                     print(json.dumps(row), flush=True)
                     results.append(row)
-                    out_file.write_text(json.dumps(results, indent=1))
+                    out_file.write_text(json.dumps({"ceilings": ceilings, "rows": results},
+                                                   indent=1))
     fp4_kernel.plgpu = real
 
 

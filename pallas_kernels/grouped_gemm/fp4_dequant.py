@@ -99,6 +99,50 @@ def _bits(p: jax.Array, factor: jax.Array) -> tuple[jax.Array, jax.Array]:
     return value(p & 0x0F), value(p >> 4)
 
 
+def dequantize_step(packed: jax.Array, factors: list[jax.Array]) -> jax.Array:
+    """u8[rows, 16 * G] packed bytes of G scale groups and each group's row factors ("bits_ptx"
+    `scale_factor`s, G arrays of [rows]) -> bf16[rows, 32 * G]: group j's 16 even inputs at
+    columns [32j, 32j + 16), its 16 odd ones after them (the kernel's nibble order). "bits_ptx"
+    only (compiled kernels): one array, so that one wgmma call takes a whole pipeline step."""
+    rows, width = packed.shape
+    out = plgpu.ShapeDtypeStruct((rows, 2 * width), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+    wide = [lax.broadcast_in_dim(f, (rows, 16), (0,)) for f in factors]
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * (1 + len(wide)), return_type=out)
+    def step(ctx, packed, *factors):
+        del ctx
+        from jax.experimental import mosaic
+        # WGMMA-layout registers are indexed [row tile, 8-column tile, ...]: a group's 16 bytes
+        # are column tiles 2j and 2j + 1, its 32 weights column tiles 4j .. 4j + 3.
+        regs = packed.registers
+        weights = np.empty((regs.shape[0], 2 * regs.shape[1], *regs.shape[2:]), dtype=object)
+        for index, reg in np.ndenumerate(regs):
+            group, tile = divmod(index[1], 2)
+            even, odd = _ptx_pair(reg, factors[group].registers[(index[0], tile, *index[2:])])
+            weights[(index[0], 4 * group + tile, *index[2:])] = even
+            weights[(index[0], 4 * group + 2 + tile, *index[2:])] = odd
+        return mosaic.gpu.FragmentedArray(_registers=weights, _layout=packed.layout,
+                                          _is_signed=None)
+
+    return step(plgpu.layout_cast(packed, plgpu.Layout.WGMMA),
+                *[plgpu.layout_cast(f, plgpu.Layout.WGMMA) for f in wide])
+
+
+def _ptx_pair(two_bytes_reg, factor_reg):
+    """Two packed bytes (a register of the u8 WGMMA layout) and their bf16x2 factor -> the
+    bf16x2 registers of their low nibbles and of their high nibbles."""
+    from jax.experimental.mosaic.gpu import utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith
+
+    i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
+    pair = ir.VectorType.get((2,), ir.BF16Type.get())
+    two_bytes = arith.extui(i32, utils.bitcast(two_bytes_reg, i16))
+    lo, hi = utils.inline_ptx(_PTX, two_bytes, utils.bitcast(factor_reg, i32),
+                              result_types=(i32, i32))
+    return utils.bitcast(lo, pair), utils.bitcast(hi, pair)
+
+
 def _bits_ptx(packed16: jax.Array, factor: jax.Array) -> tuple[jax.Array, jax.Array]:
     out = plgpu.ShapeDtypeStruct(packed16.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA)
 
@@ -107,18 +151,9 @@ def _bits_ptx(packed16: jax.Array, factor: jax.Array) -> tuple[jax.Array, jax.Ar
     def halves(ctx, packed, factors):
         del ctx
         from jax.experimental import mosaic
-        from jax.experimental.mosaic.gpu import utils
-        from jaxlib.mlir import ir
-        from jaxlib.mlir.dialects import arith
-
-        i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
-        pair = ir.VectorType.get((2,), ir.BF16Type.get())
         even, odd = np.empty_like(packed.registers), np.empty_like(packed.registers)
         for index, reg in np.ndenumerate(packed.registers):
-            two_bytes = arith.extui(i32, utils.bitcast(reg, i16))
-            multiplier = utils.bitcast(factors.registers[index], i32)
-            lo, hi = utils.inline_ptx(_PTX, two_bytes, multiplier, result_types=(i32, i32))
-            even[index], odd[index] = utils.bitcast(lo, pair), utils.bitcast(hi, pair)
+            even[index], odd[index] = _ptx_pair(reg, factors.registers[index])
         array = mosaic.gpu.FragmentedArray
         return (array(_registers=even, _layout=packed.layout, _is_signed=None),
                 array(_registers=odd, _layout=packed.layout, _is_signed=None))

@@ -68,6 +68,14 @@ class Fp4Config:
     # The codes come tile-major (`tile_major`): each program step's [block_n, block_k/2] bytes
     # one contiguous piece of memory, instead of block_n rows of block_k/2 bytes strided by K/2.
     tile_major: bool = False
+    # Bytes of the codes' shared-memory swizzle (0: none). Unswizzled, the rows of a step's
+    # [block_n, block_k/2] tile are 64-256 bytes apart, so the eight rows one warp loads at a
+    # time share their banks: every load of codes into registers is replayed 4-8 times.
+    codes_swizzle: int = 0
+    # A step's weights of a half dequantized as one [block_n, block_k] operand and multiplied
+    # by one wgmma call: one fence and one commit a half and step instead of one per 16 inputs,
+    # and the groups' dequantization free to interleave ("bits_ptx" in registers only).
+    wgmma_per_step: bool = False
 
     def check(self, k: int, n_out: int) -> None:
         if self.block_m % 8 or not 8 <= self.block_m <= 256:
@@ -83,6 +91,11 @@ class Fp4Config:
             raise ValueError("at least 2 pipeline steps")
         if self.k_chains not in (1, 2, 4):
             raise ValueError(f"k_chains: 1, 2 or 4 ({self})")
+        if self.codes_swizzle not in (0, 32, 64, 128) or self.block_k // 2 % max(self.codes_swizzle, 1):
+            raise ValueError(f"codes_swizzle: 0, 32, 64 or 128 bytes dividing block_k/2 ({self})")
+        if self.wgmma_per_step and (self.dequant != "bits_ptx" or not self.a_in_registers
+                                    or self.k_chains != 1):
+            raise ValueError(f"wgmma_per_step: bits_ptx in registers, one chain ({self})")
         if self.dequant not in fp4_dequant.FORMULATIONS:
             raise ValueError(f"dequant: one of {fp4_dequant.FORMULATIONS} ({self})")
 
@@ -99,7 +112,9 @@ def kernel_name(config: Fp4Config, k: int, n_out: int, swiglu: bool) -> str:
     return "_".join(["grouped_gemm_fp4", f"{c.block_n}x{c.block_m}x{c.block_k}",
                      f"k{k}", f"n{n_out}"] + ["swiglu"] * swiglu
                     + ["smem_a"] * (not c.a_in_registers) + ["pipelined_scales"] * c.scales_in_pipeline
-                    + [f"chains{c.k_chains}"] * (c.k_chains > 1) + ["tile_major"] * c.tile_major)
+                    + [f"chains{c.k_chains}"] * (c.k_chains > 1) + ["tile_major"] * c.tile_major
+                    + [f"swizzle{c.codes_swizzle}"] * (c.codes_swizzle > 0)
+                    + ["step_wgmma"] * c.wgmma_per_step)
 
 
 def tile_major(packed: jax.Array, block_n: int, block_k: int) -> jax.Array:
@@ -130,6 +145,8 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
     x_transforms = (plgpu.TilingTransform((8, X_SWIZZLE // 2)), plgpu.SwizzleTransform(X_SWIZZLE))
     a_transforms = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
     pipelined = config.scales_in_pipeline
+    sw = config.codes_swizzle
+    w_transforms = (plgpu.TilingTransform((8, sw)), plgpu.SwizzleTransform(sw)) if sw else ()
     if not pipelined:
         scale = scale.reshape(scale.shape[0], chunks, CHUNK, n)      # [G, chunks, 16, N]
 
@@ -167,10 +184,15 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
                         else:                               # [16, bn], from the step's first
                             chunk_ref = scale_smem.at[half, first // CHUNK]
                             row = first % CHUNK
-                        for j in range(groups_per_step):
-                            column = plgpu.load(chunk_ref.at[row + j], (),
-                                                layout=plgpu.Layout.WGMMA.reduce(1))
-                            factor = fp4_dequant.scale_factor(column, config.dequant)
+                        factors = [fp4_dequant.scale_factor(
+                            plgpu.load(chunk_ref.at[row + j], (),
+                                       layout=plgpu.Layout.WGMMA.reduce(1)), config.dequant)
+                            for j in range(groups_per_step)]
+                        if config.wgmma_per_step:
+                            plgpu.wgmma(chain_accs[0], fp4_dequant.dequantize_step(w, factors),
+                                        x_smem)
+                            continue
+                        for j, factor in enumerate(factors):
                             both = fp4_dequant.dequantize_group(w[:, 16 * j:16 * (j + 1)],
                                                                 factor, config.dequant)
                             for parity, a in enumerate(both):
@@ -188,12 +210,12 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
                 specs = [plgpu.BlockSpec((bk, bm), lambda kk: (kk, tile), transforms=x_transforms)]
                 if config.tile_major:
                     specs += [plgpu.BlockSpec((bn, bk // 2), functools.partial(
-                        lambda kk, half: (weight_rows(half) * steps + kk, 0), half=half))
-                        for half in range(halves)]
+                        lambda kk, half: (weight_rows(half) * steps + kk, 0), half=half),
+                        transforms=w_transforms) for half in range(halves)]
                 else:
                     specs += [plgpu.BlockSpec((bn, bk // 2), functools.partial(
-                        lambda kk, half: (weight_rows(half), kk), half=half))
-                        for half in range(halves)]
+                        lambda kk, half: (weight_rows(half), kk), half=half),
+                        transforms=w_transforms) for half in range(halves)]
                 inputs = [x_ref, *[packed_ref.at[group]] * halves]
                 if pipelined:
                     specs += [plgpu.BlockSpec((groups_per_step, bn), functools.partial(

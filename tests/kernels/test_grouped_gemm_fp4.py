@@ -87,10 +87,14 @@ def test_kernel_matches_dequantize_and_reference(case, swiglu):
     close(api.grouped_matmul(lhs, w, sizes, swiglu_limit=swiglu, implementation=KERNEL), ref)
 
 
-@pytest.mark.parametrize("dequant, chains, pipelined", [
-    ("convert", 1, False), ("bits", 1, False), ("bits", 4, True), ("bits_ptx", 1, False),
-    ("bits_ptx", 2, False), ("bits_ptx", 4, False), ("bits_ptx", 1, True), ("bits_ptx", 4, True)])
-def test_kernel_reads_every_nibble_and_scale_exactly(dequant, chains, pipelined):
+@pytest.mark.parametrize("dequant, chains, pipelined, swizzle, step", [
+    ("convert", 1, False, 0, False), ("bits", 1, False, 0, False), ("bits", 4, True, 0, False),
+    ("bits", 1, True, 64, False), ("bits_ptx", 1, False, 0, False),
+    ("bits_ptx", 2, False, 0, False), ("bits_ptx", 4, False, 0, False),
+    ("bits_ptx", 1, True, 0, False), ("bits_ptx", 4, True, 0, False),
+    ("bits_ptx", 1, True, 64, False), ("bits_ptx", 1, False, 32, False),
+    ("bits_ptx", 1, True, 0, True), ("bits_ptx", 1, False, 64, True)])
+def test_kernel_reads_every_nibble_and_scale_exactly(dequant, chains, pipelined, swizzle, step):
     """Small-integer activations: every product and partial sum is exact in f32, so the
     kernel's output must equal the reference's bit for bit; a wrong nibble, sign, input
     order or scale would show, in each dequantization formulation (fp4_dequant.py)."""
@@ -101,7 +105,7 @@ def test_kernel_reads_every_nibble_and_scale_exactly(dequant, chains, pipelined)
     w = fp4_weights(rng, len(SIZES["empty experts"]), N, K)
     ref = reference.grouped_matmul(lhs, quantized.dequantize(w), sizes)
     config = Fp4Config(a_in_registers=KERNEL != "interpret", dequant=dequant, k_chains=chains,
-                       scales_in_pipeline=pipelined)
+                       scales_in_pipeline=pipelined, codes_swizzle=swizzle, wgmma_per_step=step)
     out = api.grouped_matmul(lhs, w, sizes, implementation=KERNEL, config=config)
     np.testing.assert_array_equal(bits(out), bits(ref))
 
@@ -154,16 +158,24 @@ def test_unfit_shapes_fall_through_to_the_reference():
         bits(api.grouped_matmul(lhs, quantized.dequantize(w), sizes)))
 
 
-@pytest.mark.parametrize("swiglu, k, n, dequant, chains, pipelined, tiled", [
-    (10.0, 4096, 4096, "convert", 1, False, False), (None, 2048, 4096, "convert", 1, False, False),
-    (10.0, 4096, 4096, "bits_ptx", 1, False, False), (10.0, 4096, 4096, "bits_ptx", 4, True, True),
-    (None, 2048, 4096, "bits_ptx", 2, True, False), (None, 2048, 4096, "bits_ptx", 1, True, True)])
+@pytest.mark.parametrize("swiglu, k, n, dequant, chains, pipelined, tiled, extra", [
+    (10.0, 4096, 4096, "convert", 1, False, False, {}),
+    (None, 2048, 4096, "convert", 1, False, False, {}),
+    (10.0, 4096, 4096, "bits_ptx", 1, False, False, {}),
+    (10.0, 4096, 4096, "bits_ptx", 4, True, True, {}),
+    (None, 2048, 4096, "bits_ptx", 2, True, False, {}),
+    (None, 2048, 4096, "bits_ptx", 1, True, True, {}),
+    (10.0, 4096, 4096, "bits_ptx", 1, True, False, {"codes_swizzle": 64}),
+    (None, 2048, 4096, "bits_ptx", 1, True, True, {"codes_swizzle": 64}),
+    (10.0, 4096, 4096, "bits_ptx", 1, True, True, {"wgmma_per_step": True}),
+    (None, 2048, 4096, "bits_ptx", 1, True, False, {"wgmma_per_step": True})])
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_kernel_lowers_for_cuda_at_v4_flash_shapes(swiglu, k, n, dequant, chains, pipelined,
-                                                    tiled, block_m):
+                                                    tiled, extra, block_m):
     """Mosaic's layout, register and shared-memory rules, checked at lowering (no GPU)."""
     config = dataclasses_replace(fp4_path.default_config(100), block_m=block_m, dequant=dequant,
-                                 k_chains=chains, scales_in_pipeline=pipelined, tile_major=tiled)
+                                 k_chains=chains, scales_in_pipeline=pipelined, tile_major=tiled,
+                                 **extra)
     fn = jax.jit(functools.partial(tiled_fp4_matmul_t, swiglu_limit=swiglu, config=config))
     with abstract_gpu():
         exported = jax.export.export(fn, platforms=["cuda"])(
@@ -178,3 +190,13 @@ def test_kernel_lowers_for_cuda_at_v4_flash_shapes(swiglu, k, n, dequant, chains
 def dataclasses_replace(config, **changes):
     import dataclasses
     return dataclasses.replace(config, **changes)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"codes_swizzle": 48}, "codes_swizzle"),
+    ({"codes_swizzle": 128, "block_k": 128}, "codes_swizzle"),     # 64-byte rows
+    ({"wgmma_per_step": True, "dequant": "bits"}, "wgmma_per_step"),
+    ({"wgmma_per_step": True, "dequant": "bits_ptx", "k_chains": 2}, "wgmma_per_step")])
+def test_config_refuses_options_the_kernel_cannot_build(fields, message):
+    with pytest.raises(ValueError, match=message):
+        Fp4Config(**fields).check(4096, 2048)
