@@ -208,7 +208,8 @@ class EngineConfig:
         utilization = options.memory_utilization(self.gpu_memory_utilization, environ)
         if not 0 < utilization <= 1:
             raise EngineConfigError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
-        return MemoryLimits(device_bytes, utilization, self.num_pages)
+        stated = options.device_memory(self.device_memory_gib, options.CPU, environ)
+        return MemoryLimits(device_bytes, utilization, self.num_pages, reported=stated is None)
 
     def resolved_engram_tables(self, model) -> str | None:
         """Where the model's Engram tables live (None: it has none). The default is the host

@@ -145,6 +145,9 @@ class MemoryLimits:
     device_bytes: int             # one device's memory for the engine
     utilization: float            # the share of it weights, activations and cache may take
     num_pages: int | None = None  # a pool the user stated (it must fit), else None: planned
+    # device_bytes is the allocator's own limit (not stated): what it already holds is then
+    # measured against it (MemoryPlan.unusable)
+    reported: bool = False
 
     @property
     def budget(self) -> int:
@@ -155,7 +158,7 @@ class MemoryLimits:
 class MemoryPlan:
     """One device's memory: what is resident and how many pages the pool gets.
 
-    Invariant when `device_bytes` is known: weights + activations + cache <= budget.
+    Invariant when `device_bytes` is known: weights + unusable + activations + cache <= budget.
     """
 
     weights: int                  # bytes of the parameters on this device
@@ -175,6 +178,11 @@ class MemoryPlan:
     # weights held in host memory instead (DeepSeek-V4.1's Engram tables with
     # engram_tables="host"): not in `weights`, not against the device's budget
     host_weights: int = 0
+    # Device memory the allocator held, when the plan was made, outside its largest free block
+    # beyond the weights: other arrays and the holes freed buffers left (a weight loader's
+    # staging, a random draw's temporaries). The state and the step's temporaries, one block
+    # of XLA's, cannot use it. Measured where the allocator reports it, else 0.
+    unusable: int = 0
 
     @property
     def budget(self) -> int | None:
@@ -191,7 +199,7 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return self.weights + self.activations + self.cache
+        return self.weights + self.unusable + self.activations + self.cache
 
     @property
     def full_reach_pages(self) -> int:
@@ -206,7 +214,8 @@ class MemoryPlan:
 
     def needed(self, pages: int) -> int:
         """Device bytes (before utilization) that `pages` pages need."""
-        need = self.weights + self.activations + self.fixed_cache + pages * self.page_bytes
+        need = (self.weights + self.unusable + self.activations + self.fixed_cache
+                + pages * self.page_bytes)
         return math.ceil(need / self.utilization)
 
     def format(self) -> str:
@@ -216,6 +225,8 @@ class MemoryPlan:
                  f"weights          {_gib(self.weights)}",
                  *([f"host memory      {_gib(self.host_weights)} (Engram tables, not on the "
                     f"device; each step's rows go with its plan)"] if self.host_weights else []),
+                 *([f"unusable         {_gib(self.unusable)} (held outside the allocator's "
+                    f"largest free block)"] if self.unusable else []),
                  f"activations      {_gib(self.activations)} ({act}, largest token bucket)",
                  f"slot state       {_gib(self.fixed_cache)} ({self.max_num_seqs} slots)",
                  f"page             {self.page_bytes / 2**20:.3f} MiB for {self.page_size} "
@@ -271,7 +282,7 @@ def plan_pool(plan: MemoryPlan, given_pages: int | None = None) -> MemoryPlan:
 
 def pages_that_fit(plan: MemoryPlan) -> int:
     """Pages the budget leaves after weights, activations and the slots' state (>= 0)."""
-    left = plan.budget - plan.weights - plan.activations - plan.fixed_cache
+    left = plan.budget - plan.weights - plan.unusable - plan.activations - plan.fixed_cache
     return max(left, 0) // plan.page_bytes if plan.page_bytes else plan.full_reach_pages
 
 
@@ -287,7 +298,10 @@ def _does_not_fit(plan: MemoryPlan, fit: int, given_pages: int | None) -> str:
     act = "measured" if plan.activations_measured else "estimated"
     want = (f"num_pages={given_pages}" if given_pages is not None else
             f"one sequence of max_model_len={plan.max_model_len} ({plan.blocks_per_seq} pages)")
-    return (f"the model does not fit with {want}: weights {_gib(plan.weights)} + activations "
+    unusable = (f"unusable {_gib(plan.unusable)} (held outside the allocator's largest free "
+                f"block) + " if plan.unusable else "")
+    return (f"the model does not fit with {want}: weights {_gib(plan.weights)} + {unusable}"
+            f"activations "
             f"{_gib(plan.activations)} ({act}) + cache {_gib(plan.cache)} "
             f"({plan.pages} pages of {plan.page_bytes / 2**20:.2f} MiB and "
             f"{_gib(plan.fixed_cache)} for {plan.max_num_seqs} slots) = {_gib(plan.total)} > "

@@ -19,10 +19,24 @@ def local_device_facts() -> DeviceFacts:
                        process_count=jax.process_count())
 
 
-def _bytes_limit(device) -> int | None:
+def _stats(device) -> dict:
     try:
-        stats = device.memory_stats()
+        return device.memory_stats() or {}
     except Exception:       # backends without allocator statistics raise or return None
-        return None
-    limit = (stats or {}).get("bytes_limit")
+        return {}
+
+
+def _bytes_limit(device) -> int | None:
+    limit = _stats(device).get("bytes_limit")
     return int(limit) if limit else None
+
+
+def held_outside_free_block(devices) -> int:
+    """The most, over `devices`, of what the allocator holds outside its largest free block:
+    live arrays and the holes between them (0 where it reports no such figures)."""
+    held = 0
+    for device in devices:
+        stats = _stats(device)
+        if stats.get("bytes_limit") and "largest_free_block_bytes" in stats:
+            held = max(held, int(stats["bytes_limit"]) - int(stats["largest_free_block_bytes"]))
+    return held

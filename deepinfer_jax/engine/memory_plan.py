@@ -49,6 +49,7 @@ from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.config.v41 import V41Config
 from deepinfer_jax.engine.compile import compile_steps
+from deepinfer_jax.engine.devices import held_outside_free_block
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.parallel.mesh import abstract_state
 from deepinfer_jax.weights import random_params
@@ -135,7 +136,9 @@ def engine_plan(params: ModelParams, cfg: ModelConfig, step_cfg: StepConfig,
     before the real steps compile: weights alone over the budget before any compile, the
     rest after the probe's. host_weights: bytes of weights kept in host memory (V4.1's Engram
     tables), reported apart; the step's gathered rows (an input, which XLA's analysis of its
-    temporaries leaves out) count with the activations."""
+    temporaries leaves out) count with the activations. What the allocator holds beyond the
+    weights outside its largest free block is planned as unusable: the step's temporaries are
+    one block, and holes between freed buffers cannot take it."""
     weights = weight_bytes(params)
     check_weights(weights, limits.device_bytes, limits.utilization)
     activations = measured_activations(params, cfg, step_cfg, host, mesh)
@@ -148,8 +151,10 @@ def engine_plan(params: ModelParams, cfg: ModelConfig, step_cfg: StepConfig,
         if isinstance(cfg, V41Config):
             activations += engram_rows_bytes(step_cfg)
     dtype_bytes = jnp.dtype(params.embed.dtype).itemsize
+    devices = jax.local_devices()[:1] if mesh is None else mesh.local_devices
     plan = plan_pool(MemoryPlan(
         weights=weights, activations=activations, activations_measured=measured,
+        unusable=max(0, held_outside_free_block(devices) - weights) if limits.reported else 0,
         fixed_cache=family.fixed_cache_bytes(cfg, step_cfg, dtype_bytes),
         page_bytes=family.page_bytes(cfg, step_cfg.page_size, dtype_bytes),
         page_size=step_cfg.page_size, pages=0, max_num_seqs=step_cfg.max_num_seqs,

@@ -24,10 +24,11 @@ from deepinfer_jax.api.cli import main
 from deepinfer_jax.config.engine import QUICKSTART_SHAPES, EngineConfig
 from deepinfer_jax.config.errors import InsufficientMemoryError
 from deepinfer_jax.config.hf import read_model_config
-from deepinfer_jax.config.memory import cache_bytes
+from deepinfer_jax.config.memory import MemoryLimits, cache_bytes
+from deepinfer_jax.config.options import DeviceFacts
 from deepinfer_jax.device.snapshots import init_pool
 from deepinfer_jax.engine import step_cache
-from deepinfer_jax.engine.devices import local_device_facts
+from deepinfer_jax.engine.devices import held_outside_free_block, local_device_facts
 from deepinfer_jax.model.state import init_state
 from tests.conftest import REPO
 
@@ -129,6 +130,64 @@ def test_the_pool_is_sized_from_the_stated_memory():
     assert abs(max(real) - measured) <= activations - measured
     out = llm.generate([[0, 5, 7]], {"max_tokens": 3}, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_memory_the_allocator_holds_outside_its_largest_free_block_is_planned_unusable(
+        monkeypatch):
+    """On the H200 a V4.1 slice's prefill died in XLA: the plan's total was right, but holes
+    between freed buffers (the random draw's temporaries) left no block for the step's 26 GiB
+    of temporaries. Where the device's memory is the allocator's own limit, what it holds
+    beyond the weights outside its largest free block comes off the pool, page for page."""
+    model = load(TINY)
+    step_cfg, weights, measured, fixed, page = _plan_inputs(model)
+    options = EngineConfig(**SHAPES)
+    host = options.host_options(step_cfg)
+    device = int((weights + memory_plan.with_slack(measured) + fixed + 20.5 * page) / 0.9)
+    holes = 7 * page + 123
+    monkeypatch.setattr(memory_plan, "held_outside_free_block", lambda devices: weights + holes)
+
+    def plan(reported):
+        limits = MemoryLimits(device, 0.9, reported=reported)
+        return memory_plan.engine_plan(model.params, read_model_config(TINY), step_cfg, host,
+                                       limits)[1]
+
+    stated, reported = plan(False), plan(True)
+    assert stated.unusable == 0 and reported.unusable == holes
+    assert stated.pages == 20 < step_cfg.num_pages    # below every slot's reach: memory caps it
+    assert reported.pages == 13                       # 20.5 - 7 pages - 123 bytes: 13 whole
+    assert reported.total <= reported.budget
+    assert "unusable" in reported.format() and "unusable" not in stated.format()
+    too_small = MemoryLimits(int((weights + holes + memory_plan.with_slack(measured) + fixed)
+                                 / 0.9), 0.9, reported=True)
+    with pytest.raises(InsufficientMemoryError, match=r"unusable .*GiB \(held outside"):
+        memory_plan.engine_plan(model.params, read_model_config(TINY), step_cfg, host, too_small)
+
+
+def test_only_a_reported_device_memory_is_measured_against_the_allocator(monkeypatch):
+    monkeypatch.delenv("DEEPINFER_DEVICE_MEMORY_GIB", raising=False)
+    gpu = DeviceFacts(platform="gpu", memory_bytes=100 * GiB)
+    assert EngineConfig().memory(gpu).reported
+    assert not EngineConfig(device_memory_gib=80).memory(gpu).reported
+    assert not EngineConfig().memory(gpu, {"DEEPINFER_DEVICE_MEMORY_GIB": "80"}).reported
+
+
+class _Device:
+    def __init__(self, stats):
+        self._stats = stats
+
+    def memory_stats(self):
+        if isinstance(self._stats, Exception):
+            raise self._stats
+        return self._stats
+
+
+def test_held_outside_the_free_block_is_the_most_over_the_devices():
+    devices = [_Device({"bytes_limit": 100, "largest_free_block_bytes": 70}),
+               _Device({"bytes_limit": 100, "largest_free_block_bytes": 55}),
+               _Device({"bytes_limit": 100}),                  # no free-block figure
+               _Device(None), _Device(RuntimeError("no statistics"))]
+    assert held_outside_free_block(devices) == 45
+    assert held_outside_free_block(devices[2:]) == 0
 
 
 def test_the_probed_step_is_the_engines_where_memory_does_not_cap_the_pool():
