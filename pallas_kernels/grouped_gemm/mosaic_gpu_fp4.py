@@ -68,9 +68,8 @@ class Fp4Config:
     # The codes come tile-major (`tile_major`): each program step's [block_n, block_k/2] bytes
     # one contiguous piece of memory, instead of block_n rows of block_k/2 bytes strided by K/2.
     tile_major: bool = False
-    # Bytes of the codes' shared-memory swizzle (0: none). Unswizzled, the rows of a step's
-    # [block_n, block_k/2] tile are 64-256 bytes apart, so the eight rows one warp loads at a
-    # time share their banks: every load of codes into registers is replayed 4-8 times.
+    # Bytes of the codes' shared-memory swizzle (0: none): unswizzled, the rows of a step's
+    # tile are 64-256 bytes apart, and the eight rows a warp loads at once share their banks.
     codes_swizzle: int = 0
     # A step's weights of a half dequantized as one [block_n, block_k] operand and multiplied
     # by one wgmma call: one fence and one commit a half and step instead of one per 16 inputs,
