@@ -91,7 +91,9 @@ def candidates(study: str, base: fp4_kernel.Fp4Config, op: str) -> dict:
 
 class NoCodeLoads:
     """plgpu whose loads of packed codes (uint8 tiles) give constant registers instead: the
-    same TMA traffic, dequantization and wgmmas without the shared-memory reads of codes."""
+    same TMA traffic, scales and wgmmas without the shared-memory reads of codes. With constant
+    inputs the compiler may hoist the dequantization's integer steps out of the loop too, so
+    this times the kernel without its codes' register path (wrong values by design)."""
 
     def __init__(self, real):
         self._real = real
