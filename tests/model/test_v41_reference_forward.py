@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
 from deepinfer_jax.model.v41 import csa, engram_hash
 from deepinfer_jax.model.v41.fake_quant import fake_quant_fp8
 from deepinfer_jax.model.v41.forward import forward
-from tests.model.v41_oracle import FIXTURES, case, run
+from tests.model.v41_oracle import FIXTURES, case, near_rounding_boundary, run
 
 pytestmark = pytest.mark.skipif(not FIXTURES[0].exists(), reason="no V4.1 oracle fixtures")
 
@@ -80,16 +79,9 @@ def test_positions_beyond_1e4_follow_an_fp8_rounding_boundary(monkeypatch):
 
     logits, window_kv = traced(params, jnp.asarray(ref["input_ids"]), jnp.asarray(live), jnp.asarray(ids))
 
-    def cast(q):
-        return q.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
-
     near = np.zeros(live.shape, bool)                      # [B, S]: a window value at a boundary
     for kv in window_kv:
-        blocks = np.asarray(kv, np.float32).reshape(*live.shape, -1, 32)
-        scale = np.exp2(np.ceil(np.log2(np.maximum(np.abs(blocks).max(-1, keepdims=True), 1e-4)
-                                        / 448)))
-        q = blocks / scale
-        near |= (cast(q * (1 + 1e-6)) != cast(q * (1 - 1e-6))).any((-2, -1))
+        near |= near_rounding_boundary(np.asarray(kv), 32, fp4=False)
     near &= live
     assert near.any(), "no window value of fixture a near an e4m3 boundary"
     err = np.abs(np.asarray(logits) - ref["logits"]).max(-1) * live
