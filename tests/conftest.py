@@ -33,6 +33,22 @@ jax.config.update("jax_enable_compilation_cache", False)
 # serialization (jax.experimental.serialize_executable, on the main thread, every compile
 # done). Every crash seen was XLA's CPU client serializing an executable or compiling one.
 os.environ["DEEPINFER_STEP_CACHE"] = "0"
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota (a
+    container's `cpus` limit leaves os.cpu_count() at the host's count, and a pool a host core
+    each would oversubscribe the few it has)."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            cores = min(cores, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return cores
+
+
 # The CPU client's intra-op pool has a thread per core, and interpret mode blocks pool threads:
 # the kernel's thread_map callback waits on its simulated warpgroups, each a computation of its
 # own whose barrier waits can run on the pool too. On a 2-core machine both threads ended up
@@ -42,7 +58,7 @@ os.environ["DEEPINFER_STEP_CACHE"] = "0"
 # three warpgroups can block at once (all three waiting is a barrier that completes), so 4
 # threads always leave the last one room; more cost the other tests time on two cores (two test
 # files: 99 s with 2 threads, 106 s with 4, 123 s with 8). Larger machines keep a thread a core.
-os.environ.setdefault("PJRT_NPROC", str(max(4, os.cpu_count() or 1)))
+os.environ.setdefault("PJRT_NPROC", str(max(4, usable_cores())))
 ORACLE_DIR = Path(os.environ.get("DEEPINFER_ORACLE_DIR", REPO / ".cache" / "oracle"))
 ORACLE_CASES = ("tiny-mixed", "tiny-sigmoid", "tiny-legacy")
 # The two tiny DeepSeek-V4.1 checkpoints with transformers-main reference outputs (issue 36),
@@ -78,6 +94,25 @@ def oracle_case(name: str) -> OracleCase:
                         "(or `make test`, which builds them first)")
         _cases[name] = OracleCase(found[-1])
     return _cases[name]
+
+
+def pytest_sessionstart(session):
+    """The machine in the run's log (the controller's; workers print nothing): suite times
+    differ between CI machines by a factor of three."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None or hasattr(session.config, "workerinput"):
+        return
+    model = next((line.split(":", 1)[1].strip() for line in _read_lines("/proc/cpuinfo")
+                  if line.startswith("model name")), "unknown CPU")
+    reporter.write_line(f"machine: {model}; {os.cpu_count()} CPUs, {usable_cores()} usable; "
+                        f"PJRT_NPROC={os.environ['PJRT_NPROC']}")
+
+
+def _read_lines(path: str) -> list[str]:
+    try:
+        return Path(path).read_text().splitlines()
+    except OSError:
+        return []
 
 
 @pytest.fixture(params=ORACLE_CASES)
