@@ -1,5 +1,5 @@
-# The two commands of the project: `make test` and `make demo`. Each creates or reuses its
-# virtual environment(s) and installs what it needs.
+# The commands of the project: `make test` (CI's tier), `make test-all` (every test) and
+# `make demo`. Each creates or reuses its virtual environment(s) and installs what it needs.
 #
 #   .venv          the engine (Python 3.12, jax 0.11.2 CPU)
 #   .venv-oracle   the numerics oracle (Python 3.11, CPU torch 2.13.0 + transformers 5.23.0);
@@ -28,7 +28,7 @@ PYTEST_WORKERS ?= 2
 export JAX_PLATFORMS ?= cpu
 export DEEPINFER_ORACLE_DIR := $(abspath $(ORACLE_DIR))
 
-.PHONY: test demo oracle env ascend-env clean
+.PHONY: test test-all demo oracle env ascend-env clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PY312) -m venv $(VENV)
@@ -54,10 +54,18 @@ oracle: $(ORACLE_VENV)/.installed
 	$(ORACLE_VENV)/bin/python tests/oracle/build.py --out $(ORACLE_DIR)
 	$(ORACLE_VENV)/bin/python tests/oracle/build_quantized.py --out $(ORACLE_DIR)
 
+# CI's tier leaves out the tests marked slow (pyproject.toml): combinations and second cases of
+# what it tests, which would take it past a slower CI machine's time limit; `make test-all`
+# runs every test.
+TEST_TIER ?= -m "not slow"
+
 test: $(VENV)/.installed oracle ascend-env
 	$(VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --max-worker-restart=0 \
-		--durations=15 \
+		--durations=15 $(TEST_TIER) \
 		$(PYTEST_ARGS)
+
+test-all:
+	$(MAKE) test TEST_TIER=
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/python -m deepinfer_jax.api.demo

@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import deepinfer_jax
 from deepinfer_jax import SamplingParams
@@ -80,6 +81,7 @@ def compared_steps(reference, kernels):
     return np.asarray(pairs)
 
 
+@pytest.mark.slow
 def test_engine_on_kernels_matches_the_reference_path(monkeypatch):
     # the kernels take these shapes (else they would fall through to the jnp paths)
     q = jnp.zeros((1, CFG.num_heads, CFG.head_dim), jnp.bfloat16)

@@ -23,7 +23,7 @@ from tests.conftest import REPO
 
 # A pool of 20 pages of 64 tokens: three ~560-token requests evict a cached 500-token prefix.
 ENGINE = dict(max_num_seqs=4, max_model_len=1024, max_num_batched_tokens=128,
-              token_buckets=(16, 32, 64, 128), page_size=64, num_pages=20, show_progress=False,
+              token_buckets=(32, 128), page_size=64, num_pages=20, show_progress=False,
               batch_invariant=True)
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
 TINY = REPO / "models" / "deepinfer-tiny-v4"      # the shipped trained model
@@ -125,16 +125,17 @@ def test_a_prefetch_in_flight_holds_only_its_request_back(model, prompts, refere
     assert llm.prefix_cache_stats.hit_tokens >= 6 * 64
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_with_mtp_speculation_a_prefix_back_from_the_host_tier_equals_the_cold_run():
     """MTP speculation on the shipped trained model (drafts accepted): the snapshots then hold
     the MTP block's window too, and a prefix the device evicted to host memory comes back
     with it: the cold speculative run's tokens and logprobs bit for bit, as many drafts
     accepted."""
     spec = {"method": "mtp", "num_speculative_tokens": 3, "varlen": False}
-    engine = {**ENGINE, "token_buckets": (32, 128)}
-    cold = deepinfer_jax.LLM(TINY, speculative_config=spec, **engine)
+    cold = deepinfer_jax.LLM(TINY, speculative_config=spec, **ENGINE)
     warm = deepinfer_jax.LLM(TINY, speculative_config=spec, enable_prefix_caching=True,
-                             kv_host_tier_bytes=1 << 30, **engine)
+                             kv_host_tier_bytes=1 << 30, **ENGINE)
     ids = cold.tokenizer.encode((REPO / "deepinfer_jax" / "host" / "scheduler.py").read_text())
     base, target = ids[:500], ids[:540]
     fillers = [ids[600 + 600 * i: 1160 + 600 * i] for i in range(3)]
@@ -151,6 +152,8 @@ def test_with_mtp_speculation_a_prefix_back_from_the_host_tier_equals_the_cold_r
     assert warm.spec_metrics.accepted - accepted == cold.spec_metrics.accepted > 0
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_over_a_device_mesh_a_prefix_back_from_the_host_tier_equals_the_cold_run():
     """Expert parallel (ep 4), and tensor with context parallel (tp 2 x cp 2), in a process of
     8 CPU devices (tiers_mesh_run.py): the prefix evicted to host memory comes back and the

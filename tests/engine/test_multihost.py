@@ -149,6 +149,7 @@ def test_joining_after_the_backend_started_says_what_to_do():
                         "process_id": 0})
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not V41_FIXTURES[0].exists(), reason="no V4.1 oracle fixtures")
 def test_v41_over_two_processes_gives_the_reference_tokens():
     """Fixture a (Engram tables in each process's host memory, 8 experts) on a (2,2,2) mesh

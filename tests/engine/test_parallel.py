@@ -74,6 +74,7 @@ def test_bad_mesh_names_the_sizes(parallel, devices, message):
         EngineConfig(parallel=parallel).resolve(CFG, DeviceFacts(device_count=devices))
 
 
+@pytest.mark.slow
 def test_data_parallel_ranks_speculate_and_keep_their_own_prefix_caches():
     """dp 2 x ep 2 with MTP speculation (up to 2 drafts) and prefix caching on: three prompts
     sharing a 192-token prefix, served twice. The ranks run the speculative step together
@@ -92,6 +93,7 @@ def test_data_parallel_ranks_speculate_and_keep_their_own_prefix_caches():
     assert ranked["prefix_hit_tokens"] >= 3 * 192 - 3 * 64
 
 
+@pytest.mark.slow
 def test_bounded_prefix_replay_over_a_mesh():
     """prefix_replay="bounded" (48 tokens) on expert and tensor, and on context parallel
     meshes: one device's tokens, logprobs within 1e-5, the same hits. Data-parallel ranks hit

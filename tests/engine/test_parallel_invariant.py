@@ -5,6 +5,7 @@ bitwise alone vs batched on every mesh shape (8 CPU devices, in a process of the
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from tests.engine.test_parallel import CFG, run_meshes
 
@@ -31,6 +32,7 @@ def test_context_parallel_long_prompt_matches_one_device():
 INVARIANT_MESHES = ("1,8,1", "2,4,1", "2,2,2", "8,1,1", "1,2,1,2")   # the last: ep 2, cp 2
 
 
+@pytest.mark.slow
 def test_batch_invariant_mode_on_a_mesh_is_bitwise_alone_or_batched():
     """On every mesh in batch-invariant mode each request's logprobs are bitwise those of the
     request alone (the ranks' partial sums are added in one order whatever the batch, and a

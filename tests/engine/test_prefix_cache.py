@@ -19,7 +19,7 @@ from tests.conftest import REPO
 
 BUDGET, BLOCK = 128, 64
 ENGINE = dict(max_num_seqs=8, max_model_len=1024, max_num_batched_tokens=BUDGET,
-              token_buckets=(16, 32, 64, 128), page_size=BLOCK, show_progress=False,
+              token_buckets=(32, BUDGET), page_size=BLOCK, show_progress=False,
               batch_invariant=True)
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
 TINY = REPO / "models" / "deepinfer-tiny-v4"      # the shipped trained model

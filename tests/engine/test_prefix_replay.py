@@ -67,6 +67,7 @@ def test_a_replay_covering_the_windows_reach_equals_the_cold_run_bitwise(mixed, 
         snapshot_bytes(model.config, 0, 2, windows=False))
 
 
+@pytest.mark.slow
 def test_a_short_replay_serves_hits_close_to_the_exact_run():
     """On the shipped model, 140 replayed tokens after a 384-token cached prefix: each
     continuation's greedy tokens agree with the exact run's, its logprobs within 0.1 nats on
@@ -95,6 +96,7 @@ def test_a_short_replay_serves_hits_close_to_the_exact_run():
         assert diff.mean() < 0.1 and diff.max() < 1.0, diff
 
 
+@pytest.mark.slow
 def test_with_mtp_speculation_a_whole_replay_equals_the_cold_run_bitwise():
     """Bounded replay with MTP speculation on the shipped trained model (drafts accepted):
     the replay rebuilds the MTP block's window with the main layers' (its rows below the

@@ -9,6 +9,7 @@ import sysconfig
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import deepinfer_jax
 from deepinfer_jax import SamplingParams
@@ -24,6 +25,7 @@ SHIPPED = {**ENGINE, "max_model_len": 1024, "max_num_batched_tokens": 128,
 GREEDY_SPEC = {"num_speculative_tokens": 5}
 
 
+@pytest.mark.slow
 def test_trained_model_greedy_equals_plain_decoding():
     tok = TextTokenizer.from_model_dir(TINY)
     texts = ["import os\n\n\ndef walk(top):", "class Point:\n    def __init__(self, x, y):",
@@ -56,6 +58,7 @@ def test_trained_model_logprobs_equal_plain_decoding_bitwise():
                                   [lp.logprob for lp in ref.logprobs])
 
 
+@pytest.mark.slow
 def test_the_gpu_formulation_gives_the_same_outputs(monkeypatch):
     """The step traced for GPUs (pallas_kernels.common.launch_bound) runs the MTP passes no row
     wants and the top-p sort of an all-greedy batch instead of branching (a lax.cond stalls the

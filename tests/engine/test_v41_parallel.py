@@ -27,7 +27,8 @@ pytestmark = pytest.mark.skipif(not FIXTURES[0].exists(), reason="no V4.1 oracle
 CASES = {"a": ("2,2,2", "2,4,1:prefix", "1,4,1,2:invariant"), "b": ("1,1,1,2:invariant",)}
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+# b (context parallelism on the second fixture) is in the slow tier: a runs cp too
+@pytest.fixture(scope="module", params=["a", pytest.param("b", marks=pytest.mark.slow)])
 def runs(request):
     folder = FIXTURES["ab".index(request.param)]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
