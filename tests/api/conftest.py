@@ -59,11 +59,16 @@ class Served:
         return self.app.state.engine.engine
 
 
+# The served engine's options. Batch-invariant: a request's tokens do not depend on which
+# others share its steps, so the outputs of clients that run at once equal LLM.generate's of
+# each alone. Two token buckets, decode steps and the default budget's 256-token prefill chunks:
+# each bucket is a compiled step, and the default five were most of these files' time.
+SERVED_OPTIONS = dict(max_num_seqs=4, batch_invariant=True, token_buckets=(16, 256))
+
+
 @pytest.fixture(scope="package")
 def served():
-    # batch-invariant: a request's tokens do not depend on which others share its steps, so
-    # the outputs of clients that run at once equal LLM.generate's of each alone
-    llm = LLM(max_num_seqs=4, batch_invariant=True)
+    llm = LLM(**SERVED_OPTIONS)
     reference = {name: llm.generate([prompt], params, use_tqdm=False)[0]
                  for name, (prompt, params) in REFERENCE_CASES.items()}
     reference["chat"] = llm.chat(CHAT, SamplingParams(max_tokens=10), use_tqdm=False)[0]

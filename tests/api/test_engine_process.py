@@ -22,7 +22,7 @@ import pytest
 
 from deepinfer_jax.api.llm import LLM
 from deepinfer_jax.api.server.engine_process import EngineProcess, EngineStartError
-from tests.api.conftest import CHAT, MODEL, PROMPTS, SCHEMA, running_server
+from tests.api.conftest import CHAT, MODEL, PROMPTS, SCHEMA, SERVED_OPTIONS, running_server
 from tests.api.server_process import wait_until
 from tests.api.test_server_errors import COMPLETION_CASES, _bad
 from tests.api.test_server_lifecycle import (
@@ -37,7 +37,7 @@ from tests.api.test_server_lifecycle import (
 @pytest.fixture(scope="module")
 def remote():
     # the served fixture's LLM options: its reference outputs are this engine's too
-    engine = EngineProcess(functools.partial(LLM, max_num_seqs=4, batch_invariant=True),
+    engine = EngineProcess(functools.partial(LLM, **SERVED_OPTIONS),
                            start_timeout_s=600)
     with running_server(engine) as (app, base_url):
         client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0,

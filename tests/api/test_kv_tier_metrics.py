@@ -53,7 +53,7 @@ def test_a_served_engine_with_tiers_reports_them(tmp_path):
     from deepinfer_jax.api.llm import LLM
     from tests.api.conftest import MODEL, running_server
 
-    llm = LLM(max_num_seqs=2, batch_invariant=True, enable_prefix_caching=True,
+    llm = LLM(max_num_seqs=2, batch_invariant=True, enable_prefix_caching=True, token_buckets=(16, 256),
               kv_host_tier_bytes=1 << 26, kv_disk_tier_dir=str(tmp_path),
               kv_disk_tier_bytes=1 << 26)
     with running_server(llm) as (_, base_url):

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from deepinfer_jax.api.llm import LLM
-from tests.api.conftest import CHAT, MODEL, PROMPTS, running_server
+from tests.api.conftest import CHAT, MODEL, PROMPTS, SERVED_OPTIONS, running_server
 
 COMPLETION_CASES = [       # (request fields, the param named, its code)
     (dict(model="no-such-model"), "model", "model_not_found"),
@@ -102,7 +102,7 @@ def test_chat_bad_requests_name_their_parameter(served):
 def test_an_engine_that_fails_answers_500_and_health_says_so():
     """A second server whose engine step raises: the request gets a 500 in OpenAI's shape,
     /health turns 503, and the server process stays up to say so."""
-    llm = LLM(max_num_seqs=4, batch_invariant=True)      # the fixture's steps, from the cache
+    llm = LLM(**SERVED_OPTIONS)      # the fixture's steps, from the cache
 
     def broken_step():
         raise RuntimeError("the device fell over")

@@ -15,7 +15,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.api.conftest import MODEL, PROMPTS, REPO_ROOT, free_port
+from tests.api.conftest import MODEL, PROMPTS, REPO_ROOT, SERVED_OPTIONS, free_port
 from tests.api.server_process import connect_when_up, wait_until
 
 
@@ -178,7 +178,7 @@ def test_prefix_cache_hits_show_in_the_metrics(served):
     prompt = "Once upon a time there was a fox. " * 8
     expected = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=8,
                                                 temperature=0).choices[0].text
-    llm = LLM(max_num_seqs=4, batch_invariant=True, enable_prefix_caching=True)
+    llm = LLM(**SERVED_OPTIONS, enable_prefix_caching=True)
     with running_server(llm) as (app, base_url):
         client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0,
                                timeout=30)

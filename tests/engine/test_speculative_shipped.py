@@ -17,9 +17,10 @@ from deepinfer_jax.host.tokenizer import TextTokenizer
 from tests.engine.test_speculative import ENGINE, TINY, compare, mixed_params
 
 # Room for a 310-token prompt in big chunks; one shape for the file's plain engines, which the
-# tests then share (compile.py: engines of equal shapes share their compiled steps).
+# tests then share (compile.py: engines of equal shapes share their compiled steps). One token
+# bucket, which decode and verify steps pad: a speculative step's compile is most of the file.
 SHIPPED = {**ENGINE, "max_model_len": 1024, "max_num_batched_tokens": 128,
-           "token_buckets": (16, 128)}
+           "token_buckets": (128,)}
 # Five drafts, their count per request scheduled by confidence (varlen); both trained-model
 # tests use it, so the speculative engine's steps compile once for the file.
 GREEDY_SPEC = {"num_speculative_tokens": 5}

@@ -68,7 +68,7 @@ def test_engine_greedy_quantized_equals_bf16_dequantized(fixture_dir, reference)
     """64 greedy tokens through the engine (paged steps, chunked prefill), the weights kept
     quantized vs dequantized to bf16 at load; and the logits within bf16 rounding."""
     prompt = [int(t) for t in reference["greedy_prompt"]]
-    shapes = dict(max_num_seqs=2, max_model_len=256, max_num_batched_tokens=64)
+    shapes = dict(max_num_seqs=2, max_model_len=256, max_num_batched_tokens=64, token_buckets=(64,))
     params = deepinfer_jax.SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     outs = {}
     for weights in ("quantized", "bf16"):
@@ -84,7 +84,7 @@ def test_batch_invariant_mode_on_quantized_weights(fixture_dir):
     bitwise those it gets alone."""
     llm = deepinfer_jax.LLM(fixture_dir / "quantized", dtype=jnp.bfloat16, batch_invariant=True,
                             max_num_seqs=4, max_model_len=256, max_num_batched_tokens=64,
-                            show_progress=False)
+                            token_buckets=(16, 64), show_progress=False)
     assert isinstance(llm.engine.params.layers[1].moe.experts.w13, Fp4Blocks)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(2, 500, n).tolist() for n in (20, 90, 45)]
