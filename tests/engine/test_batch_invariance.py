@@ -28,7 +28,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def prompts():
-    # 34: two overlapping groups of 32, one of them with every other prompt in its steps
+    # 34: groups of 8, and two groups of 32 (prompts 0-31 and 2-33) that overlap
     rng = np.random.default_rng(0)
     return [rng.integers(2, 512, size=int(n)).tolist() for n in rng.integers(5, 300, size=34)]
 
