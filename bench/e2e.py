@@ -157,6 +157,9 @@ def main() -> None:
                     help="v4.1: a V4.1-Flash slice (--config: a V4.1 config; bench/lib/e2e_v41.py)")
     ap.add_argument("--v41-reusers", type=int, default=5,
                     help="v4.1: layers after the KV source that reuse it")
+    ap.add_argument("--engram-tables", choices=("host", "device"), default="host",
+                    help="v4.1: the Engram tables in host memory (the host hashes; a "
+                         "synchronous loop) or on the device (the step hashes; asynchronous)")
     ap.add_argument("--engram-vocab", type=int, default=None,
                     help="v4.1: Engram hash buckets per head (default: the config's, at most "
                          "200000)")

@@ -109,6 +109,14 @@ RUNS = {
                      "v4.1", "--prefill", "8192", "--batches", "1", "16", "--context", "4096",
                      "--steps", "16", "--token-buckets", "16", "--peer-python", "",
                      "--name", "e2e-v41-gpu"),)),
+    "e2e-v41-async": Run(420, "the V4.1 slice's decode with the Engram tables on the device (the "
+                              "step hashes; the asynchronous loop) beside host tables (synchronous)",
+                         tuple(bench("e2e.py", "--model", "v4.1", "--v41-reusers", "1",
+                                     "--prefill", "1024", "--batches", "1", "16", "--context",
+                                     "2048", "--steps", "16", "--token-buckets", "16",
+                                     "--peer-python", "", "--engram-tables", tables,
+                                     "--name", f"e2e-v41-{tables}-gpu")
+                               for tables in ("host", "device"))),
     "kernels-fp8": Run(360, "the FP8 projections at decode sizes: the kernel beside XLA's dot on "
                             "the weights dequantized in the call and on bf16 weights",
                        (bench("kernels_fp8.py", "--rows", "1", "16", "64", "--sweep-rows", "0",

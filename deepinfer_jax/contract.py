@@ -61,11 +61,15 @@ class BatchPlan:
     num_drafts: Array      # i32[N]  drafts at the end of the row's span, to verify
     draft_cap: Array       # i32[N]  the most drafts the row may propose for the next step
     # DeepSeek-V4.1's Engram: each token's row ids into each Engram layer's table, hashed on the
-    # host over the sequence's look-back (StepConfig.engram_shape); i32[T, 0, 0] without Engram
+    # host over the sequence's look-back (StepConfig.plan_engram_shape); i32[T, 0, 0] without
+    # Engram or where the step hashes
     engram_ids: Array      # i32[T, L_e, C]
     # ... and, with the tables in host memory (StepConfig.engram_row_dim), those rows gathered
     # by the host, in the tables' dtype; [T, L_e, C, 0] when the tables are on the device
     engram_rows: Array     # [T, L_e, C, ed]
+    # where the step hashes (StepConfig.engram_lookback = b): the b tokens before each row's
+    # span, the last one last, -1 before position 0; i32[N, 0] elsewhere
+    engram_before: Array   # i32[N, b]
     # a bounded prefix replay (config/prefix_replay.py): window rows of positions below
     # window_from are not visible (the replay starts there), and positions below rows_from
     # write no compressed rows or compressor tails (theirs are cached); 0 elsewhere

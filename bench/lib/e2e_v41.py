@@ -4,10 +4,12 @@ The slice (`slice_config`): the config's layers up to its first CSA2 KV source (
 layers, the first Engram layer among them) and `reusers` layers after it that attend the
 source's compressed KV and reuse its top-k (the release: layers 0-1 window-only, layer 1 with
 an Engram, layer 2 the KV + index source, 3-7 reusing it; 8 layers at most). The Engram
-tables stay in host memory (engram_tables="host"), their vocabulary cut to `engram_vocab`
-(the release's 384M-row tables are ~98 GB each even in FP8; a token gathers the same 24 rows
-of 256 values whatever the table's size). Random weights in the release's formats
-(weights/v41_random.py: FP8 32x32-block projections, FP4 routed experts), bf16 otherwise.
+tables stay in host memory (`--engram-tables host`, the engine's default: the host hashes and
+the loop is synchronous) or on the device (`device`: the step hashes, the loop runs ahead),
+their vocabulary cut to `engram_vocab` (the release's 384M-row tables are ~98 GB each even in
+FP8; a token gathers the same 24 rows of 256 values whatever the table's size). Random
+weights in the release's formats (weights/v41_random.py: FP8 32x32-block projections, FP4
+routed experts), bf16 otherwise.
 
 Rooflines as V4's (bench/lib/rooflines.py), with V4.1's cache: a decode step reads the dense
 weights, the hit experts and each request's cache rows in their stored formats (model/v41/
@@ -139,7 +141,7 @@ def run(args, engine_shapes: dict, prefill, decode, table) -> None:
                  if cfg.engram is not None else None)
     start = time.perf_counter()
     llm = LLM(V41Model(config=cfg, params=params, token_map=token_map), **engine_shapes,
-              engram_tables="host", compilation_cache_dir=str(REPO / ".cache" / "xla-bench"))
+              engram_tables=args.engram_tables, compilation_cache_dir=str(REPO / ".cache" / "xla-bench"))
     startup["engine_s"] = time.perf_counter() - start
     print("start-up:", startup, flush=True)
     rows = []
@@ -166,10 +168,12 @@ def run(args, engine_shapes: dict, prefill, decode, table) -> None:
     layers = ", ".join(f"{i}:{'E+' if cfg.has_engram(i) else ''}"
                        f"{'src' if cfg.is_kv_source(i) else f'r{r}' if r else 'win'}"
                        for i, r in enumerate(cfg.compress_ratios))
+    where = ("in host memory (the host hashes; a synchronous loop)" if args.engram_tables == "host"
+             else "on the device (the step hashes; the asynchronous loop)")
     note = (f"Model: {path.name} cut to {cfg.num_layers} layers ({layers}; E: Engram, src: the "
             f"CSA2 KV + index source, rN: reusing it at ratio N), random weights in the "
             f"release's formats (FP8 32x32-block projections, FP4 routed experts), Engram "
-            f"tables in host memory ({cfg.engram.vocab_size if cfg.engram else 0} buckets a "
+            f"tables {where} ({cfg.engram.vocab_size if cfg.engram else 0} buckets a "
             f"head, not the release's 16M). Ceilings measured in this run: matmul "
             f"{ceilings['matmul_tflops']:.0f} TFLOP/s, copy {ceilings['copy_tbps']:.2f} TB/s. "
             f"No peer. KV bytes per token (paged compressed entries and indexer keys, "
@@ -181,4 +185,4 @@ def run(args, engine_shapes: dict, prefill, decode, table) -> None:
     write_results(args.name or f"e2e-v41-{jax.devices()[0].platform}",
                   {"environment": environment(), "ceilings": ceilings, "weights": counts,
                    "startup": startup, "rows": rows, "kv_bytes_per_token": kv,
-                   "layers": layers}, text)
+                   "layers": layers, "engram_tables": args.engram_tables}, text)

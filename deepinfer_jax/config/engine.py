@@ -101,7 +101,8 @@ class EngineConfig:
     kv_retention_s: float = DEFAULT_RETENTION_S
     # DeepSeek-V4.1's Engram tables: "host" keeps them in host memory, the host gathers each
     # step's rows and the plan carries them to the device; "device" keeps them with the
-    # weights and the step gathers. None: "host" (resolved_engram_tables says why)
+    # weights, and the step hashes and gathers (so the loop may run asynchronously). None:
+    # "host" (resolved_engram_tables says why)
     engram_tables: str | None = None
 
     def __post_init__(self):
@@ -195,6 +196,8 @@ class EngineConfig:
             enable_prefix_caching=self.enable_prefix_caching, engram_shape=family.engram_shape(model),
             engram_row_dim=(model.engram.head_dim if self.resolved_engram_tables(model) == "host"
                             else 0),
+            engram_lookback=(model.engram.max_ngram_size - 1
+                             if self.resolved_engram_tables(model) == "device" else 0),
             num_snapshots=(self.num_prefix_snapshots or 4 * self.max_num_seqs)
             if self.enable_prefix_caching else 0, bounded_replay=bounded_replay_tokens(self))
 
@@ -242,11 +245,12 @@ class EngineConfig:
                      ) -> HostOptions:
         return HostOptions(
             compilation_cache_dir=self.compilation_cache_dir, show_progress=self.show_progress,
-            # the Engram hash (DeepSeek-V4.1) needs every fed token on the host when it plans,
-            # and asynchronous scheduling feeds the last sampled one before the host has read
-            # it; speculation over data-parallel ranks reads each step's accepted counts
-            # before planning the next (host/ranks.py books no speculative step at launch;
-            # one rank's does: host/spec_booking.py)
+            # the Engram hash (DeepSeek-V4.1) with host tables needs every fed token on the
+            # host when it plans, and asynchronous scheduling feeds the last sampled one before
+            # the host has read it (with device tables the step hashes); speculation over
+            # data-parallel ranks reads each step's accepted counts before planning the next
+            # (host/ranks.py books no speculative step at launch; one rank's does:
+            # host/spec_booking.py)
             async_scheduling=(self.async_scheduling and not step.hashes_tokens
                               and not (step.speculative is not None
                                        and step.compute.parallel.dp > 1)),

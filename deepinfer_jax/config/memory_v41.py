@@ -83,6 +83,13 @@ def engram_table_bytes(cfg: V41Config, dtype_bytes: int = 2) -> int:
                                          * dtype_bytes)
 
 
+def engram_product_bytes(cfg: V41Config) -> int:
+    """The step's hash products with device tables (engram_hash.product_words):
+    u32[V, L_e, max_ngram, 2]."""
+    e = cfg.engram
+    return 0 if e is None else cfg.vocab_size * len(e.layer_ids) * e.max_ngram_size * 2 * 4
+
+
 def engram_rows_bytes(step_cfg: StepConfig) -> int:
     """The largest bucket's plan rows gathered by the host ([T, L_e, C, ed] in the tables'
     dtype; 0 with device tables): device memory the step's input takes besides its
@@ -113,8 +120,10 @@ def v41_weight_bytes(cfg: V41Config, quantized: bool, dtype_bytes: int = 2,
     norms, mHC parameters, sinks, router biases and the engram gate weights in float32.
     quantized=False: every projection and expert at `dtype_bytes` (the float twin).
     engram_on_host: the device's share only, the Engram tables left out (engram_table_bytes).
+    (With device tables the engine adds the step's hash products, engram_product_bytes.)
     devices: the bytes one of them holds in DeepSeek's serving layout, the routed experts split
-    `devices` ways (each holds ceil(E / devices) of them), everything else replicated."""
+    `devices` ways (each holds ceil(E / devices) of them), and so the device Engram tables'
+    rows; everything else replicated."""
     c, b, dt = cfg, cfg.fp8_block, dtype_bytes
     d, inter = c.hidden_size, c.moe_intermediate_size
     hc, e = c.hc_mult, c.n_routed_experts
@@ -127,8 +136,8 @@ def v41_weight_bytes(cfg: V41Config, quantized: bool, dtype_bytes: int = 2,
 
     n_mix = (2 + hc) * hc
     total = c.vocab_size * d * dt * (1 if c.tie_word_embeddings else 2) + d * _F32
-    if not engram_on_host:
-        total += engram_table_bytes(c, dt)
+    if not engram_on_host and c.engram is not None:   # rows split like the experts
+        total += sum(-(-n // devices) for n in c.engram.num_embeddings) * c.engram.head_dim * dt
     for i in range(c.num_layers):
         small = 2 * d + 2 * (n_mix * hc * d + n_mix + 3) + rank + c.head_dim + c.num_heads + 2 * e
         plain = d * e                                                        # router

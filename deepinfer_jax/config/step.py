@@ -36,9 +36,13 @@ class StepConfig:
     # prefix hits rebuild the window rings by replaying this many cached tokens, and snapshots
     # keep no windows (config/prefix_replay.py); 0: exact snapshots
     bounded_replay: int = 0
-    # (L_e, C): the Engram row ids each plan token carries (BatchPlan.engram_ids), hashed by
-    # the host; (0, 0) for a model without Engram (the plan's field is then empty)
+    # (L_e, C): the Engram row ids of each fed token; (0, 0) for a model without Engram
     engram_shape: tuple[int, int] = (0, 0)
+    # Where they are hashed. 0: by the host, and the plan carries them (BatchPlan.engram_ids).
+    # Otherwise by the step (model/v41/engram_device.py, with the tables on the device), and
+    # the plan carries each row's `engram_lookback` (max_ngram - 1) tokens before its span
+    # (BatchPlan.engram_before); the plan's other field is then empty.
+    engram_lookback: int = 0
     # Engram tables in host memory (EngineConfig.engram_tables="host"): the host gathers each
     # fed token's table rows and the plan carries them (BatchPlan.engram_rows [T, L_e, C, ed]
     # in `engram_row_dtype`, the tables' own); 0: the tables are device weights, gathered in
@@ -53,7 +57,12 @@ class StepConfig:
     @property
     def hashes_tokens(self) -> bool:
         """The host hashes every fed token (Engram): it must know them all when it plans."""
-        return self.engram_shape[0] > 0
+        return self.engram_shape[0] > 0 and not self.engram_lookback
+
+    @property
+    def plan_engram_shape(self) -> tuple[int, int]:
+        """(L_e, C) of the ids a plan token carries: (0, 0) where the step hashes."""
+        return self.engram_shape if self.hashes_tokens else (0, 0)
 
     @property
     def engram_rows_on_host(self) -> bool:
@@ -72,7 +81,7 @@ class StepConfig:
     @property
     def engram_row_shape(self) -> tuple[int, int, int]:
         """(L_e, C, ed) of a plan token's gathered rows; (L_e, C, 0) with device tables."""
-        return (*self.engram_shape, self.engram_row_dim)
+        return (*self.plan_engram_shape, self.engram_row_dim)
 
     @property
     def spec_tokens(self) -> int:

@@ -41,6 +41,7 @@ from deepinfer_jax.config.memory import (
     plan_pool,
 )
 from deepinfer_jax.config.memory_v41 import (
+    engram_product_bytes,
     engram_rows_bytes,
     engram_table_bytes,
     v41_weight_bytes,
@@ -81,14 +82,16 @@ def leaf_bytes(leaf) -> int:
 
 
 def weight_bytes(params, devices: int = 1) -> int:
-    """Bytes of the weights on one of `devices` devices: routed experts split, the rest
-    replicated."""
+    """Bytes of the weights on one of `devices` devices: routed experts and device Engram
+    tables split, the rest replicated."""
     total = 0
     for name, leaf in named_leaves(params):
         size = leaf_bytes(leaf)
         if ".moe.experts." in name and devices > 1:
             experts = leaf.shape[0] if not q.is_quantized(leaf) else jax.tree.leaves(leaf)[0].shape[0]
             size = size // experts * math.ceil(experts / devices)
+        elif name.startswith("engram_tables.") and devices > 1:     # rows split the same way
+            size = size // leaf.shape[0] * math.ceil(leaf.shape[0] / devices)
         total += size
     return total
 
@@ -181,6 +184,8 @@ def config_plan(cfg: ModelConfig, step_cfg: StepConfig, *, devices: int = 1,
         if on_host:      # the tables, and so the step's rows, in the load's dtype
             host_weights = engram_table_bytes(cfg, dtype_bytes)
             step_cfg = dataclasses.replace(step_cfg, engram_row_dtype=jnp.dtype(dtype).name)
+        else:            # the step hashes: its products join the weights (engram_rows.py)
+            weights += engram_product_bytes(cfg)
     else:
         weights = weight_bytes(abstract_params(cfg, dtype, quantized), devices)
     experts = math.ceil(cfg.n_routed_experts / devices)
@@ -194,8 +199,10 @@ def config_plan(cfg: ModelConfig, step_cfg: StepConfig, *, devices: int = 1,
         notes += (f"FP4 routed experts held at intermediate size {-(-inter // granule) * granule}"
                   f" ({inter} zero-padded to the FP4 kernel's K granule, weights/fp4_pad.py)",)
     if devices > 1:
+        tables = (", the Engram tables' rows too" if isinstance(cfg, V41Config)
+                  and cfg.engram is not None and not step_cfg.engram_rows_on_host else "")
         notes += (f"layout: routed experts split {devices} ways (expert parallel, {experts} "
-                  f"of {cfg.n_routed_experts} a device), everything else replicated "
+                  f"of {cfg.n_routed_experts} a device){tables}, everything else replicated "
                   f"(data-parallel attention); slots and pages are each device's own",)
     return best_pool(MemoryPlan(
         weights=weights, activations=family.activation_estimate(cfg, step_cfg),

@@ -21,6 +21,8 @@ from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.contract import CARRIED, BatchPlan
 from deepinfer_jax.host.decision import ScheduleDecision
 
+ENGRAM_NONE = -1      # engram_before before position 0 (engram_hash.DEAD)
+
 
 def build_plan(decision: ScheduleDecision, token_bucket: int,
                step_cfg: StepConfig) -> BatchPlan:
@@ -48,8 +50,10 @@ def build_plan(decision: ScheduleDecision, token_bucket: int,
     window_from, rows_from = np.zeros(n_cap, np.int32), np.zeros(n_cap, np.int32)
     # filled by the engine (engine/engram_rows.py), which may import the hash; zero-size
     # without Engram, so V4's wire carries nothing for it
-    engram_ids = np.zeros((t_cap, *step_cfg.engram_shape), np.int32)
+    engram_ids = np.zeros((t_cap, *step_cfg.plan_engram_shape), np.int32)
     engram_rows = np.zeros((t_cap, *step_cfg.engram_row_shape), step_cfg.engram_row_np_dtype)
+    back = step_cfg.engram_lookback     # the step hashes: each row's tokens before its span
+    engram_before = np.full((n_cap, back), ENGRAM_NONE, np.int32)
     offset = 0
     for row, seq in enumerate(decision.seqs):
         req, n = seq.request, seq.num_tokens
@@ -73,6 +77,9 @@ def build_plan(decision: ScheduleDecision, token_bucket: int,
         sample_index[row], seq_samples[row] = offset + n - 1, seq.samples
         prompt_len[row] = len(req.prompt)
         window_from[row], rows_from[row] = req.window_from, req.rows_from
+        if back:
+            engram_before[row, back - min(back, seq.start):] = _known(
+                req, max(seq.start - back, 0), seq.start)
         p = req.params
         temperature[row], top_k[row], top_p[row], min_p[row] = (p.temperature, max(p.top_k, 0),
                                                                  p.top_p, p.min_p)
@@ -83,8 +90,18 @@ def build_plan(decision: ScheduleDecision, token_bucket: int,
     return BatchPlan(token_ids, positions, token_seq, seq_slot, seq_start, seq_len, seq_offset,
                      block_table, sample_index, seq_samples, prompt_len, temperature, top_k,
                      top_p, min_p, repetition, presence, frequency, seed, allowed,
-                     next_token_ids, num_drafts, draft_cap, engram_ids, engram_rows, window_from,
-                     rows_from)
+                     next_token_ids, num_drafts, draft_cap, engram_ids, engram_rows,
+                     engram_before, window_from, rows_from)
+
+
+def _known(req, start: int, end: int) -> list[int]:
+    """The request's tokens [start, end), which the host has read: only a span's own first
+    token may be in flight, and the step resolves that one itself."""
+    tokens = req.token_slice(start, end)
+    if any(t < 0 for t in tokens):
+        raise RuntimeError(f"request {req.request_id}: a token before its span is still in "
+                           f"flight; the Engram look-back needs it")
+    return tokens
 
 
 def suppress_stops(plan: BatchPlan, decision: ScheduleDecision, eos_token_ids) -> None:

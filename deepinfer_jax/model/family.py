@@ -21,6 +21,7 @@ from deepinfer_jax.config.family import V4, V41, FamilyFacts, facts_of
 from deepinfer_jax.model import paged_forward
 from deepinfer_jax.model.reference_forward import project_logits
 from deepinfer_jax.model.state import init_state
+from deepinfer_jax.model.v41 import engram_device
 from deepinfer_jax.model.v41 import paged_forward as v41_forward
 from deepinfer_jax.model.v41.state import init_v41_state
 
@@ -46,6 +47,9 @@ def _v41_state(cfg, step_cfg, dtype):
 
 def _v41_forward(params, state, plan, token_ids, cfg, step_cfg):
     engram_ids = plan.engram_ids if cfg.engram is not None else None
+    if step_cfg.engram_lookback:        # hashed here, from the resolved tokens
+        look_back = engram_device.plan_look_back(token_ids, plan, plan.engram_before)
+        engram_ids = engram_device.hash_ids(look_back, params.engram_products, cfg.engram)
     engram_rows = plan.engram_rows if step_cfg.engram_rows_on_host else None
     return v41_forward.forward_step(params, state, plan, token_ids, engram_ids, cfg, step_cfg,
                                     engram_rows)

@@ -120,9 +120,9 @@ def expert_parallel(x: jax.Array, experts: jax.Array, weights: jax.Array, p: Exp
         local_ids = jnp.where(mine, experts - first, NO_EXPERT)
         per_slot = _slot_outputs(x, local_ids, weights, p, limit, compute)
         if parallel.ep > 1:
-            per_slot = _exact_sum(jax.lax.psum, per_slot, "ep", compute)
+            per_slot = exact_sum(jax.lax.psum, per_slot, "ep", compute)
         for axis in reversed(gathered):
-            per_slot = _exact_sum(functools.partial(jax.lax.psum_scatter, tiled=True),
+            per_slot = exact_sum(functools.partial(jax.lax.psum_scatter, tiled=True),
                                   per_slot, axis, compute)
         return per_slot
 
@@ -134,7 +134,7 @@ def expert_parallel(x: jax.Array, experts: jax.Array, weights: jax.Array, p: Exp
     return _sum_slots(local(x, experts, weights, p), compute)
 
 
-def _exact_sum(collective, x: jax.Array, axis: str, compute: ComputeConfig) -> jax.Array:
+def exact_sum(collective, x: jax.Array, axis: str, compute: ComputeConfig) -> jax.Array:
     """A summing collective (psum, psum_scatter) of slot outputs that are non-zero on one
     device each: exact in any precision. The CPU formulation sums bf16 in float32 (the same
     bits back): XLA's CPU compiler widens a bf16 all-reduce itself (AllReducePromotion) and

@@ -4,6 +4,8 @@ Axes ("dp", "cp", "ep", "tp") over the first dp x cp x ep x tp devices. Placemen
 * routed experts: every leaf of a layer's expert stack split along its expert axis over the
   "dp", "cp" and "ep" axes together (model/moe.py computes each device's own experts inside
   `shard_map`);
+* DeepSeek-V4.1's Engram tables on the device: split by rows over the same axes
+  (model/v41/engram_tables.py reads each row from its holder);
 * tensor parallel: the attention's wq_b by output columns (heads), wo_a by output group and
   wo_b by input rows (the same heads' groups), the shared expert's w13 by output and w2 by
   input columns; XLA's SPMD partitioner places the collectives these imply;
@@ -73,7 +75,7 @@ def _split(path) -> tuple:
     """The mesh axes each of a leaf's leading axes may be split over (the module docstring's
     placement), by its path alone."""
     name = jax.tree_util.keystr(path)
-    if ".moe.experts" in name:
+    if ".moe.experts" in name or ".engram_tables" in name:
         return (EXPERT_AXES,)
     for fragment, split in _TP_SPLITS:
         if fragment in name:
@@ -116,9 +118,12 @@ def mesh_context(mesh: Mesh | None):
 # ---- data-parallel attention ----------------------------------------------------------------
 def _rank_param_specs(params):
     """The parameters as `over_ranks` splits them over "dp": each rank's share of the routed
-    experts; the rest whole (any "ep" / "tp" split stays with the partitioner)."""
+    experts and of the Engram tables' rows; the rest whole (any "ep" / "tp" split stays with
+    the partitioner)."""
     def spec(path, leaf):
-        return PartitionSpec("dp") if ".moe.experts" in jax.tree_util.keystr(path) else PartitionSpec()
+        name = jax.tree_util.keystr(path)
+        split = ".moe.experts" in name or ".engram_tables" in name
+        return PartitionSpec("dp") if split else PartitionSpec()
     return jax.tree_util.tree_map_with_path(spec, params)
 
 

@@ -62,12 +62,15 @@ def run(model, prompts, parallel, batch_invariant, passes=1, **options):
     mesh_devices = 1 if llm.engine.mesh is None else llm.engine.mesh.size
     expert_leaf = jax.tree.leaves(llm.engine.params.layers[0].moe.experts)[0]
     spec = llm.spec_metrics
+    tables = getattr(llm.engine.params, "engram_tables", ())     # V4.1's, on the device
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
             "drafted": None if spec is None else spec.drafted,
             "logprobs": [_logprobs(o) for o in outs], "alone_logprobs": alone,
             "mesh_devices": mesh_devices,
             "planned_weight_bytes": llm.engine.memory_plan.weights,
             "expert_shard_rows": int(expert_leaf.addressable_shards[0].data.shape[0]),
+            "engram_shard_rows": [int(t.addressable_shards[0].data.shape[0]) for t in tables],
+            "async_scheduling": llm.host_options.async_scheduling,
             "requests_per_rank": requests_per_rank,
             # with data-parallel ranks, the leading rank axis of the state one device holds
             "state_rank_rows": state_rank_rows,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ import deepinfer_jax.device  # noqa: F401  (registers BatchPlan as a pytree)
 from deepinfer_jax.config.compute import ComputeConfig
 from deepinfer_jax.config.engine import EngineConfig
 from deepinfer_jax.config.hf import read_model_config
-from deepinfer_jax.config.memory_v41 import engram_table_bytes
+from deepinfer_jax.config.memory_v41 import engram_product_bytes, engram_table_bytes
 from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.engine import memory_plan
 from deepinfer_jax.engine.engram_rows import EngramRows
@@ -30,6 +31,7 @@ from deepinfer_jax.host.decision import ScheduleDecision, ScheduledSeq
 from deepinfer_jax.host.plan_builder import build_plan
 from deepinfer_jax.host.request import Request, SamplingParams
 from deepinfer_jax.model.family import model_family
+from deepinfer_jax.model.v41 import engram_hash
 from deepinfer_jax.model.v41.paged_forward import final_logits
 from deepinfer_jax.model.v41.state import init_v41_state
 from tests.engine.test_v41_engine import ENGINE, _engine
@@ -68,23 +70,27 @@ def _step_config(cfg, host_rows: bool) -> StepConfig:
                       max_num_batched_tokens=BUCKET, token_buckets=(BUCKET,), max_logprobs=0,
                       vocab_size=cfg.vocab_size, speculative=None, compute=ComputeConfig(),
                       engram_shape=(len(cfg.engram.layer_ids), cfg.engram.n_columns),
-                      engram_row_dim=cfg.engram.head_dim if host_rows else 0)
+                      engram_row_dim=cfg.engram.head_dim if host_rows else 0,
+                      engram_lookback=0 if host_rows else cfg.engram.max_ngram_size - 1)
 
 
 @pytest.mark.parametrize("folder", FIXTURES, ids=["a", "b"])
 def test_host_rows_give_the_device_tables_logits_bit_for_bit(folder):
     """Chunked prefill with decoding rows beside it, then greedy decoding: every fed token's
-    logits from the plan's host-gathered rows equal those of the device's gather exactly,
-    and the tokens are the reference's."""
+    logits from the plan's host-hashed, host-gathered rows equal those of the step's own hash
+    and gather exactly, and the tokens are the reference's."""
     cfg, params, ref = case(folder)
     tables = tuple(np.asarray(t) for t in params.engram_tables)
+    products = engram_hash.product_words(ref["engram_token_map"],
+                                         engram_hash.hash_tables(cfg.engram))
     runs = {}
     for host in (False, True):
         step_cfg = _step_config(cfg, host)
         runs[host] = dict(
-            params=params.replace(engram_tables=()) if host else params, step_cfg=step_cfg,
-            state=init_v41_state(cfg, step_cfg),
-            rows=EngramRows(cfg.engram, ref["engram_token_map"], tables if host else None))
+            params=(params.replace(engram_tables=()) if host
+                    else params.replace(engram_products=jnp.asarray(products))),
+            step_cfg=step_cfg, state=init_v41_state(cfg, step_cfg),
+            rows=EngramRows(cfg.engram, ref["engram_token_map"], tables) if host else None)
     steps = ref["gen_tokens"].shape[1]
     reqs = [Request(str(r), p, SamplingParams(), r) for r, p in enumerate(_prompts(ref))]
     computed = [0] * len(reqs)
@@ -99,8 +105,10 @@ def test_host_rows_give_the_device_tables_logits_bit_for_bit(folder):
         logits = {}
         for host, run in runs.items():
             plan = build_plan(decision, BUCKET, run["step_cfg"])
-            run["rows"].fill(plan, decision)
+            if host:
+                run["rows"].fill(plan, decision)
             assert plan.engram_rows.shape[-1] == (cfg.engram.head_dim if host else 0)
+            assert plan.engram_ids.shape[1:] == (run["step_cfg"].engram_shape if host else (0, 0))
             run["state"], out = _step(run["params"], run["state"], plan, cfg, run["step_cfg"])
             logits[host] = np.asarray(out)[: decision.num_tokens]
         assert logits[True].view(np.uint32).tolist() == logits[False].view(np.uint32).tolist()
@@ -116,16 +124,31 @@ def test_host_rows_give_the_device_tables_logits_bit_for_bit(folder):
 # ---- the engine: tokens, logprobs, and where the tables are -----------------------------
 
 def test_engine_with_host_tables_matches_device_tables_and_the_reference():
-    """Through the engine (the option, the loader, the host's gather in the loop) on fixture a
-    (the step test above covers both): the same tokens, the reference's, and the same top-20
-    logprobs to the bit."""
+    """Through the engine on fixture a (the step test above covers both fixtures): the host's
+    hash and gather in the synchronous loop, and the step's own in the asynchronous loop,
+    give the same tokens, the reference's, and the same top-20 logprobs to the bit. The
+    asynchronous run must really plan steps whose fed tokens are still on the device (-1):
+    the step hashes those from the tokens it sampled."""
     folder = FIXTURES[0]
     ref = np.load(folder / "reference.npz")
     steps = ref["gen_tokens"].shape[1]
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=20)
-    got = {}
+    got, in_flight = {}, []
     for tables in ("host", "device"):
-        outs = _llm(folder, tables).generate(_prompts(ref), params, use_tqdm=False)
+        llm = _llm(folder, tables)
+        assert llm.host_options.async_scheduling == (tables == "device")
+        plan = llm.engine._plan
+
+        def recorded(*args, plan=plan, **kwargs):
+            out = plan(*args, **kwargs)
+            in_flight.append((tables, int((out.token_ids == -1).sum())))
+            return out
+
+        llm.engine._plan = recorded
+        try:
+            outs = llm.generate(_prompts(ref), params, use_tqdm=False)
+        finally:
+            del llm.engine._plan
         got[tables] = [o.outputs[0] for o in outs]
         np.testing.assert_array_equal([o.token_ids for o in got[tables]], ref["gen_tokens"])
     for host, device in zip(got["host"], got["device"], strict=True):
@@ -133,6 +156,8 @@ def test_engine_with_host_tables_matches_device_tables_and_the_reference():
             assert len(lp_host) >= 20
             assert ({t: lp.logprob for t, lp in lp_host.items()}
                     == {t: lp.logprob for t, lp in lp_device.items()})
+    placeholders = {t: sum(n for name, n in in_flight if name == t) for t in ("host", "device")}
+    assert placeholders["host"] == 0 and placeholders["device"] >= steps - 1
 
 
 def test_bfloat16_tables_give_the_same_tokens_and_logprobs():
@@ -174,10 +199,13 @@ def test_host_tables_are_not_in_the_device_params():
         np.testing.assert_array_equal(mine, np.asarray(theirs))
     assert host.step_cfg.engram_row_dim == cfg.engram.head_dim
     assert host.step_cfg.engram_row_dtype == "float32"
-    assert device.engram_rows.host_tables is None and device.step_cfg.engram_row_dim == 0
+    assert device.engram_rows is None and device.step_cfg.engram_row_dim == 0
     assert len(device.params.engram_tables) == len(cfg.engram.layer_ids)
-    tables = sum(t.nbytes for t in held)
-    assert memory_plan.weight_bytes(device.params) - memory_plan.weight_bytes(host.params) == tables
+    assert host.params.engram_products is None      # the host hashes
+    tables, products = sum(t.nbytes for t in held), engram_product_bytes(cfg)
+    assert device.params.engram_products.nbytes == products
+    assert (memory_plan.weight_bytes(device.params) - memory_plan.weight_bytes(host.params)
+            == tables + products)
 
 
 # ---- the memory plan ---------------------------------------------------------------------
@@ -193,7 +221,9 @@ def test_config_plan_counts_host_tables_in_host_memory():
     assert engram_table_bytes(cfg, 2) == tables
     assert plans["device"].host_weights == 0
     assert plans["host"].host_weights == tables
-    assert plans["device"].weights - plans["host"].weights == tables
+    # the device also holds the step's hash products: u32[V = 512, L_e = 2, 3 slots, 2]
+    assert engram_product_bytes(cfg) == 512 * 2 * 3 * 2 * 4
+    assert plans["device"].weights - plans["host"].weights == tables + engram_product_bytes(cfg)
     assert plans["host"].activations - plans["device"].activations == 256 * 2 * 4 * 32 * 2
     assert "host memory" in plans["host"].format() and "host memory" not in plans["device"].format()
 

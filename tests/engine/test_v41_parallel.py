@@ -1,6 +1,7 @@
 """DeepSeek-V4.1 over a device mesh (issue 36; 8 CPU devices in a process of their own,
 v41_parallel_run.py): data-parallel attention with each rank's Engram rows and prefix cache,
-expert, tensor and context parallelism, and batch-invariant mode on a mesh. The reference is
+expert, tensor and context parallelism, batch-invariant mode on a mesh, and the Engram tables
+split by rows over the devices (the asynchronous loop, the step hashing). The reference is
 transformers' implementation (the oracle fixtures' `gen_tokens`): every mesh gives its greedy
 tokens, with logprobs within 1e-5 of one device's (split projections and exchanged tokens add
 in another order). Each device holds its share of the routed experts, and the plan's weights,
@@ -24,7 +25,7 @@ from tests.model.v41_oracle import FIXTURES
 pytestmark = pytest.mark.skipif(not FIXTURES[0].exists(), reason="no V4.1 oracle fixtures")
 
 # fixture a: 8 experts, 4 heads in 2 output groups, Engram; fixture b: 6 experts
-CASES = {"a": ("2,2,2", "2,4,1:prefix", "1,4,1,2:invariant"), "b": ("1,1,1,2:invariant",)}
+CASES = {"a": ("2,2,2:device", "2,4,1:prefix", "1,4,1,2:invariant"), "b": ("1,1,1,2:invariant",)}
 
 
 # b (context parallelism on the second fixture) is in the slow tier: a runs cp too
@@ -65,6 +66,14 @@ def test_every_mesh_gives_the_reference_tokens(runs):
             assert min(ran["requests_per_rank"]) > 0, case
         if "invariant" in flags:    # a prompt alone gives its batched logprobs bit for bit
             assert ran["alone_logprobs"] == ran["logprobs"], case
+        if "device" in flags:
+            # the Engram tables on the devices, each holding its share of the rows (padded to
+            # a multiple of the devices); the step hashes, so the loop runs ahead
+            split = dp * ep * cp
+            assert ran["engram_shard_rows"] == [-(-n // split) for n in cfg.engram.num_embeddings]
+            assert ran["async_scheduling"], case
+        else:
+            assert ran["engram_shard_rows"] == [] and not ran["async_scheduling"], case
         if "prefix" in flags:
             # the 70-token prompt's first chunk ends on a block end (a snapshot): its second
             # pass goes back to the rank caching it (host/ranks.py), which by load alone it

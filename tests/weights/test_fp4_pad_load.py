@@ -18,7 +18,7 @@ from deepinfer_jax.config.engine import EngineConfig
 from deepinfer_jax.config.errors import InsufficientMemoryError
 from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.config.memory import MemoryLimits
-from deepinfer_jax.config.memory_v41 import v41_weight_bytes
+from deepinfer_jax.config.memory_v41 import engram_product_bytes, v41_weight_bytes
 from deepinfer_jax.engine.memory_plan import check_checkpoint_fits, config_plan, weight_bytes
 from deepinfer_jax.weights.v41 import load_v41_params
 from deepinfer_jax.weights.v41_random import random_v41_params
@@ -99,10 +99,12 @@ def test_memory_plan_counts_the_padded_bytes(quantized, capsys, monkeypatch):
     grown = (cfg.num_layers * cfg.n_routed_experts * 3 * cfg.hidden_size
              * (granule - cfg.moe_intermediate_size))
     assert padded - plain == grown // 2 + grown // 32
-    # the plan from the config follows the step's table
+    # the plan from the config follows the step's table (with the device Engram tables'
+    # hash products, which the engine adds)
     for kernels, want in ((None, plain), (KERNEL, padded)):
         step_cfg = EngineConfig(**SHAPES, kernels=kernels).resolve(cfg, environ={})
-        assert config_plan(cfg, step_cfg, dtype=jnp.float32).weights == want
+        assert (config_plan(cfg, step_cfg, dtype=jnp.float32).weights
+                == want + engram_product_bytes(cfg))
     # the pre-load check too: a budget between the two fits only the unpadded weights
     limits = MemoryLimits((plain + padded) // 2, 1.0, None)
     check_checkpoint_fits(quantized, limits, dtype=jnp.float32, engram_on_host=False)
@@ -122,7 +124,8 @@ def test_memory_plan_counts_the_padded_bytes(quantized, capsys, monkeypatch):
         assert noted == ([] if env is None else
                          ["note: FP4 routed experts held at intermediate size 512 (32 "
                           "zero-padded to the FP4 kernel's K granule, weights/fp4_pad.py)"])
-    bf16 = [v41_weight_bytes(cfg, True, 2, False, g) for g in (1, granule)]
+    bf16 = [v41_weight_bytes(cfg, True, 2, False, g) + engram_product_bytes(cfg)
+            for g in (1, granule)]
     assert shown == [round(b / 2**30, 4) for b in bf16]
 
 

@@ -14,7 +14,7 @@ import pytest
 from deepinfer_jax.api.cli import main
 from deepinfer_jax.config.engine import EngineConfig
 from deepinfer_jax.config.hf import read_model_config
-from deepinfer_jax.config.memory_v41 import v41_weight_bytes
+from deepinfer_jax.config.memory_v41 import engram_product_bytes, v41_weight_bytes
 from deepinfer_jax.engine.memory_plan import config_plan, weight_bytes
 from deepinfer_jax.weights.safetensors_io import Checkpoint, save_file
 from deepinfer_jax.weights.sources import CheckpointError
@@ -136,8 +136,10 @@ def test_memory_plan_counts_the_formats_the_loader_holds(pair, capsys):
                         == v41_weight_bytes(cfg, keep, size, devices=devices))
     kept, floats = v41_weight_bytes(cfg, True, 2), v41_weight_bytes(cfg, False, 2)
     assert kept < 0.65 * floats       # the tiny model's experts and projections are most of it
-    # the tables on the device, as this pytree holds them (host tables: test_v41_engram_host)
+    # the tables on the device, as this pytree holds them (host tables: test_v41_engram_host),
+    # and the step's hash products, which the engine adds
     step_cfg = EngineConfig(max_num_seqs=2, max_model_len=64, engram_tables="device").resolve(cfg)
+    kept, floats = kept + engram_product_bytes(cfg), floats + engram_product_bytes(cfg)
     assert config_plan(cfg, step_cfg, quantized=True).weights == kept
     assert config_plan(cfg, step_cfg, quantized=False).weights == floats
     shown = []

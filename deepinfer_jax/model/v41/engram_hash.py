@@ -7,6 +7,8 @@ the release are too large for the device anyway (section 6 of the architecture n
   lone space kept), numbered in first-appearance order; partial UTF-8 tokens keyed raw.
 * `hash_tables`: the config-derived primes, offsets and multipliers.
 * `hash_ids`: [B, S] tokens (+ a live mask) -> [B, S, L, C] row ids into each layer's table.
+* `product_words`: every token's products with the multipliers as 32-bit words, from which the
+  step hashes on the device (engram_device.py) where the tables are device weights.
 """
 
 from __future__ import annotations
@@ -113,3 +115,13 @@ def hash_ids(tokens: np.ndarray, live: np.ndarray, token_map: np.ndarray, cfg: E
         rolling = rolling ^ products[..., i]
         columns.append(rolling[..., None] % tables.primes[:, i - 1])       # [B, S, L, heads]
     return np.concatenate(columns, -1) + tables.offsets
+
+
+def product_words(token_map: np.ndarray, tables: HashTables) -> np.ndarray:
+    """u32[V, L, max_ngram, 2]: the (high, low) words of `token_map[v] * multipliers[l, k]`,
+    the int64 product `hash_ids` XORs for token v in look-back slot k of layer l (wrapped as
+    numpy wraps it), for every token id v."""
+    products = np.asarray(token_map, np.int64)[:, None, None] * tables.multipliers
+    words = products.view(np.uint64)
+    return np.stack([(words >> np.uint64(32)).astype(np.uint32),
+                     (words & np.uint64(0xFFFFFFFF)).astype(np.uint32)], axis=-1)

@@ -20,11 +20,12 @@ Per-token work (mHC, projections, Engram, attention, MoE) runs in segments (segm
 V4.1's `blocks` on rows of the flat batch, in fixed row tiles in batch-invariant mode; the
 cross-token part (window gathers, closing groups, the indexer's scores and choice) is exact or
 tiled on its own (paged_csa.py), so a row's bits do not depend on the batch. The Engram row
-ids come from the host (`engram_hash.hash_ids` with the sequence's look-back) as
-i32[T, L_e, C]. With the tables in host memory (EngineConfig.engram_tables="host") the host
-gathers the rows too and the step receives them ([T, L_e, C, ed], in the plan); otherwise it
-gathers them from the device's `params.engram_tables`. Either way a token reads the same
-values, so the two agree bit for bit.
+ids arrive as i32[T, L_e, C]. With the tables in host memory (EngineConfig.engram_tables=
+"host") the host hashes them (`engram_hash.hash_ids` with the sequence's look-back) and
+gathers the rows too, and the step receives those ([T, L_e, C, ed], in the plan); otherwise
+the step hashed them (model/family.py, `engram_device`) and gathers them from the device's
+`params.engram_tables`. Either way a token reads the same values, so the two agree bit for
+bit.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from deepinfer_jax.model.invariant import rowwise
 from deepinfer_jax.model.paged_forward import token_shards
 from deepinfer_jax.model.ragged import TokenContext, token_context, window_keys, write_ring
 from deepinfer_jax.model.rope import cos_sin, inv_freq
-from deepinfer_jax.model.v41 import csa, paged_csa, segments
+from deepinfer_jax.model.v41 import csa, engram_tables, paged_csa, segments
 from deepinfer_jax.model.v41.kv_format import Fp4Rows, Fp8Rows, decode_fp8
 from deepinfer_jax.model.v41.params import V41LayerParams, V41ModelParams
 from deepinfer_jax.model.v41.state import V41LayerState, V41State
@@ -101,8 +102,9 @@ def forward_step(params: V41ModelParams, state: V41State, plan, token_ids: Array
         lp = dequantize_tree(lp, jnp.float32) if invariant else dense_dequantized(lp, tok.dtype)
         if cfg.has_engram(i):
             k = cfg.engram.layer_ids.index(i)
-            table_rows = (params.engram_tables[k][engram_ids[:, k]] if engram_rows is None
-                          else engram_rows[:, k]).astype(jnp.float32)
+            table_rows = (engram_tables.table_rows(params.engram_tables[k], engram_ids[:, k],
+                                                   step_cfg.compute)
+                          if engram_rows is None else engram_rows[:, k]).astype(jnp.float32)
             streams = per_token(lambda p, *a: segments.engram_outputs(p, cfg, *a), lp,
                                 streams, table_rows, ctx.valid)              # rows [T, C, ed]
         streams, pre, ls, group = layer_step(lp, streams, pre, ls, group, i, tok, cfg, step_cfg)

@@ -79,3 +79,6 @@ class V41ModelParams:
     norm: Array                         # f32[D]
     head: Array                         # [D, V]
     engram_tables: tuple[Array, ...]    # [N_l, ed] per engram layer, in engram.layer_ids order
+    # where the step hashes (StepConfig.engram_lookback): every token's hash products as
+    # 32-bit words (engram_hash.product_words), set by the engine at start-up
+    engram_products: Array | None = None    # u32[V, L_e, max_ngram, 2]
