@@ -134,11 +134,6 @@ class EngineConfig:
         if tiers.enabled and not self.enable_prefix_caching:
             raise EngineConfigError("KV tiers keep prefix-cache blocks: they need "
                                     "enable_prefix_caching=True")
-        if tiers.enabled and self.parallel.dp > 1:
-            # the tier copies are compiled for one logical state (data-parallel ranks keep a
-            # prefix cache and a snapshot pool each)
-            raise EngineConfigError("KV tiers are not supported with data-parallel ranks "
-                                    "(dp > 1) yet")
         if tiers.enabled and self.distributed is not None:
             # each process would write and read its own tier files
             raise EngineConfigError("KV tiers are not supported over several processes yet")

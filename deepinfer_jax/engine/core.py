@@ -161,8 +161,9 @@ class EngineCore:
                           else None)
         self.tiers = TierCopies.of(host.kv_tiers, cfg, self.state, self.snapshots, step_cfg)
         ranks = step_cfg.compute.parallel.dp
-        self.scheduler = (RankedScheduler(step_cfg, cfg.eos_token_ids, ranks) if ranks > 1 else
-                          Scheduler(step_cfg, cfg.eos_token_ids, self.tiers and self.tiers.worker))
+        worker = self.tiers and self.tiers.worker
+        self.scheduler = (RankedScheduler(step_cfg, cfg.eos_token_ids, ranks, worker) if ranks > 1
+                          else Scheduler(step_cfg, cfg.eos_token_ids, worker))
         # constrained rows every step, their masks applied late (deferred_masks.py): one rank
         self.deferred = (DeferredMasks(params, self.state, cfg, step_cfg, self.steps, self.structured,
                                        cfg.eos_token_ids)

@@ -3,7 +3,9 @@ in order before the step, and hands the spilled block sets to the tiers' worker 
 step's output has been read (their copies were started to the host with it, so nothing
 waits; the worker writes them on its thread). Block sets the worker reads from disk ahead of
 admission start their copy to the device on its thread (`_stage`), so the load before the
-step finds them there."""
+step finds them there. With data-parallel ranks each rank's copies run on its own slice of
+the stacked state and snapshot pool (parallel/rank_tier_copies.py), into one shared store: a
+block set holds the same arrays whichever rank wrote it."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import hashlib
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from deepinfer_jax.config.kv_tiers import KVTierConfig
 from deepinfer_jax.config.step import StepConfig
@@ -23,6 +26,8 @@ from deepinfer_jax.host.decision import TierLoad, TierSpill
 from deepinfer_jax.host.kv_tiers import TierEntry, TierStore
 from deepinfer_jax.host.kv_tiers.prefetch import TierReport, TierWorker
 from deepinfer_jax.model.state import StateCache
+from deepinfer_jax.parallel.rank_snapshots import RANK
+from deepinfer_jax.parallel.rank_tier_copies import compile_rank_tier_copies
 
 Spilled = list[tuple[TierSpill, tuple[jax.Array, ...]]]
 
@@ -32,8 +37,12 @@ class TierCopies:
                  store: TierStore):
         self.snapshots, self.store = snapshots, store
         self.worker = TierWorker(store, stage=_stage)
+        self.ranks = step_cfg.compute.parallel.dp        # > 1: the state is rank-stacked
+        self._ranked = (NamedSharding(jax.tree.leaves(state)[0].sharding.mesh, RANK)
+                        if self.ranks > 1 else None)
+        compile_copies = compile_rank_tier_copies if self.ranks > 1 else compile_tier_copies
         (self._gather_page, self._scatter_page, self._gather_snapshot,
-         self._scatter_snapshot) = compile_tier_copies(state, snapshots.pool, step_cfg.num_pages)
+         self._scatter_snapshot) = compile_copies(state, snapshots.pool, step_cfg.num_pages)
         self._num_page_arrays = len(page_pools(state))
 
     @classmethod
@@ -46,7 +55,8 @@ class TierCopies:
         config share a namespace: give each its own directory.)"""
         if config is None or not config.enabled:
             return None
-        shapes = [(a.shape, str(a.dtype)) for a in
+        ranked = step_cfg.compute.parallel.dp > 1       # a rank's shapes: shared across dp
+        shapes = [(a.shape[ranked:], str(a.dtype)) for a in
                   jax.tree.leaves((page_pools(state), snapshots.pool))]
         # the layout's name too: a snapshot's shapes alone need not tell two layouts apart
         digest = hashlib.blake2b(repr((model, step_cfg.page_size, shapes,
@@ -56,28 +66,51 @@ class TierCopies:
         return cls(state, snapshots, step_cfg, store)
 
     def run(self, state: StateCache, ops: tuple, spilled: Spilled) -> StateCache:
-        """`state` after `ops`, in order (the snapshot pool is updated in place); the spilled
-        block sets' device arrays are appended to `spilled`, copying to the host."""
-        for op in ops:
-            if isinstance(op, TierSpill):
-                arrays = self._gather_page(state, _index(op.page))
-                if op.snapshot is not None:
-                    arrays += self._gather_snapshot(self.snapshots.pool, _index(op.snapshot))
-                for a in arrays:
-                    a.copy_to_host_async()
-                spilled.append((op, arrays))
-            else:
-                state = self._load(state, op)
+        """`state` after `ops`, in order (a decision's; with ranks a tuple of them per rank,
+        each rank's in order), the snapshot pool updated in place; the spilled block sets'
+        device arrays are appended to `spilled`, copying to the host."""
+        per_rank = enumerate(ops) if self.ranks > 1 else ((None, ops),)
+        for rank, rank_ops in per_rank:
+            for op in rank_ops:
+                if isinstance(op, TierSpill):
+                    spilled.append((op, self._spill(state, op, rank)))
+                else:
+                    state = self._load(state, op, rank)
         return state
 
-    def _load(self, state: StateCache, op: TierLoad) -> StateCache:
+    def _spill(self, state: StateCache, op: TierSpill, rank: int | None) -> tuple[jax.Array, ...]:
+        arrays = self._gather_page(state, self._id(op.page, rank))
+        if op.snapshot is not None:
+            arrays += self._gather_snapshot(self.snapshots.pool, self._id(op.snapshot, rank))
+        if rank is not None:         # the asking rank's row of the stacked results
+            arrays = tuple(a[rank] for a in arrays)
+        for a in arrays:
+            a.copy_to_host_async()
+        return arrays
+
+    def _load(self, state: StateCache, op: TierLoad, rank: int | None) -> StateCache:
         # explicit transfers: the loop may run under jax.transfer_guard("disallow")
-        arrays, n = jax.device_put(tuple(op.entry.arrays)), self._num_page_arrays
-        state = self._scatter_page(state, _index(op.page), arrays[:n])
+        n = self._num_page_arrays
+        if rank is None:
+            arrays, extra = jax.device_put(tuple(op.entry.arrays)), ()
+        else:        # stacked: the rank's row, zeros elsewhere (not written: `active`)
+            arrays = jax.device_put(tuple(_stacked(a, rank, self.ranks) for a in op.entry.arrays),
+                                    self._ranked)
+            active = (np.arange(self.ranks) == rank).astype(np.int32)
+            extra = (jax.device_put(active, self._ranked),)
+        state = self._scatter_page(state, self._id(op.page, rank), *extra, arrays[:n])
         if op.snapshot is not None:
             pool: SlotRings = self.snapshots.pool
-            self.snapshots.pool = self._scatter_snapshot(pool, _index(op.snapshot), arrays[n:])
+            self.snapshots.pool = self._scatter_snapshot(pool, self._id(op.snapshot, rank),
+                                                         *extra, arrays[n:])
         return state
+
+    def _id(self, i: int, rank: int | None) -> jax.Array:
+        """A page or snapshot id: with ranks, every rank's (the others' copies are dropped or
+        write back what they hold)."""
+        if rank is None:
+            return _index(i)
+        return jax.device_put(np.full(self.ranks, i, np.int32), self._ranked)
 
     def put(self, spilled: Spilled) -> None:
         self.worker.put([TierEntry(op.key, tuple(jax.device_get(arrays)), op.info)
@@ -98,3 +131,9 @@ def _stage(entry: TierEntry) -> TierEntry:
 
 def _index(i: int) -> jax.Array:
     return jax.device_put(np.int32(i))
+
+
+def _stacked(array: np.ndarray, rank: int, ranks: int) -> np.ndarray:
+    out = np.zeros((ranks, *array.shape), array.dtype)
+    out[rank] = array
+    return out

@@ -3,7 +3,8 @@
 Each rank has its own requests, state slots and page pool (its `Scheduler`, unchanged), and
 the device runs every rank's plan in one program (parallel/mesh.py `over_ranks`), so a step
 takes one decision from each rank, and the step's token bucket is the one the largest
-rank's tokens fit. With prefix caching each rank has its own prefix cache and snapshots.
+rank's tokens fit. With prefix caching each rank has its own prefix cache and snapshots;
+the KV tiers below the device are shared.
 
 Placement: a request joins the rank with the fewest requests (running and waiting), then the
 most free pages, then the lowest index, and stays there: its pages and slot live on that
@@ -22,7 +23,15 @@ import dataclasses
 
 from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.contract import SpecStepOutput, StepOutput
-from deepinfer_jax.host.decision import Restore, ScheduleDecision, ScheduledSeq, SnapshotSave
+from deepinfer_jax.host.decision import (
+    Restore,
+    ScheduleDecision,
+    ScheduledSeq,
+    SnapshotSave,
+    TierLoad,
+    TierSpill,
+)
+from deepinfer_jax.host.kv_tiers.prefetch import TierWorker
 from deepinfer_jax.host.prefix_cache import PrefixCacheStats
 from deepinfer_jax.host.request import Request
 from deepinfer_jax.host.scheduler import Scheduler
@@ -49,6 +58,12 @@ class RankedDecision:
         """The snapshot saves after the step, a tuple per rank (empty when none has one)."""
         return self._per_rank("saves")
 
+    @property
+    def tier_ops(self) -> tuple[tuple[TierSpill | TierLoad, ...], ...]:
+        """The KV tiers' copies before the step, a tuple per rank (empty when no rank has
+        one)."""
+        return self._per_rank("tier_ops")
+
     def _per_rank(self, name: str) -> tuple:
         copies = tuple(getattr(decision, name) for decision in self.ranks)
         return copies if any(copies) else ()
@@ -70,8 +85,12 @@ class RankedDecision:
 class RankedScheduler:
     """The scheduler's two verbs (`schedule`, `postprocess`) over data-parallel ranks."""
 
-    def __init__(self, step_cfg: StepConfig, eos_token_ids: tuple[int, ...], ranks: int):
-        self.ranks = [Scheduler(step_cfg, eos_token_ids) for _ in range(ranks)]
+    def __init__(self, step_cfg: StepConfig, eos_token_ids: tuple[int, ...], ranks: int,
+                 tiers: TierWorker | None = None):
+        """tiers: the KV tiers' one worker and store, which every rank's prefix cache spills
+        to and loads from: a block set is the same bytes on any rank, so a prefix one rank
+        evicted can come back on another."""
+        self.ranks = [Scheduler(step_cfg, eos_token_ids, tiers) for _ in range(ranks)]
         self.affinity_slack = step_cfg.max_num_seqs // 8
 
     # ---- queue management -----------------------------------------------------------------

@@ -153,15 +153,16 @@ def test_with_mtp_speculation_a_prefix_back_from_the_host_tier_equals_the_cold_r
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_over_a_device_mesh_a_prefix_back_from_the_host_tier_equals_the_cold_run():
-    """Expert parallel (ep 4), and tensor with context parallel (tp 2 x cp 2), in a process of
-    8 CPU devices (tiers_mesh_run.py): the prefix evicted to host memory comes back and the
-    prompt's tokens and logprobs are the same mesh's cold run, bit for bit. (The bf16 model
-    meets the XLA CPU compiler abort the MoE's float32 sums work around: model/moe.py.)"""
+    """Expert parallel (ep 4), tensor with context parallel (tp 2 x cp 2), and data-parallel
+    ranks with expert parallel (dp 2 x ep 2: each rank's prefix cache over one shared store),
+    in a process of 8 CPU devices (tiers_mesh_run.py): the prefix evicted to host memory comes
+    back and the prompt's tokens and logprobs are the same mesh's cold run, bit for bit. (The
+    bf16 model meets the XLA CPU compiler abort the MoE's float32 sums work around:
+    model/moe.py.)"""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
-    meshes = ("1,4,1", "1,1,2,2")
+    meshes = ("1,4,1", "1,1,2,2", "2,2,1")
     done = subprocess.run([sys.executable, str(REPO / "tests/engine/tiers_mesh_run.py"), *meshes],
                           env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -171,3 +172,5 @@ def test_over_a_device_mesh_a_prefix_back_from_the_host_tier_equals_the_cold_run
         assert ran["mesh_devices"] == 4, mesh
         assert ran["warm"] == ran["cold"], mesh
         assert ran["host_hits"] >= 6 and ran["hit_tokens"] >= 6 * 64, mesh
+        if mesh.startswith("2,"):      # one rank's page and snapshot out, into the other's
+            assert ran["rank_copies"] == {"exact": True, "moved": True}

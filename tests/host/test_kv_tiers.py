@@ -253,15 +253,12 @@ def test_engine_options_validate(tmp_path):
     assert EngineConfig().kv_tiers == KVTierConfig()          # off by default
     with pytest.raises(EngineConfigError, match="enable_prefix_caching"):
         EngineConfig(kv_host_tier_bytes=1 << 20)
-    with pytest.raises(EngineConfigError, match=r"data-parallel ranks \(dp > 1\)"):
-        EngineConfig(enable_prefix_caching=True, kv_host_tier_bytes=1 << 20,
-                     parallel={"dp": 2})
     with pytest.raises(EngineConfigError, match="several processes"):
         EngineConfig(enable_prefix_caching=True, kv_host_tier_bytes=1 << 20,
                      distributed={"coordinator_address": "127.0.0.1:1234", "num_processes": 2,
                                   "process_id": 0})
-    EngineConfig(enable_prefix_caching=True, kv_host_tier_bytes=1 << 20,
-                 parallel={"ep": 4, "tp": 2})      # a mesh without ranks: served
+    for parallel in ({"ep": 4, "tp": 2}, {"dp": 2}):          # meshes, with ranks too: served
+        EngineConfig(enable_prefix_caching=True, kv_host_tier_bytes=1 << 20, parallel=parallel)
     with pytest.raises(EngineConfigError):
         EngineConfig(kv_disk_tier_bytes=1 << 20)
     cfg = EngineConfig(enable_prefix_caching=True, kv_disk_tier_dir=str(tmp_path),
