@@ -63,22 +63,32 @@ class EngramRows:
                 np.take(table, plan.engram_ids[:fed, k], axis=0, out=plan.engram_rows[:fed, k])
 
     def _fill_ids(self, plan: BatchPlan, decision: ScheduleDecision) -> None:
+        """Every fed token hashed at once, each with its own look-back as `history` (a
+        one-token call per token: the tokens before it in its row's span, then the row's
+        tokens before the span), so the host's cost is a few numpy passes a step, not a few
+        per row (about 30 us a row before)."""
+        fed, back = decision.num_tokens, self.back
+        tokens = np.asarray(plan.token_ids[:fed], np.int64)
+        before = np.full((max(len(decision.seqs), 1), back), engram_hash.DEAD, np.int64)
         for row, seq in enumerate(decision.seqs):
-            start, n = seq.start, seq.num_tokens
-            offset = int(plan.seq_offset[row])
-            tokens = np.asarray(plan.token_ids[offset: offset + n], np.int64)
-            before = np.asarray(seq.request.token_slice(max(start - self.back, 0), start),
-                                np.int64)
-            if (tokens < 0).any() or (before < 0).any():
+            known = seq.request.token_slice(max(seq.start - back, 0), seq.start)
+            span = tokens[plan.seq_offset[row]: plan.seq_offset[row] + seq.num_tokens]
+            if min(known, default=0) < 0 or (span < 0).any():
                 raise RuntimeError(f"request {seq.request.request_id}: a token the host has not "
                                    f"seen reached the Engram hash (asynchronous scheduling "
-                                   f"must be off for a model with Engram)")
-            history = np.full((1, self.back), engram_hash.DEAD, np.int64)
-            if len(before):
-                history[0, self.back - len(before):] = self.token_map[before]
-            ids = engram_hash.hash_ids(tokens[None], np.ones((1, n), bool), self.token_map,
-                                       self.cfg, self.tables, history)
-            plan.engram_ids[offset: offset + n] = ids[0]
+                                   f"must be off for a model with host Engram tables)")
+            if known:
+                before[row, back - len(known):] = self.token_map[known]
+        row = np.minimum(plan.token_seq[:fed], len(before) - 1)
+        place = np.arange(fed) - plan.seq_offset[row]          # within the row's span
+        history = np.empty((fed, back), np.int64)
+        for k in range(1, back + 1):           # column back - k: the token k before
+            earlier = self.token_map[tokens[np.maximum(np.arange(fed) - k, 0)]]
+            history[:, back - k] = np.where(place >= k, earlier,
+                                            before[row, np.clip(back - k + place, 0, back - 1)])
+        ids = engram_hash.hash_ids(tokens[:, None], np.ones((fed, 1), bool), self.token_map,
+                                   self.cfg, self.tables, history)
+        plan.engram_ids[:fed] = ids[:, 0]
 
 
 def engram_setup(cfg, params, step_cfg: StepConfig, host: HostOptions,
