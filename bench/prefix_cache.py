@@ -3,6 +3,7 @@ computed, and what the cache holds per token vs a full per-layer KV cache; the s
 served from each KV tier below the device (host memory, disk).
 
     python bench/prefix_cache.py                                   # CPU: 2k cached tokens
+    python bench/prefix_cache.py --prefix 16384 --chunk 2048 --name prefix-cache-16k-cpu
     python bench/prefix_cache.py --v4-flash-layers 4 --prefix 16384 --chunk 2048   # GPU
 
 Cold: a prompt of `prefix + suffix` tokens that shares nothing with the cache. Warm: the same
@@ -150,10 +151,16 @@ def main() -> None:
                     help="token buckets to compile (default: powers of two up to --chunk)")
     ap.add_argument("--tiers", nargs="*", default=["host", "disk"], choices=["host", "disk"],
                     help="KV tiers to serve the prefix from too (none: device cache only)")
+    ap.add_argument("--name", default=None,
+                    help="the result files' name (default: prefix-cache-<platform>)")
     ap.add_argument("--tier-dir", default=None, help="the disk tier's directory (default: a "
                     "temporary one; the disk under test is the one it lies on)")
     args = ap.parse_args()
     cfg = model_config(args)
+    longest = args.prefix + args.suffix + 64
+    stretched = longest > cfg.max_position_embeddings
+    if stretched:     # random weights: a context past the config's cap costs what it costs
+        cfg = cfg.replace(max_position_embeddings=longest)
     model = Model(cfg, random_params(cfg, 0, jnp.bfloat16))
     rng = np.random.default_rng(0)
     new = lambda n: rng.integers(2, cfg.vocab_size, n).tolist()  # noqa: E731
@@ -232,8 +239,10 @@ def main() -> None:
                   f"{fp['ratio']:.2f} |\n")
     table += (f"\nFull KV: one bf16 K=V row of head_dim per layer and token. Cached: the pages "
               f"(compressed rows, indexer keys) plus a slot snapshot at each chunk end "
-              f"(chunks of {args.chunk}; V4-Flash: 8192). Random bf16 weights.")
-    write_results(f"prefix-cache-{device}", payload, table)
+              f"(chunks of {args.chunk}; V4-Flash: 8192). Random bf16 weights"
+              + (f", the config's context cap raised to {longest} tokens for this run"
+                 if stretched else "") + ".")
+    write_results(args.name or f"prefix-cache-{device}", payload, table)
     print(table)
 
 
