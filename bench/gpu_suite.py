@@ -127,10 +127,11 @@ RUNS = {
                            (bench("batch_invariant.py", *V4_BATCH_INVARIANT),)),
     "speculative": Run(480, "MTP speculative decoding on the tiny model (cold: ~5 min compiling)",
                        (bench("speculative.py", "--buckets", "16", "64", "256"),)),
-    "prefix-cache": Run(300, "TTFT with a 16k cached prefix vs cold",
+    "prefix-cache": Run(480, "TTFT with a 16k cached prefix vs cold, from the device cache and "
+                             "from the host and disk KV tiers",
                         (bench("prefix_cache.py", "--v4-flash-layers", "2", "--prefix", "16384",
                                "--chunk", "2048", "--buckets", "16", "128", "512", "2048",
-                               "--repeats", "2"),)),
+                               "--repeats", "5"),)),
     "serve-load": Run(540, "the OpenAI server at 64 concurrent streams on a 4-layer V4-Flash "
                            "slice (random weights) against LLM.generate on the same requests",
                       (bench("serve_load.py", *SERVE_LOAD),)),
