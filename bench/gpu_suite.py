@@ -109,6 +109,11 @@ RUNS = {
                      "v4.1", "--prefill", "8192", "--batches", "1", "16", "--context", "4096",
                      "--steps", "16", "--token-buckets", "16", "--peer-python", "",
                      "--name", "e2e-v41-gpu"),)),
+    "v41-engram-tests": Run(300, "the step's 32-bit Engram hash against the host's int64 one on "
+                                 "the GPU (released sizes; the fixtures' cases where a copy of "
+                                 "../shared/oracle is carried, DEEPINFER_V41_ORACLE_DIR)",
+                            ((*PYTEST, "tests/model/test_v41_engram_device.py",
+                              "tests/engine/test_engram_rows.py"),)),
     "e2e-v41-async": Run(420, "the V4.1 slice's decode with the Engram tables on the device (the "
                               "step hashes; the asynchronous loop) beside host tables (synchronous)",
                          tuple(bench("e2e.py", "--model", "v4.1", "--v41-reusers", "1",
