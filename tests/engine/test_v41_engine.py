@@ -173,13 +173,16 @@ def test_v41_weights_that_cannot_fit_fail_before_they_load(monkeypatch):
         deepinfer_jax.LLM(FIXTURES[0], **ENGINE, device_memory_gib=1e-4)
 
 
-@pytest.mark.parametrize("first_chunk_admission", [False, True])
-def test_v41_a_short_page_pool_gives_the_same_tokens(first_chunk_admission):
+@pytest.mark.parametrize("first_chunk_admission, tables", [(False, "host"), (True, "host"),
+                                                           (True, "device")])
+def test_v41_a_short_page_pool_gives_the_same_tokens(first_chunk_admission, tables):
     """Three pages of 64 positions for three sequences that need two each: requests wait for
     pages, or (admitted on their first chunk) are preempted and replayed, their Engram
-    look-back rehashed from position 0; every continuation is still the reference's."""
+    look-back rehashed from position 0; every continuation is still the reference's. With
+    device tables the loop runs ahead and the step hashes, the replays included."""
     prompts, ref = _reference(FIXTURES[1])
-    llm = deepinfer_jax.LLM(FIXTURES[1], **ENGINE, num_pages=3)
+    llm = deepinfer_jax.LLM(FIXTURES[1], **ENGINE, num_pages=3, engram_tables=tables)
+    assert llm.host_options.async_scheduling == (tables == "device")
     if first_chunk_admission:
         admit_first_chunks(llm)
     outs = llm.generate(prompts, _greedy(ref["gen_tokens"].shape[1]), use_tqdm=False)
