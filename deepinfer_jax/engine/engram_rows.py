@@ -81,11 +81,15 @@ class EngramRows:
                 before[row, back - len(known):] = self.token_map[known]
         row = np.minimum(plan.token_seq[:fed], len(before) - 1)
         place = np.arange(fed) - plan.seq_offset[row]          # within the row's span
-        history = np.empty((fed, back), np.int64)
-        for k in range(1, back + 1):           # column back - k: the token k before
-            earlier = self.token_map[tokens[np.maximum(np.arange(fed) - k, 0)]]
-            history[:, back - k] = np.where(place >= k, earlier,
-                                            before[row, np.clip(back - k + place, 0, back - 1)])
+        if not place.any():                    # one token a row (decode): the rows' own
+            history = before[row]
+        else:
+            mapped = self.token_map[tokens]
+            history = np.empty((fed, back), np.int64)
+            for k in range(1, back + 1):       # column back - k: the token k before
+                earlier = mapped[np.maximum(np.arange(fed) - k, 0)]
+                history[:, back - k] = np.where(
+                    place >= k, earlier, before[row, np.clip(back - k + place, 0, back - 1)])
         ids = engram_hash.hash_ids(tokens[:, None], np.ones((fed, 1), bool), self.token_map,
                                    self.cfg, self.tables, history)
         plan.engram_ids[:fed] = ids[:, 0]
