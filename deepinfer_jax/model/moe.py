@@ -111,11 +111,7 @@ def expert_parallel(x: jax.Array, experts: jax.Array, weights: jax.Array, p: Exp
             x, experts, weights = (jax.lax.all_gather(a, axis, tiled=True)
                                    for a in (x, experts, weights))
         count = jax.tree.leaves(p)[0].shape[0]            # this device's experts
-        device = 0
-        for axis, size in (("dp", parallel.dp), ("cp", parallel.cp), ("ep", parallel.ep)):
-            if size > 1:
-                device = device * size + jax.lax.axis_index(axis)
-        first = device * count
+        first = expert_device(parallel) * count
         mine = (experts >= first) & (experts < first + count)
         local_ids = jnp.where(mine, experts - first, NO_EXPERT)
         per_slot = _slot_outputs(x, local_ids, weights, p, limit, compute)
@@ -132,6 +128,17 @@ def expert_parallel(x: jax.Array, experts: jax.Array, weights: jax.Array, p: Exp
                                                jax.tree.map(lambda _: spec("ep"), p)),
                               out_specs=spec(), axis_names={"ep"}, check_vma=False)
     return _sum_slots(local(x, experts, weights, p), compute)
+
+
+def expert_device(parallel) -> jax.Array:
+    """This device's place among the dp x cp x ep devices that split the routed experts (and
+    V4.1's device Engram tables), dp the most significant, as PartitionSpec(("dp", "cp",
+    "ep")) orders them; inside a map where those axes (of size > 1) are manual."""
+    device = 0
+    for axis, size in (("dp", parallel.dp), ("cp", parallel.cp), ("ep", parallel.ep)):
+        if size > 1:
+            device = device * size + jax.lax.axis_index(axis)
+    return device
 
 
 def exact_sum(collective, x: jax.Array, axis: str, compute: ComputeConfig) -> jax.Array:

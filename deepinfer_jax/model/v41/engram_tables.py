@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from deepinfer_jax.config.compute import ComputeConfig
-from deepinfer_jax.model.moe import exact_sum
+from deepinfer_jax.model.moe import exact_sum, expert_device
 
 Array = jax.Array
 
@@ -40,11 +40,7 @@ def table_rows(table: Array, ids: Array, compute: ComputeConfig) -> Array:
         if parallel.dp > 1:
             ids = jax.lax.all_gather(ids, "dp", tiled=True)
         count = table.shape[0]
-        device = 0
-        for axis, size in (("dp", parallel.dp), ("cp", parallel.cp), ("ep", parallel.ep)):
-            if size > 1:
-                device = device * size + jax.lax.axis_index(axis)
-        first = device * count
+        first = expert_device(parallel) * count
         mine = (ids >= first) & (ids < first + count)
         rows = jnp.where(mine[..., None], table[jnp.clip(ids - first, 0, count - 1)], 0)
         for axis in mapped:
