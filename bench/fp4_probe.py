@@ -8,6 +8,7 @@ bandwidth (results: kernels-fp4-probe*-gpu.md; the story: docs/performance-log.m
     python bench/fp4_probe.py --study occupancy      # smaller steps: more programs an SM
     python bench/fp4_probe.py --study no-code-loads  # codes never read from shared memory
     python bench/fp4_probe.py --study step-wgmma     # one wgmma call a half and pipeline step
+    python bench/fp4_probe.py --study words          # codes as 32-bit words: 8- or 16-byte loads
 
 Each row: the median of 5 repeats of 10 calls (min-max beside it); `tbps` the hit experts'
 stored bytes (codes + scales) / time. Rows are printed and written to $OUT as they come.
@@ -33,6 +34,7 @@ from bench.lib.ceilings import measure as measure_ceilings  # noqa: E402
 from bench.lib.timing import timing  # noqa: E402
 from pallas_kernels.grouped_gemm import api, fp4_path  # noqa: E402
 from pallas_kernels.grouped_gemm import mosaic_gpu_fp4 as fp4_kernel  # noqa: E402
+from pallas_kernels.grouped_gemm.fp4_dequant import word_major  # noqa: E402
 
 rep = dataclasses.replace
 OPTIONS = {"default": {}, "chains2": {"k_chains": 2}, "chains4": {"k_chains": 4},
@@ -72,6 +74,18 @@ def candidates(study: str, base: fp4_kernel.Fp4Config, op: str) -> dict:
                 f"step tile_major n{other_n['block_n']}": rep(tm, **other_n),
                 "step tile_major k256": rep(tm, block_k=256),
                 "step tile_major k64": rep(tm, block_k=64)}
+    if study == "words":
+        other_n = {"block_n": 128 if base.block_n == 64 else 64}
+        out = {"default": base,
+               "step tile_major": rep(base, wgmma_per_step=True, tile_major=True)}
+        for v in (2, 4):
+            words = rep(base, word_codes=v)
+            out |= {f"words{v}": words, f"words{v} step": rep(words, wgmma_per_step=True),
+                    f"words{v} tile_major": rep(words, tile_major=True),
+                    f"words{v} step tile_major": rep(words, wgmma_per_step=True, tile_major=True),
+                    f"words{v} n{other_n['block_n']}": rep(words, **other_n),
+                    f"words{v} k256": rep(words, block_k=256)}
+        return out
     if study == "no-code-loads":
         tm = rep(base, tile_major=True)
         return {"default": base, "tile_major": tm,
@@ -143,7 +157,7 @@ def main() -> None:
         return compile_one()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--study", choices=("options", "tile-major", "wgmma-twice", "swizzle", "occupancy",
-                                        "no-code-loads", "step-wgmma"),
+                                        "no-code-loads", "step-wgmma", "words"),
                     default="options")
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT", "/tmp"))
@@ -178,8 +192,10 @@ def main() -> None:
                     row = {"study": args.study, "wgmma": variant, "tokens": tokens, "op": op,
                            "config": name, "hit": hit}
                     try:
-                        packed = (fp4_kernel.tile_major(w.packed, cfg.block_n, cfg.block_k)
-                                  if cfg.tile_major else w.packed)
+                        packed = (word_major(w.packed, cfg.word_codes) if cfg.word_codes
+                                  else w.packed)
+                        if cfg.tile_major:
+                            packed = fp4_kernel.tile_major(packed, cfg.block_n, cfg.block_k)
                         fn = jax.jit(lambda xt, p, s, tg, cfg=cfg, swiglu=swiglu:
                                      fp4_kernel.tiled_fp4_matmul_t(xt, p, s, tg,
                                                                    swiglu_limit=swiglu,

@@ -32,12 +32,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 FORMULATIONS = ("convert", "bits", "bits_ptx")
 
-# $2: two packed bytes b0 | b1 << 8; $3: the bf16x2 multiplier (the same in both halves).
+# $2: a register holding two packed bytes (b0, b1: bytes 0 and 1, or 2 and 3: the `prmt`
+# selector says which); $3: the bf16x2 multiplier (the same in both halves).
 # t = b0 | b1 << 16; even = bf16x2 of the low nibbles, odd = of the high nibbles, each scaled.
 # lop3 0xF8 = a | (b & c).
 _PTX = """{
 .reg .b32 t, a, b;
-prmt.b32 t, $2, 0, 0x4140;
+prmt.b32 t, $2, 0, SELECTOR;
 shl.b32 a, t, 6;
 and.b32 a, a, 0x01C001C0;
 shl.b32 b, t, 12;
@@ -49,6 +50,7 @@ shl.b32 b, t, 8;
 lop3.b32 a, a, b, 0x80008000, 0xF8;
 mul.rn.bf16x2 $1, a, $3;
 }"""
+LOW_PAIR, HIGH_PAIR = "0x4140", "0x4342"      # t from bytes 0 and 1, or from bytes 2 and 3
 
 
 def factor_dtype(formulation: str):
@@ -136,11 +138,81 @@ def _ptx_pair(two_bytes_reg, factor_reg):
     from jaxlib.mlir.dialects import arith
 
     i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
+    return _ptx_word_pair(arith.extui(i32, utils.bitcast(two_bytes_reg, i16)), LOW_PAIR,
+                          factor_reg)
+
+
+def _ptx_word_pair(word, selector: str, factor_reg):
+    """A 32-bit register, which of its byte pairs (LOW_PAIR, HIGH_PAIR) and their bf16x2
+    factor -> the bf16x2 registers of the pair's low nibbles and of its high nibbles."""
+    from jax.experimental.mosaic.gpu import utils
+    from jaxlib.mlir import ir
+
+    i32 = ir.IntegerType.get_signless(32)
     pair = ir.VectorType.get((2,), ir.BF16Type.get())
-    two_bytes = arith.extui(i32, utils.bitcast(two_bytes_reg, i16))
-    lo, hi = utils.inline_ptx(_PTX, two_bytes, utils.bitcast(factor_reg, i32),
-                              result_types=(i32, i32))
+    lo, hi = utils.inline_ptx(_PTX.replace("SELECTOR", selector), word,
+                              utils.bitcast(factor_reg, i32), result_types=(i32, i32))
     return utils.bitcast(lo, pair), utils.bitcast(hi, pair)
+
+
+# Words a thread loads at once -> the u32 layout that gives them to it: 2 words (8 bytes, two
+# scale groups) in the WGMMA layout, 4 (16 bytes, four groups) in its 8-bit variant, whose
+# rows are the WGMMA layout's and whose column quads are 16 elements wide.
+WORD_LAYOUTS = {2: plgpu.Layout.WGMMA, 4: plgpu.Layout.WGMMA_8BIT}
+
+
+def word_major(packed: jax.Array, vector: int = 2) -> jax.Array:
+    """u8[..., K/2] packed codes -> u32[..., K/8], the bytes of every `vector` scale groups
+    (16 * vector bytes) reordered so that a `WORD_LAYOUTS[vector]` load of the words gives
+    each thread, in one register of `vector` words, the 4 bytes of each group it holds as a u8
+    WGMMA-layout load (bytes 2q, 2q + 1, 8 + 2q, 9 + 2q of the group for the thread's column
+    quad q): one 8- or 16-byte shared-memory load where the bytes take 2 * vector 2-byte ones.
+    Word vector * q + e, byte 2t + p of a piece is group e's byte 8t + 2q + p (little-endian
+    words)."""
+    *lead, half_k = packed.shape
+    if half_k % (16 * vector):
+        raise ValueError(f"word-major codes: K/2 = {half_k} bytes, not a multiple of "
+                         f"{16 * vector}")
+    pieces = packed.reshape(*lead, half_k // (16 * vector), vector, 2, 4, 2)   # [.., e, t, q, p]
+    reordered = jnp.moveaxis(pieces, -2, -4)                                   # [.., q, e, t, p]
+    return lax.bitcast_convert_type(reordered.reshape(*lead, half_k // 4, 4), jnp.uint32)
+
+
+def dequantize_words(words: jax.Array, factors: list[jax.Array], vector: int) -> jax.Array:
+    """u32[rows, 4 * G] `word_major(vector)` codes of G scale groups (G a multiple of vector)
+    and each group's row factors ("bits_ptx" `scale_factor`s, G arrays of [rows]) ->
+    bf16[rows, 32 * G] in the kernel's nibble order, as `dequantize_step` gives from the same
+    groups' bytes. "bits_ptx" only (compiled kernels)."""
+    rows, width = words.shape
+    out = plgpu.ShapeDtypeStruct((rows, 8 * width), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+    wide = [lax.broadcast_in_dim(f, (rows, 16), (0,)) for f in factors]
+
+    @plgpu.inline_mgpu(arg_types=(WORD_LAYOUTS[vector],) + (plgpu.Layout.WGMMA,) * len(wide),
+                       return_type=out)
+    def step(ctx, words, *factors):
+        del ctx
+        from jax.experimental import mosaic
+        from jaxlib.mlir.dialects import vector as vector_ops
+        # A word register at column tile c holds groups vector * c + e (element e); in each
+        # word, bytes 0-1 are the group's first u8 column tile, bytes 2-3 its second. Both
+        # layouts index registers [row tile, column tile, ...] with the same trailing dims.
+        regs = words.registers
+        weights = np.empty((regs.shape[0], 4 * vector * regs.shape[1], *regs.shape[2:]),
+                           dtype=object)
+        for index, reg in np.ndenumerate(regs):
+            for element in range(vector):
+                group = vector * index[1] + element
+                word = vector_ops.extract(reg, [], [element])
+                for tile, selector in enumerate((LOW_PAIR, HIGH_PAIR)):
+                    factor = factors[group].registers[(index[0], tile, *index[2:])]
+                    even, odd = _ptx_word_pair(word, selector, factor)
+                    weights[(index[0], 4 * group + tile, *index[2:])] = even
+                    weights[(index[0], 4 * group + 2 + tile, *index[2:])] = odd
+        return mosaic.gpu.FragmentedArray(_registers=weights, _layout=factors[0].layout,
+                                          _is_signed=None)
+
+    return step(plgpu.layout_cast(words, WORD_LAYOUTS[vector]),
+                *[plgpu.layout_cast(f, plgpu.Layout.WGMMA) for f in wide])
 
 
 def _bits_ptx(packed16: jax.Array, factor: jax.Array) -> tuple[jax.Array, jax.Array]:

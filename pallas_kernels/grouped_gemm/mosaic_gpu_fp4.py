@@ -75,6 +75,11 @@ class Fp4Config:
     # by one wgmma call: one fence and one commit a half and step instead of one per 16 inputs,
     # and the groups' dequantization free to interleave ("bits_ptx" in registers only).
     wgmma_per_step: bool = False
+    # The codes come as 32-bit words (`fp4_dequant.word_major(word_codes)`), each thread's
+    # bytes of word_codes scale groups one shared-memory load of word_codes words where u8
+    # codes take 2 * word_codes 2-byte ones (0: u8 codes; 2 or 4; "bits_ptx" in registers
+    # only; block_k a multiple of 32 * word_codes).
+    word_codes: int = 0
 
     def check(self, k: int, n_out: int) -> None:
         if self.block_m % 8 or not 8 <= self.block_m <= 256:
@@ -95,6 +100,11 @@ class Fp4Config:
         if self.wgmma_per_step and (self.dequant != "bits_ptx" or not self.a_in_registers
                                     or self.k_chains != 1):
             raise ValueError(f"wgmma_per_step: bits_ptx in registers, one chain ({self})")
+        if self.word_codes not in (0, *fp4_dequant.WORD_LAYOUTS) or self.word_codes and (
+                self.dequant != "bits_ptx" or not self.a_in_registers
+                or self.block_k % (GROUP * self.word_codes) or self.codes_swizzle):
+            raise ValueError(f"word_codes: 0, 2 or 4; bits_ptx in registers, block_k a "
+                             f"multiple of 32 * word_codes, codes unswizzled ({self})")
         if self.dequant not in fp4_dequant.FORMULATIONS:
             raise ValueError(f"dequant: one of {fp4_dequant.FORMULATIONS} ({self})")
 
@@ -113,15 +123,22 @@ def kernel_name(config: Fp4Config, k: int, n_out: int, swiglu: bool) -> str:
                     + ["smem_a"] * (not c.a_in_registers) + ["pipelined_scales"] * c.scales_in_pipeline
                     + [f"chains{c.k_chains}"] * (c.k_chains > 1) + ["tile_major"] * c.tile_major
                     + [f"swizzle{c.codes_swizzle}"] * (c.codes_swizzle > 0)
-                    + ["step_wgmma"] * c.wgmma_per_step)
+                    + ["step_wgmma"] * c.wgmma_per_step + [f"words{c.word_codes}"] * (c.word_codes > 0))
+
+
+def inputs_per_element(packed: jax.Array) -> int:
+    """Codes a stored element holds: 2 in a byte, 8 in a `word_major` word."""
+    return 8 if packed.dtype == jnp.uint32 else 2
 
 
 def tile_major(packed: jax.Array, block_n: int, block_k: int) -> jax.Array:
     """u8[G, N, K/2] -> u8[G, (N/block_n) * (K/block_k) * block_n, block_k/2]: row block r's
-    step s is rows [(r * K/block_k + s) * block_n, +block_n), one contiguous piece."""
-    g, n, half_k = packed.shape
-    tiles = packed.reshape(g, n // block_n, block_n, half_k * 2 // block_k, block_k // 2)
-    return tiles.transpose(0, 1, 3, 2, 4).reshape(g, -1, block_k // 2)
+    step s is rows [(r * K/block_k + s) * block_n, +block_n), one contiguous piece (and the
+    same of u32[G, N, K/8] word-major codes)."""
+    g, n, width = packed.shape
+    per = inputs_per_element(packed)
+    tiles = packed.reshape(g, n // block_n, block_n, width * per // block_k, block_k // per)
+    return tiles.transpose(0, 1, 3, 2, 4).reshape(g, -1, block_k // per)
 
 
 @functools.partial(jax.jit, static_argnames=("swiglu_limit", "config", "out_dtype"))
@@ -130,7 +147,8 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
                        config: Fp4Config = Fp4Config(), out_dtype=jnp.bfloat16) -> jax.Array:
     """x_t bf16[K, T * block_m] (columns = tiled rows, K in `nibble_order`; tile t belongs to
     group tile_group[t], -1: unused), packed u8[G, N, K/2] (`tile_major` form if the config
-    says so), scale u8[G, K/32, N] ->
+    says so; u32[G, N, K/8] `fp4_dequant.word_major` words with `word_codes` > 0), scale
+    u8[G, K/32, N] ->
     out_t [N_out, T * block_m] (N_out = N, or N/2 with the SwiGLU epilogue: rows [0, N/2) of
     the weight are the gate, the rest the up projection). Unused tiles' columns stay unwritten."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
@@ -139,6 +157,10 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
     halves = 2 if swiglu_limit is not None else 1
     n_out = n // halves
     config.check(k, n_out)
+    if (packed.dtype == jnp.uint32) != (config.word_codes > 0):
+        raise ValueError(f"codes {packed.dtype}: word_codes={config.word_codes} reads "
+                         f"{'u32 words' if config.word_codes else 'u8 bytes'}")
+    per = inputs_per_element(packed)
     steps, chunks = k // bk, k // (GROUP * CHUNK)
     groups_per_step = bk // GROUP
     x_transforms = (plgpu.TilingTransform((8, X_SWIZZLE // 2)), plgpu.SwizzleTransform(X_SWIZZLE))
@@ -177,7 +199,8 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
                     (kk,) = index
                     first = kk * groups_per_step            # the step's first scale group
                     for half, chain_accs in enumerate(accs):
-                        w = plgpu.load(smems[half], layout=plgpu.Layout.WGMMA)
+                        w = plgpu.load(smems[half], layout=fp4_dequant.WORD_LAYOUTS.get(
+                            config.word_codes, plgpu.Layout.WGMMA))
                         if pipelined:                       # [groups_per_step, bn]
                             chunk_ref, row = smems[halves + half], 0
                         else:                               # [16, bn], from the step's first
@@ -187,13 +210,19 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
                             plgpu.load(chunk_ref.at[row + j], (),
                                        layout=plgpu.Layout.WGMMA.reduce(1)), config.dequant)
                             for j in range(groups_per_step)]
+                        if config.word_codes:
+                            a_step = fp4_dequant.dequantize_words(w, factors, config.word_codes)
+                        elif config.wgmma_per_step:
+                            a_step = fp4_dequant.dequantize_step(w, factors)
                         if config.wgmma_per_step:
-                            plgpu.wgmma(chain_accs[0], fp4_dequant.dequantize_step(w, factors),
-                                        x_smem)
+                            plgpu.wgmma(chain_accs[0], a_step, x_smem)
                             continue
                         for j, factor in enumerate(factors):
-                            both = fp4_dequant.dequantize_group(w[:, 16 * j:16 * (j + 1)],
-                                                                factor, config.dequant)
+                            both = ((a_step[:, GROUP * j:GROUP * j + 16],
+                                     a_step[:, GROUP * j + 16:GROUP * (j + 1)])
+                                    if config.word_codes else
+                                    fp4_dequant.dequantize_group(w[:, 16 * j:16 * (j + 1)],
+                                                                 factor, config.dequant))
                             for parity, a in enumerate(both):
                                 if staging is not None:
                                     slot = staging.at[parity]
@@ -208,11 +237,11 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
 
                 specs = [plgpu.BlockSpec((bk, bm), lambda kk: (kk, tile), transforms=x_transforms)]
                 if config.tile_major:
-                    specs += [plgpu.BlockSpec((bn, bk // 2), functools.partial(
+                    specs += [plgpu.BlockSpec((bn, bk // per), functools.partial(
                         lambda kk, half: (weight_rows(half) * steps + kk, 0), half=half),
                         transforms=w_transforms) for half in range(halves)]
                 else:
-                    specs += [plgpu.BlockSpec((bn, bk // 2), functools.partial(
+                    specs += [plgpu.BlockSpec((bn, bk // per), functools.partial(
                         lambda kk, half: (weight_rows(half), kk), half=half),
                         transforms=w_transforms) for half in range(halves)]
                 inputs = [x_ref, *[packed_ref.at[group]] * halves]

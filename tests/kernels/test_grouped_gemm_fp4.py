@@ -15,6 +15,7 @@ import pytest
 from pallas_kernels import quantized
 from pallas_kernels.common import NotSupported, abstract_gpu, kernel_mode
 from pallas_kernels.grouped_gemm import api, fp4_path, reference
+from pallas_kernels.grouped_gemm.fp4_dequant import word_major
 from pallas_kernels.grouped_gemm.mosaic_gpu_fp4 import Fp4Config, tile_major, tiled_fp4_matmul_t
 from tests.kernels.gemm_cases import KERNEL, close, routed_pairs
 
@@ -130,6 +131,53 @@ def test_tile_major_codes_give_the_same_bits(swiglu):
     np.testing.assert_array_equal(bits(tiled)[:, used], bits(row_major)[:, used])
 
 
+@pytest.mark.parametrize("vector", [2, 4])
+def test_word_major_gives_each_thread_its_wgmma_bytes(vector):
+    """The contract `word_major` keeps with the kernel: in the WGMMA layout a thread of column
+    quad q holds, of each 16-byte scale group's row, bytes 2q, 2q+1, 8+2q, 9+2q as u8 codes;
+    as u32 words (WGMMA layout for vector 2, its 8-bit variant for 4) it holds words
+    v*q .. v*q + v-1 of each column tile c of 4v words; its word of group v*c + e must hold
+    its four bytes of that group, in that order (little-endian)."""
+    rng = np.random.default_rng(8)
+    packed = rng.integers(0, 256, (3, 5, 128), dtype=np.uint8)
+    words = np.asarray(word_major(jnp.asarray(packed), vector))
+    assert words.dtype == np.uint32 and words.shape == (3, 5, 32)
+    for c in range(8 // vector):
+        for q in range(4):
+            for e in range(vector):
+                g = vector * c + e
+                group = packed[..., 16 * g:16 * (g + 1)]
+                want = group[..., [2 * q, 2 * q + 1, 8 + 2 * q, 9 + 2 * q]].astype(np.uint32)
+                got = words[..., 4 * vector * c + vector * q + e]
+                np.testing.assert_array_equal(
+                    got, want[..., 0] | want[..., 1] << 8 | want[..., 2] << 16 | want[..., 3] << 24)
+
+
+@pytest.mark.parametrize("swiglu, step, tiled, vector", [
+    (None, False, False, 2), (7.0, False, True, 2), (7.0, True, False, 2), (None, True, True, 2),
+    (None, False, False, 4), (7.0, False, True, 4), (7.0, True, False, 4), (None, True, True, 4)])
+def test_word_codes_give_the_same_bits(swiglu, step, tiled, vector):
+    """Word-major codes (one 8-byte load a thread and two groups) are read as the bytes are:
+    the same output bit for bit, per group and with one wgmma a step, row-major and
+    tile-major. Compiled only (the words' dequantization is inline PTX)."""
+    if KERNEL == "interpret":
+        pytest.skip("inline PTX runs only in a compiled kernel")
+    rng = np.random.default_rng(7)
+    lhs, sizes = rows(rng, SIZES["empty experts"], k=2 * K, integers=True)
+    w = fp4_weights(rng, len(SIZES["empty experts"]), N, 2 * K)
+    config = Fp4Config(block_n=64, block_k=128, dequant="bits_ptx", scales_in_pipeline=True,
+                       wgmma_per_step=step)
+    x_t, tiles = fp4_path.kernel_input(lhs, sizes, config.block_m)
+    call = functools.partial(tiled_fp4_matmul_t, x_t, scale=w.scale,
+                             tile_group=tiles.tile_group, swiglu_limit=swiglu)
+    words = word_major(w.packed, vector)
+    bytes_out = call(packed=w.packed, config=config)
+    words_out = call(packed=tile_major(words, 64, 128) if tiled else words,
+                     config=dataclasses_replace(config, word_codes=vector, tile_major=tiled))
+    used = np.repeat(np.asarray(tiles.tile_group) >= 0, config.block_m)
+    np.testing.assert_array_equal(bits(words_out)[:, used], bits(bytes_out)[:, used])
+
+
 @pytest.mark.parametrize("a_in_registers", [True, False])
 def test_expert_mlp_end_to_end(a_in_registers):
     """Tokens in by source_rows, (token, slot) pairs out by out_order, through both FP4 GEMMs
@@ -168,7 +216,11 @@ def test_unfit_shapes_fall_through_to_the_reference():
     (10.0, 4096, 4096, "bits_ptx", 1, True, False, {"codes_swizzle": 64}),
     (None, 2048, 4096, "bits_ptx", 1, True, True, {"codes_swizzle": 64}),
     (10.0, 4096, 4096, "bits_ptx", 1, True, True, {"wgmma_per_step": True}),
-    (None, 2048, 4096, "bits_ptx", 1, True, False, {"wgmma_per_step": True})])
+    (None, 2048, 4096, "bits_ptx", 1, True, False, {"wgmma_per_step": True}),
+    (10.0, 4096, 4096, "bits_ptx", 1, True, True, {"word_codes": 2}),
+    (None, 2048, 4096, "bits_ptx", 2, True, False, {"word_codes": 2}),
+    (10.0, 4096, 4096, "bits_ptx", 1, False, True, {"word_codes": 4, "wgmma_per_step": True}),
+    (None, 2048, 4096, "bits_ptx", 1, True, False, {"word_codes": 4})])
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_kernel_lowers_for_cuda_at_v4_flash_shapes(swiglu, k, n, dequant, chains, pipelined,
                                                     tiled, extra, block_m):
@@ -177,11 +229,13 @@ def test_kernel_lowers_for_cuda_at_v4_flash_shapes(swiglu, k, n, dequant, chains
                                  k_chains=chains, scales_in_pipeline=pipelined, tile_major=tiled,
                                  **extra)
     fn = jax.jit(functools.partial(tiled_fp4_matmul_t, swiglu_limit=swiglu, config=config))
+    per, code_dtype = (8, jnp.uint32) if config.word_codes else (2, jnp.uint8)
     with abstract_gpu():
         exported = jax.export.export(fn, platforms=["cuda"])(
             jax.ShapeDtypeStruct((k, 400 * block_m), jnp.bfloat16),
-            jax.ShapeDtypeStruct((256, n, k // 2) if not tiled else
-                                 (256, n * k // config.block_k, config.block_k // 2), jnp.uint8),
+            jax.ShapeDtypeStruct((256, n, k // per) if not tiled else
+                                 (256, n * k // config.block_k, config.block_k // per),
+                                 code_dtype),
             jax.ShapeDtypeStruct((256, k // 32, n), jnp.uint8),
             jax.ShapeDtypeStruct((400,), jnp.int32))
     assert "mosaic_gpu" in exported.mlir_module()
@@ -196,7 +250,11 @@ def dataclasses_replace(config, **changes):
     ({"codes_swizzle": 48}, "codes_swizzle"),
     ({"codes_swizzle": 128, "block_k": 128}, "codes_swizzle"),     # 64-byte rows
     ({"wgmma_per_step": True, "dequant": "bits"}, "wgmma_per_step"),
-    ({"wgmma_per_step": True, "dequant": "bits_ptx", "k_chains": 2}, "wgmma_per_step")])
+    ({"wgmma_per_step": True, "dequant": "bits_ptx", "k_chains": 2}, "wgmma_per_step"),
+    ({"word_codes": 2, "dequant": "bits"}, "word_codes"),
+    ({"word_codes": 3, "dequant": "bits_ptx"}, "word_codes"),
+    ({"word_codes": 4, "dequant": "bits_ptx", "block_k": 64}, "word_codes"),
+    ({"word_codes": 2, "dequant": "bits_ptx", "codes_swizzle": 64}, "word_codes")])
 def test_config_refuses_options_the_kernel_cannot_build(fields, message):
     with pytest.raises(ValueError, match=message):
         Fp4Config(**fields).check(4096, 2048)
