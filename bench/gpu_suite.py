@@ -38,7 +38,8 @@ V4_BATCH_INVARIANT = ["--v4-flash-layers", "2", "--prefill", "8192", "--decode-b
                       "--buckets", "64", "256"]
 
 # bench/serve_load.py's GPU run (its docstring and bench/README.md say why these shapes)
-SERVE_LOAD = ["--requests", "1024", "--concurrency", "64", "--max-tokens", "64", "--prompt-ids",
+SERVE_LOAD = ["--requests", "1024", "--concurrency", "64", "--client-processes", "8",
+              "--max-tokens", "64", "--prompt-ids",
               "64", "--disconnects", "64", "--offline", "--min-ratio", "0.9",
               "--start-timeout-s", "300", "--max-seconds", "180", "--name", "serve-load-gpu", "--",
               "deepseek-v4-flash", "--load-format", "dummy", "--dummy-layers", "4",

@@ -2,7 +2,8 @@
 clients, clients that disconnect mid-stream, a soak, and the offline engine on the same
 requests.
 
-    python bench/serve_load.py [--requests 1000] [--concurrency 64] [--max-tokens 32] \
+    python bench/serve_load.py [--requests 1000] [--concurrency 64] [--client-processes 1] \
+        [--max-tokens 32] \
         [--disconnects 100] [--soak-s 600] [--offline [--min-ratio 0.9]] \
         [--prompt-ids LEN] -- [deepinfer serve options]
 
@@ -10,11 +11,11 @@ On a GPU machine without weights or network, the 4-layer V4-Flash slice of bench
 random weights (`--load-format dummy`, no tokenizer: token-id prompts), the server against
 `LLM.generate` on the same requests (bench/README.md has the command and its time):
 
-    python bench/serve_load.py --requests 1024 --concurrency 64 --max-tokens 64 \
-        --prompt-ids 64 --disconnects 64 --offline --min-ratio 0.9 --start-timeout-s 300 \
-        --max-seconds 180 --name serve-load-gpu -- deepseek-v4-flash --load-format dummy \
-        --dummy-layers 4 --max-num-seqs 64 --max-model-len 256 --max-num-batched-tokens 1024 \
-        --token-buckets 64 128 256 1024
+    python bench/serve_load.py --requests 1024 --concurrency 64 --client-processes 8 \
+        --max-tokens 64 --prompt-ids 64 --disconnects 64 --offline --min-ratio 0.9 \
+        --start-timeout-s 300 --max-seconds 180 --name serve-load-gpu -- deepseek-v4-flash \
+        --load-format dummy --dummy-layers 4 --max-num-seqs 64 --max-model-len 256 \
+        --max-num-batched-tokens 1024 --token-buckets 64 128 256 1024
 
 It starts `deepinfer serve` on 127.0.0.1 (a free port) with the options after `--`, then:
 (1) `--requests` streamed completions from `--concurrency` clients at once (each asks for
@@ -39,7 +40,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
+import multiprocessing
 import os
 import random
 import signal
@@ -163,22 +166,62 @@ class Load:
             self.errors.append(f"{type(e).__name__}: {e}"[:200])
 
 
+def _client_process(base: str, model: str, max_tokens: int, texts: list, concurrency: int,
+                    start_at: float, deadline: float) -> dict:
+    """One client process's share of the load (its own event loop and OpenAI client), started
+    at `start_at` (time.monotonic(): one clock for the machine's processes)."""
+    async def run() -> dict:
+        load = Load(base, model, max_tokens)
+        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        await asyncio.wait_for(load.run(texts, concurrency), deadline - time.monotonic())
+        end = time.monotonic()
+        await load.client.close()
+        return {"ttft": load.ttft, "itl": load.itl, "errors": load.errors, "lost": load.lost,
+                "tokens": load.tokens, "end": end}
+    return asyncio.run(run())
+
+
+def spread_load(args, base: str, model: str, texts: list, deadline: float) -> tuple[dict, float]:
+    """The load's clients over `--client-processes` processes (texts and clients dealt out in
+    turn): one process parsing 64 streams' chunks and sending their next requests would be a
+    bottleneck of its own (each of its requests waits for its event loop), which no server
+    serving 64 independent users meets. Returns the merged lists and the wall seconds."""
+    procs = min(args.client_processes, args.concurrency)
+    start_at = time.monotonic() + 5.0               # after every process has started
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(procs, mp_context=ctx) as pool:
+        futures = [pool.submit(_client_process, base, model, args.max_tokens, texts[i::procs],
+                               len(range(i, args.concurrency, procs)), start_at, deadline)
+                   for i in range(procs)]
+        parts = [f.result() for f in futures]
+    merged = {key: [v for part in parts for v in part[key]] for key in ("ttft", "itl", "errors")}
+    merged |= {key: sum(part[key] for part in parts) for key in ("lost", "tokens")}
+    return merged, max(part["end"] for part in parts) - start_at
+
+
 async def phases(args, base: str, model: str, pid: int, deadline: float) -> dict:
     result: dict = {}
     load = Load(base, model, args.max_tokens)
     texts = prompts(args, args.requests)
-    start = time.perf_counter()
-    await asyncio.wait_for(load.run(texts, args.concurrency), deadline - time.monotonic())
-    wall = time.perf_counter() - start
+    if args.client_processes > 1:
+        merged, wall = await asyncio.to_thread(spread_load, args, base, model, texts, deadline)
+    else:
+        start = time.perf_counter()
+        await asyncio.wait_for(load.run(texts, args.concurrency), deadline - time.monotonic())
+        wall = time.perf_counter() - start
+        merged = {"ttft": load.ttft, "itl": load.itl, "errors": load.errors,
+                  "lost": load.lost, "tokens": load.tokens}
     result["load"] = {
         "requests": args.requests, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+        "client_processes": min(args.client_processes, args.concurrency),
         "prompts": (f"{args.prompt_ids} random token ids" if args.prompt_ids
                     else f"{args.input_words} random words"),
-        "completed": args.requests - load.lost - len(load.errors), "lost": load.lost,
-        "errors": len(load.errors), "error_samples": load.errors[:5], "seconds": round(wall, 2),
-        "output_tok_per_s": round(load.tokens / wall, 1),
-        **{f"ttft_p{q}_s": pct(load.ttft, q) for q in (50, 90, 99)},
-        **{f"itl_p{q}_s": pct(load.itl, q) for q in (50, 90, 99)}}
+        "completed": args.requests - merged["lost"] - len(merged["errors"]),
+        "lost": merged["lost"], "errors": len(merged["errors"]),
+        "error_samples": merged["errors"][:5], "seconds": round(wall, 2),
+        "output_tok_per_s": round(merged["tokens"] / wall, 1),
+        **{f"ttft_p{q}_s": pct(merged["ttft"], q) for q in (50, 90, 99)},
+        **{f"itl_p{q}_s": pct(merged["itl"], q) for q in (50, 90, 99)}}
     if args.disconnects:
         gone = prompts(args, args.disconnects, seed=1)
         load.errors.clear()
@@ -257,6 +300,8 @@ def main() -> int:
                          "tokenizer, e.g. --load-format dummy)")
     ap.add_argument("--id-limit", type=int, default=500,
                     help="with --prompt-ids: the ids lie in [2, N) (N <= the model's vocab)")
+    ap.add_argument("--client-processes", type=int, default=1,
+                    help="the load's streaming clients spread over this many processes")
     ap.add_argument("--disconnects", type=int, default=100)
     ap.add_argument("--soak-s", type=float, default=0.0)
     ap.add_argument("--offline", action="store_true")
@@ -325,7 +370,8 @@ def table(result: dict) -> str:
     load = result["load"]
     ms = lambda v: "-" if v is None else f"{1000 * v:.1f}"   # noqa: E731
     rows = ["| phase | figure |", "|---|---|",
-            f"| load | {load['requests']} requests, {load['concurrency']} streaming clients, "
+            f"| load | {load['requests']} requests, {load['concurrency']} streaming clients "
+            f"({load.get('client_processes', 1)} processes), "
             f"{load['max_tokens']} tokens each, prompts of {load['prompts']}: "
             f"{load['lost']} lost, {load['errors']} errors, "
             f"{load['output_tok_per_s']} output tok/s |",
