@@ -59,14 +59,33 @@ def scatter_page(state: StateCache | V41State, page: jax.Array, rows: tuple[jax.
     return dataclasses.replace(state, layers=layers)
 
 
+def scatter_pages(state: StateCache | V41State, pages: jax.Array, rows: tuple[jax.Array, ...],
+                  num_pages: int) -> StateCache | V41State:
+    """`state` with each of `rows` stacked ([B, rows_per_page, d] each, gather_page's arrays
+    of B block sets) written into `pages` i32[B]; an id of num_pages writes nothing (a
+    batch's padding). Ids must be distinct."""
+    it, field = iter(rows), _paged_field(state)
+
+    def put(a):
+        paged = a.reshape(num_pages, _rows_per_page(a, num_pages), *a.shape[1:])
+        return paged.at[pages].set(next(it), mode="drop").reshape(a.shape)
+
+    layers = tuple(dataclasses.replace(ls, **dict(zip((field, "index_keys"), jax.tree.map(
+        put, (getattr(ls, field), ls.index_keys)), strict=True))) for ls in state.layers)
+    assert next(it, None) is None, "rows of another state's pages"
+    return dataclasses.replace(state, layers=layers)
+
+
 def gather_snapshot(pool: SlotRings, snapshot: jax.Array) -> tuple[jax.Array, ...]:
     return tuple(p[snapshot] for p in jax.tree.leaves(pool))
 
 
 def scatter_snapshot(pool: SlotRings, snapshot: jax.Array, rings: tuple[jax.Array, ...]
                      ) -> SlotRings:
+    """`pool` with `rings` written into `snapshot` (or, stacked [B, ...], into snapshots
+    i32[B]; an id past the pool writes nothing)."""
     leaves, tree = jax.tree.flatten(pool)
-    return jax.tree.unflatten(tree, [p.at[snapshot].set(r) for p, r in
+    return jax.tree.unflatten(tree, [p.at[snapshot].set(r, mode="drop") for p, r in
                                      zip(leaves, rings, strict=True)])
 
 
@@ -82,3 +101,19 @@ def compile_tier_copies(state: StateCache | V41State, pool: SlotRings, num_pages
             state, index, page_rows, num_pages).compile(),
         jax.jit(gather_snapshot).lower(pool, index).compile(),
         jax.jit(scatter_snapshot, donate_argnums=0).lower(pool, index, rings).compile())
+
+
+def compile_batched_loads(state: StateCache | V41State, pool: SlotRings, num_pages: int,
+                          batch: int):
+    """(scatter_pages, scatter_snapshot) for `batch` block sets at once, compiled: ids
+    i32[batch], arrays stacked [batch, ...] (an id past the pool writes nothing); both
+    donate what they write into."""
+    ids = jax.ShapeDtypeStruct((batch,), jnp.int32)
+
+    def stacked(tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct((batch, *x.shape), x.dtype), tree)
+    page_rows = stacked(jax.eval_shape(lambda s: gather_page(s, 0, num_pages), state))
+    rings = stacked(jax.eval_shape(lambda p: gather_snapshot(p, 0), pool))
+    return (jax.jit(scatter_pages, static_argnums=3, donate_argnums=0).lower(
+                state, ids, page_rows, num_pages).compile(),
+            jax.jit(scatter_snapshot, donate_argnums=0).lower(pool, ids, rings).compile())

@@ -20,7 +20,7 @@ from deepinfer_jax.config.kv_tiers import KVTierConfig
 from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.device.snapshot_layout import SNAPSHOT_LAYOUT
 from deepinfer_jax.device.snapshots import SlotRings
-from deepinfer_jax.device.tier_copies import compile_tier_copies, page_pools
+from deepinfer_jax.device.tier_copies import compile_batched_loads, compile_tier_copies, page_pools
 from deepinfer_jax.engine.snapshot_copies import SnapshotCopies
 from deepinfer_jax.host.decision import TierLoad, TierSpill
 from deepinfer_jax.host.kv_tiers import TierEntry, TierStore
@@ -30,6 +30,10 @@ from deepinfer_jax.parallel.rank_snapshots import RANK
 from deepinfer_jax.parallel.rank_tier_copies import compile_rank_tier_copies
 
 Spilled = list[tuple[TierSpill, tuple[jax.Array, ...]]]
+# Block sets from host memory written by one compiled scatter (their arrays stacked on the host,
+# one transfer an array): a 16k prefix is 128 V4-Flash blocks, each its own transfers and
+# scatter call otherwise (prefix-cache-gpu.md).
+LOAD_BATCH = 32
 
 
 class TierCopies:
@@ -44,6 +48,9 @@ class TierCopies:
         (self._gather_page, self._scatter_page, self._gather_snapshot,
          self._scatter_snapshot) = compile_copies(state, snapshots.pool, step_cfg.num_pages)
         self._num_page_arrays = len(page_pools(state))
+        self._batched = (compile_batched_loads(state, snapshots.pool, step_cfg.num_pages,
+                                               LOAD_BATCH) if self.ranks == 1 else None)
+        self._num_pages = step_cfg.num_pages
 
     @classmethod
     def of(cls, config: KVTierConfig | None, model: object, state: StateCache,
@@ -71,11 +78,21 @@ class TierCopies:
         device arrays are appended to `spilled`, copying to the host."""
         per_rank = enumerate(ops) if self.ranks > 1 else ((None, ops),)
         for rank, rank_ops in per_rank:
+            loads: list[TierLoad] = []     # consecutive loads from host memory, not yet run
             for op in rank_ops:
+                if self._batched is not None and isinstance(op, TierLoad) and _on_host(op):
+                    loads.append(op)
+                    if len(loads) == LOAD_BATCH:
+                        state, loads = self._load_batch(state, loads), []
+                    continue
+                if loads:             # in order: a later op may touch what they write
+                    state, loads = self._load_batch(state, loads), []
                 if isinstance(op, TierSpill):
                     spilled.append((op, self._spill(state, op, rank)))
                 else:
                     state = self._load(state, op, rank)
+            if loads:
+                state = self._load_batch(state, loads)
         return state
 
     def _spill(self, state: StateCache, op: TierSpill, rank: int | None) -> tuple[jax.Array, ...]:
@@ -105,6 +122,28 @@ class TierCopies:
                                                          *extra, arrays[n:])
         return state
 
+    def _load_batch(self, state: StateCache, ops: list[TierLoad]) -> StateCache:
+        """Up to LOAD_BATCH host-memory block sets (distinct pages and snapshots, as a
+        decision's are) in one transfer an array and one scatter each for pages and
+        snapshots, padded with ids past the pools (written nowhere) and zeros."""
+        n, pad = self._num_page_arrays, LOAD_BATCH - len(ops)
+        pool = self.snapshots.pool
+        pages = np.array([op.page for op in ops] + [self._num_pages] * pad, np.int32)
+        page_rows = tuple(_stack([op.entry.arrays[i] for op in ops], pad)
+                          for i in range(n))
+        state = self._batched[0](state, jax.device_put(pages), jax.device_put(page_rows))
+        with_snapshot = [op for op in ops if op.snapshot is not None]
+        if with_snapshot:
+            size = jax.tree.leaves(pool)[0].shape[0]
+            ids = np.array([op.snapshot for op in with_snapshot]
+                           + [size] * (LOAD_BATCH - len(with_snapshot)), np.int32)
+            rings = tuple(_stack([op.entry.arrays[n + i] for op in with_snapshot],
+                                 LOAD_BATCH - len(with_snapshot))
+                          for i in range(len(jax.tree.leaves(pool))))
+            self.snapshots.pool = self._batched[1](pool, jax.device_put(ids),
+                                                   jax.device_put(rings))
+        return state
+
     def _id(self, i: int, rank: int | None) -> jax.Array:
         """A page or snapshot id: with ranks, every rank's (the others' copies are dropped or
         write back what they hold)."""
@@ -127,6 +166,18 @@ class TierCopies:
 def _stage(entry: TierEntry) -> TierEntry:
     # explicit transfer, on the worker's thread: the copy overlaps the loop's work
     return TierEntry(entry.key, tuple(jax.device_put(tuple(entry.arrays))), entry.info)
+
+
+def _on_host(op: TierLoad) -> bool:
+    """The block set is in host memory (a disk tier's prefetch stages its arrays on the device
+    already: those are scattered one by one)."""
+    return all(isinstance(a, np.ndarray) for a in op.entry.arrays)
+
+
+def _stack(arrays: list[np.ndarray], pad: int) -> np.ndarray:
+    out = np.zeros((len(arrays) + pad, *arrays[0].shape), arrays[0].dtype)
+    out[:len(arrays)] = arrays
+    return out
 
 
 def _index(i: int) -> jax.Array:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,6 +20,10 @@ import pytest
 import deepinfer_jax
 from deepinfer_jax import SamplingParams
 from deepinfer_jax.config.hf import read_model_config
+from deepinfer_jax.device.tier_copies import page_pools
+from deepinfer_jax.engine import tier_copies
+from deepinfer_jax.host.decision import TierLoad, TierSpill
+from deepinfer_jax.host.kv_tiers import TierEntry
 from tests.conftest import REPO
 
 # A pool of 20 pages of 64 tokens: three ~560-token requests evict a cached 500-token prefix.
@@ -125,7 +130,48 @@ def test_a_prefetch_in_flight_holds_only_its_request_back(model, prompts, refere
     assert llm.prefix_cache_stats.hit_tokens >= 6 * 64
 
 
-@pytest.mark.slow
+def test_host_block_sets_load_in_batches_in_order(model, monkeypatch):
+    """Block sets from host memory are written LOAD_BATCH at a time (here 8: 19 loads make
+    batches of 8, 8 and 3, padded with ids written nowhere), in the decision's order: a spill
+    between loads reads the page an earlier load wrote. Every loaded page and snapshot holds
+    its block set's arrays, and nothing else of the state or the snapshot pool changes."""
+    monkeypatch.setattr(tier_copies, "LOAD_BATCH", 8)      # before the engine compiles them
+    llm = deepinfer_jax.LLM(model, enable_prefix_caching=True, kv_host_tier_bytes=1 << 30,
+                            **ENGINE)
+    engine, tiers = llm.engine, llm.engine.tiers
+    before = jax.device_get((page_pools(engine.state), engine.snapshots.pool))
+    pool_size = jax.tree.leaves(before[1])[0].shape[0]
+    rng = np.random.default_rng(1)
+
+    def block_set():            # random bits of each array's dtype: a block set's shapes
+        page = [b[:b.shape[0] // engine.step_cfg.num_pages] for b in before[0]]
+        snap = [b[0] for b in jax.tree.leaves(before[1])]
+        return tuple(rng.integers(0, 256, a.nbytes, np.uint8).view(a.dtype).reshape(a.shape)
+                     for a in page + snap)
+    free_snapshots = iter(range(pool_size))          # distinct, as a decision's are
+    loads = [TierLoad(page, next(free_snapshots, None) if page % 3 else None,
+                      TierEntry(page, block_set(), {})) for page in range(19)]
+    assert sum(load.snapshot is not None for load in loads) >= 2
+    spilled = []
+    ops = (*loads[:10], TierSpill(10, 4, None, {}), *loads[10:])
+    engine.state = tiers.run(engine.state, ops, spilled)
+    after = jax.device_get((page_pools(engine.state), engine.snapshots.pool))
+    n = len(before[0])
+    expected = jax.tree.map(np.copy, before)
+    for load in loads:
+        for k, e in enumerate(expected[0]):
+            per_page = e.shape[0] // engine.step_cfg.num_pages
+            e[load.page * per_page:(load.page + 1) * per_page] = load.entry.arrays[k]
+        if load.snapshot is not None:
+            for k, e in enumerate(jax.tree.leaves(expected[1])):
+                e[load.snapshot] = load.entry.arrays[n + k]
+    for a, e in zip(jax.tree.leaves(after), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(a, e)
+    # the spill ran after the first 10 loads: page 4 as loads[4] wrote it
+    for got, want in zip(jax.device_get(spilled[0][1]), loads[4].entry.arrays[:n], strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.slow
 def test_with_mtp_speculation_a_prefix_back_from_the_host_tier_equals_the_cold_run():
     """MTP speculation on the shipped trained model (drafts accepted): the snapshots then hold
