@@ -48,8 +48,11 @@ class TierCopies:
         (self._gather_page, self._scatter_page, self._gather_snapshot,
          self._scatter_snapshot) = compile_copies(state, snapshots.pool, step_cfg.num_pages)
         self._num_page_arrays = len(page_pools(state))
-        self._batched = (compile_batched_loads(state, snapshots.pool, step_cfg.num_pages,
-                                               LOAD_BATCH) if self.ranks == 1 else None)
+        # rank-stacked states keep the per-op copies (parallel/rank_tier_copies.py)
+        self._batched = self.ranks == 1
+        if self._batched:
+            self._scatter_pages, self._scatter_snapshots = compile_batched_loads(
+                state, snapshots.pool, step_cfg.num_pages, LOAD_BATCH)
         self._num_pages = step_cfg.num_pages
 
     @classmethod
@@ -80,7 +83,7 @@ class TierCopies:
         for rank, rank_ops in per_rank:
             loads: list[TierLoad] = []     # consecutive loads from host memory, not yet run
             for op in rank_ops:
-                if self._batched is not None and isinstance(op, TierLoad) and _on_host(op):
+                if self._batched and isinstance(op, TierLoad) and _on_host(op):
                     loads.append(op)
                     if len(loads) == LOAD_BATCH:
                         state, loads = self._load_batch(state, loads), []
@@ -127,21 +130,19 @@ class TierCopies:
         decision's are) in one transfer an array and one scatter each for pages and
         snapshots, padded with ids past the pools (written nowhere) and zeros."""
         n, pad = self._num_page_arrays, LOAD_BATCH - len(ops)
-        pool = self.snapshots.pool
         pages = np.array([op.page for op in ops] + [self._num_pages] * pad, np.int32)
-        page_rows = tuple(_stack([op.entry.arrays[i] for op in ops], pad)
-                          for i in range(n))
-        state = self._batched[0](state, jax.device_put(pages), jax.device_put(page_rows))
+        page_rows = tuple(_stack([op.entry.arrays[i] for op in ops], pad) for i in range(n))
+        state = self._scatter_pages(state, jax.device_put(pages), jax.device_put(page_rows))
         with_snapshot = [op for op in ops if op.snapshot is not None]
         if with_snapshot:
-            size = jax.tree.leaves(pool)[0].shape[0]
+            pool_leaves = jax.tree.leaves(self.snapshots.pool)
+            pad = LOAD_BATCH - len(with_snapshot)
             ids = np.array([op.snapshot for op in with_snapshot]
-                           + [size] * (LOAD_BATCH - len(with_snapshot)), np.int32)
-            rings = tuple(_stack([op.entry.arrays[n + i] for op in with_snapshot],
-                                 LOAD_BATCH - len(with_snapshot))
-                          for i in range(len(jax.tree.leaves(pool))))
-            self.snapshots.pool = self._batched[1](pool, jax.device_put(ids),
-                                                   jax.device_put(rings))
+                           + [pool_leaves[0].shape[0]] * pad, np.int32)
+            rings = tuple(_stack([op.entry.arrays[n + i] for op in with_snapshot], pad)
+                          for i in range(len(pool_leaves)))
+            self.snapshots.pool = self._scatter_snapshots(
+                self.snapshots.pool, jax.device_put(ids), jax.device_put(rings))
         return state
 
     def _id(self, i: int, rank: int | None) -> jax.Array:
