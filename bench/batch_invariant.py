@@ -1,16 +1,20 @@
 """The cost of batch-invariant mode: decode and prefill throughput, default vs invariant.
 
     python bench/batch_invariant.py                           # CPU: small model, short prefill
-    python bench/batch_invariant.py --v4-flash-layers 2 --prefill 8192 --decode-batch 64  # GPU
+    python bench/batch_invariant.py --v4-flash-layers 2 --prefill 8192 --decode-batches 64  # GPU
+    python bench/batch_invariant.py --v4-flash-layers 2 --prefill 8192 --chunk 8192 \
+        --context 4096 --decode-batches 16 64             # GPU, the e2e settings
 
-Decode: tokens/s in steady state at the given batch. Prefill: tokens/s of one long prompt
-processed in chunks of the engine's budget. Both engines use the same model and shapes; the
-output marks which rows ran in batch-invariant mode.
+Decode: tokens/s in steady state at each batch, with `--context` > 0 at that context (requests
+sharing a prefix, bench/lib/decode.py), else from 16-token prompts. Prefill: tokens/s of one
+long prompt processed in chunks of the engine's budget, the median of `--repeats` runs. Both
+engines use the same model and shapes; the output marks which rows ran in batch-invariant mode.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -22,26 +26,45 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.lib.decode import decode  # noqa: E402
 from bench.lib.engine_loop import steady_decode  # noqa: E402
 from bench.lib.models import SMALL_CPU, model_config, model_label  # noqa: E402
-from bench.lib.results import write_results  # noqa: E402
+from bench.lib.results import environment, write_results  # noqa: E402
+from bench.lib.timing import MIN_REPEATS  # noqa: E402
 from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
 
 
-def prefill_rate(llm: LLM, length: int) -> float:
-    prompt = np.random.default_rng(1).integers(2, llm.model.config.vocab_size, length).tolist()
-    llm.generate([prompt[:64]], SamplingParams(max_tokens=1), use_tqdm=False)      # warm-up
-    start = time.perf_counter()
-    llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
-    return length / (time.perf_counter() - start)
+def prefill_rates(llm: LLM, length: int, repeats: int) -> list[float]:
+    """tokens/s of `repeats` prefills of a fresh `length`-token prompt (no prefix hit)."""
+    rng = np.random.default_rng(1)
+    vocab = llm.model.config.vocab_size
+    llm.generate([rng.integers(2, vocab, 64).tolist()], SamplingParams(max_tokens=1),
+                 use_tqdm=False)                                                # warm-up
+    rates = []
+    for _ in range(repeats):
+        prompt = rng.integers(2, vocab, length).tolist()
+        start = time.perf_counter()
+        llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+        rates.append(length / (time.perf_counter() - start))
+    return rates
+
+
+def decode_rate(llm: LLM, batch: int, context: int, steps: int) -> float:
+    if not context:
+        return batch / (steady_decode(llm, batch, steps)["wall_ms"] / 1e3)
+    # the median step: decode() times each step of the window
+    return batch / decode(llm, batch, context, steps, np.random.default_rng(2))["itl_p50_s"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", type=Path, default=SMALL_CPU)
     ap.add_argument("--v4-flash-layers", type=int, default=0)
-    ap.add_argument("--decode-batch", type=int, default=64)
+    ap.add_argument("--decode-batches", type=int, nargs="+", default=[64])
+    ap.add_argument("--context", type=int, default=0,
+                    help="decode at this context (0: from 16-token prompts)")
+    ap.add_argument("--repeats", type=int, default=MIN_REPEATS)
     ap.add_argument("--prefill", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
@@ -52,30 +75,45 @@ def main() -> None:
     model = Model(cfg, random_params(cfg, 0, jnp.bfloat16))
     rows = []
     for invariant in (False, True):
-        llm = LLM(model, batch_invariant=invariant, max_num_seqs=args.decode_batch,
-                  max_model_len=args.prefill + 64, max_num_batched_tokens=args.chunk,
+        llm = LLM(model, batch_invariant=invariant, max_num_seqs=max(args.decode_batches),
+                  max_model_len=max(args.prefill, args.context + args.steps + 128) + 64,
+                  max_num_batched_tokens=args.chunk, enable_prefix_caching=True,
                   token_buckets=args.buckets and tuple(args.buckets),
                   compilation_cache_dir=str(REPO / ".cache" / "xla-bench"))
-        decode = steady_decode(llm, args.decode_batch, args.steps)
         tile = llm.engine.step_cfg.compute.invariant_tile
+        rates = prefill_rates(llm, args.prefill, args.repeats)
         rows.append({"batch_invariant": invariant,
-                     "decode_tokens_per_s": args.decode_batch / (decode["wall_ms"] / 1e3),
-                     "prefill_tokens_per_s": prefill_rate(llm, args.prefill)})
+                     "decode_tokens_per_s": {b: decode_rate(llm, b, args.context, args.steps)
+                                             for b in args.decode_batches},
+                     "prefill_tokens_per_s": statistics.median(rates),
+                     "prefill_tokens_per_s_min": min(rates),
+                     "prefill_tokens_per_s_max": max(rates)})
         print(rows[-1], flush=True)
         del llm
     base, inv = rows
-    cost = {k: 1 - inv[k] / base[k] for k in ("decode_tokens_per_s", "prefill_tokens_per_s")}
+    cost = {"prefill": 1 - inv["prefill_tokens_per_s"] / base["prefill_tokens_per_s"]} | {
+        f"decode b{b}": 1 - inv["decode_tokens_per_s"][b] / base["decode_tokens_per_s"][b]
+        for b in args.decode_batches}
     device = jax.devices()[0].platform
     label = model_label(args, cfg)
-    payload = {"model": label, "decode_batch": args.decode_batch, "prefill_tokens": args.prefill,
-               "chunk": args.chunk, "results": rows, "slowdown": cost}
-    table = ("| mode | decode tok/s (batch {b}) | prefill tok/s ({p} tokens) |\n|---|---:|---:|\n"
-             .format(b=args.decode_batch, p=args.prefill))
+    where = f"at a {args.context}-token context" if args.context else "from 16-token prompts"
+    payload = {"environment": environment(), "model": label,
+               "decode_batches": args.decode_batches, "context": args.context,
+               "prefill_tokens": args.prefill, "chunk": args.chunk, "results": rows,
+               "slowdown": cost}
+    table = ("| mode | " + " | ".join(f"decode tok/s (batch {b})" for b in args.decode_batches)
+             + f" | prefill tok/s ({args.prefill} tokens, chunks of {args.chunk}) |\n|---|"
+             + "---:|" * (len(args.decode_batches) + 1) + "\n")
     for r in rows:
         table += (f"| {'batch-invariant' if r['batch_invariant'] else 'default'} | "
-                  f"{r['decode_tokens_per_s']:.0f} | {r['prefill_tokens_per_s']:.0f} |\n")
-    table += (f"\nSlowdown of the batch-invariant mode: decode {cost['decode_tokens_per_s']:.0%}, "
-              f"prefill {cost['prefill_tokens_per_s']:.0%}. Model: {label}, random bf16 weights.")
+                  + " | ".join(f"{r['decode_tokens_per_s'][b]:.0f}" for b in args.decode_batches)
+                  + f" | {r['prefill_tokens_per_s']:.0f} ({r['prefill_tokens_per_s_min']:.0f}-"
+                  f"{r['prefill_tokens_per_s_max']:.0f}) |\n")
+    table += ("\nSlowdown of the batch-invariant mode: "
+              + ", ".join(f"{k} {v:.0%}" for k, v in cost.items())
+              + f". Model: {label}, random bf16 weights. Decode {where}, "
+              + (f"the median of {args.steps} steps" if args.context else
+                 f"the mean of {args.steps} steps") + f"; prefill median (min-max) of {args.repeats}.")
     payload["invariant_tile"] = tile
     default_tile = 8 if device == "cpu" else 64          # config/options.py's per device
     suffix = "" if tile == default_tile else f"-tile{tile}"   # a variant's own file

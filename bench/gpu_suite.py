@@ -34,8 +34,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 PYTEST = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-V4_BATCH_INVARIANT = ["--v4-flash-layers", "2", "--prefill", "8192", "--decode-batch", "64",
+V4_BATCH_INVARIANT = ["--v4-flash-layers", "2", "--prefill", "8192", "--decode-batches", "64",
                       "--buckets", "64", "256"]
+# issue 35's settings: 4k-context decode at batch 16 and 64, the 8k prefill in one chunk
+V4_BATCH_INVARIANT_E2E = ["--v4-flash-layers", "2", "--prefill", "8192", "--chunk", "8192",
+                          "--context", "4096", "--decode-batches", "16", "64", "--steps", "16",
+                          "--buckets", "16", "64", "8192"]
 
 # bench/serve_load.py's GPU run (its docstring and bench/README.md say why these shapes)
 SERVE_LOAD = ["--requests", "1024", "--concurrency", "64", "--client-processes", "8",
@@ -131,6 +135,18 @@ RUNS = {
                          (bench("kernels_dense.py"),)),
     "batch-invariant": Run(420, "the batch-invariant mode's cost, decode and chunked prefill",
                            (bench("batch_invariant.py", *V4_BATCH_INVARIANT),)),
+    "batch-invariant-e2e": Run(420, "the batch-invariant mode's cost at the e2e settings: 4k-context "
+                                    "decode at batch 16/64, the 8k prefill in one chunk",
+                               (bench("batch_invariant.py", *V4_BATCH_INVARIANT_E2E),)),
+    "overlap": Run(360, "the device's idle share in the asynchronous loop at batch 1/16/64, 4k "
+                        "context, plain and with 3 drafts a step (4 V4-Flash layers + MTP)",
+                   (bench("overlap.py", "--v4-flash-layers", "4", "--context", "4096",
+                          "--spec-k", "0", "3", "--steps", "10"),)),
+    "spec-verify": Run(590, "the verify step's cost for 1/3/5 drafts against a plain step (4 "
+                            "V4-Flash layers + MTP, 4k context, batch 1/16/64) and the speed-up "
+                            "the trained tiny model's acceptance implies",
+                       (bench("spec_verify.py", "--v4-flash-layers", "4", "--batches", "1", "16",
+                              "64", "--ks", "1", "3", "5"),)),
     "speculative": Run(480, "MTP speculative decoding on the tiny model (cold: ~5 min compiling)",
                        (bench("speculative.py", "--buckets", "16", "64", "256"),)),
     "prefix-cache": Run(480, "TTFT with a 16k cached prefix vs cold, from the device cache and "
