@@ -138,9 +138,9 @@ RUNS = {
     "batch-invariant-e2e": Run(420, "the batch-invariant mode's cost at the e2e settings: 4k-context "
                                     "decode at batch 16/64, the 8k prefill in one chunk",
                                (bench("batch_invariant.py", *V4_BATCH_INVARIANT_E2E),)),
-    "overlap": Run(360, "the device's idle share in the asynchronous loop at batch 1/16/64, 4k "
-                        "context, plain and with 3 drafts a step (4 V4-Flash layers + MTP)",
-                   (bench("overlap.py", "--v4-flash-layers", "4", "--context", "4096",
+    "overlap": Run(420, "the device's idle share in the asynchronous loop at batch 1/16/64, 4k "
+                        "context, plain and with 3 drafts a step (2 V4-Flash layers + MTP)",
+                   (bench("overlap.py", "--v4-flash-layers", "2", "--context", "4096",
                           "--spec-k", "0", "3", "--steps", "10"),)),
     "spec-verify": Run(590, "the verify step's cost for 1/3/5 drafts against a plain step (4 "
                             "V4-Flash layers + MTP, 4k context, batch 1/16/64) and the speed-up "

@@ -138,9 +138,11 @@ def main() -> None:
             startup = time.perf_counter() - t0
             rng = np.random.default_rng(0)
             for batch in args.batches:
+                t0 = time.perf_counter()
                 r = {"loop": loop, "k": k, "startup_s": startup,
                      **idle_row(llm, k, batch, args.context, args.steps, args.repeats,
                                 args.trace / f"{loop}-k{k}-b{batch}", rng)}
+                r["row_s"] = time.perf_counter() - t0
                 rows.append(r)
                 print({key: v for key, v in r.items() if key != "idle_gaps"}, flush=True)
             del llm
