@@ -82,13 +82,15 @@ def idle_row(llm: LLM, k: int, batch: int, context: int, steps: int, repeats: in
         windows.append((time.perf_counter() - start) * 1e3 / steps)
     emitted = sum(len(r.generated) for r in engine.scheduler.running) - emitted
     timed_reads_first = reads_first[0]
-    traced = traced_decode(engine, steps, trace_dir)
+    start = time.perf_counter()
+    traced = traced_decode(engine, steps, trace_dir, runtime_events=False)
+    trace_s = time.perf_counter() - start
     for req in list(engine.scheduler.running):
         engine.abort(req.request_id)
     while engine.has_unfinished():
         engine.step()
     # a CPU backend's trace has no device timeline (device_events then takes every thread's)
-    busy = traced["device_busy_ms_per_step"] if jax.default_backend() == "gpu" else None
+    busy = traced["device_busy_union_ms_per_step"] if jax.default_backend() == "gpu" else None
     idle = ({"idle_share": None, "idle_share_min": None, "idle_share_max": None} if busy is None
             else {"idle_share": statistics.median(1 - busy / w for w in windows),
                   "idle_share_min": 1 - busy / min(windows),
@@ -97,7 +99,8 @@ def idle_row(llm: LLM, k: int, batch: int, context: int, steps: int, repeats: in
             "wall_ms_max": max(windows), "busy_ms": busy,
             **idle, "tokens_per_step": emitted / (repeats * steps) / batch,
             "steps_read_first": timed_reads_first if k else None, "steps_timed": repeats * steps,
-            "kernels_per_step": traced["kernels_per_step"], "idle_gaps": traced["idle"]}
+            "kernels_per_step": traced["kernels_per_step"], "trace_s": trace_s,
+            "idle_gaps": traced["idle"]}
 
 
 def main() -> None:

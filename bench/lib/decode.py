@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from bench.lib.device_time import (
+    busy_and_span_of,
     device_events,
     host_totals,
     idle_gaps,
@@ -63,11 +64,15 @@ def decode(llm: LLM, batch: int, context: int, steps: int, rng, trace_dir: Path 
             "itl_p99_s": p99, **split}
 
 
-def traced_decode(engine, steps: int, trace_dir: Path, top: int = 40) -> dict:
+def traced_decode(engine, steps: int, trace_dir: Path, top: int = 40,
+                  runtime_events: bool = True) -> dict:
     """The device's kernels over `steps` more loop steps: busy ms per step and the `top`
-    kernels by ms per step (a busy time well under the loop's step time: the host bounds it)."""
+    kernels by ms per step (a busy time well under the loop's step time: the host bounds it).
+    runtime_events: also XLA's runtime events on the host (the launching thread's totals), a
+    trace many times larger to write and read."""
     trace_dir.mkdir(parents=True, exist_ok=True)
-    with jax.profiler.trace(str(trace_dir), profiler_options=runtime_trace_options()):
+    options = runtime_trace_options() if runtime_events else jax.profiler.ProfileOptions()
+    with jax.profiler.trace(str(trace_dir), profiler_options=options):
         for _ in range(steps):
             engine.step()
         # the launched steps' kernels end inside the trace: their calls made (the same
@@ -78,7 +83,10 @@ def traced_decode(engine, steps: int, trace_dir: Path, top: int = 40) -> dict:
     totals = kernel_totals(events, steps)
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
     return {"device_busy_ms_per_step": sum(ms for ms, _ in totals.values()),
+            # the union of the kernels' intervals: kernels on several streams overlap
+            "device_busy_union_ms_per_step": busy_and_span_of(device_events(events), steps)[0],
             "kernels_per_step": sum(c for _, c in totals.values()),
             "top_kernels": [{"name": n, "ms_per_step": ms, "launches": c} for n, (ms, c) in ranked],
             "idle": idle_gaps(device_events(events), steps),
-            "launch_thread": host_totals(events, steps, launching_thread(events))}
+            "launch_thread": (host_totals(events, steps, launching_thread(events))
+                              if runtime_events else None)}
