@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.lib.decode import TAIL, traced_decode  # noqa: E402
+from bench.lib.engine_loop import step_until_decoding  # noqa: E402
 from bench.lib.models import SMALL_CPU, model_config, model_label  # noqa: E402
 from bench.lib.results import environment, write_results  # noqa: E402
 from bench.lib.timing import MIN_REPEATS  # noqa: E402
@@ -68,11 +69,7 @@ def idle_row(llm: LLM, k: int, batch: int, context: int, steps: int, repeats: in
         engine.step()                          # the shared prefix is now in the prefix cache
     for i in range(1, batch):
         engine.add_request(f"o{i}", shared + rng.integers(2, vocab, TAIL).tolist(), params)
-    while not (len(engine.scheduler.running) == batch
-               and all(len(r.generated) >= 2 for r in engine.scheduler.running)):
-        engine.step()
-    for _ in range(3):
-        engine.step()
+    step_until_decoding(engine, batch)
     reads_first = count_reads_first(llm)
     windows, emitted = [], sum(len(r.generated) for r in engine.scheduler.running)
     for _ in range(repeats):
@@ -136,6 +133,7 @@ def main() -> None:
                       speculative_config=forced(k, batch_max) if k else None,
                       max_num_seqs=batch_max, max_model_len=args.context + 128,
                       max_num_batched_tokens=budget, token_buckets=tuple(sorted(need)),
+                      enable_prefix_caching=True,
                       gpu_memory_utilization=args.gpu_memory_utilization,
                       compilation_cache_dir=str(REPO / ".cache" / "xla-bench"))
             startup = time.perf_counter() - t0

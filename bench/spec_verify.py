@@ -36,6 +36,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.lib.engine_loop import step_until_decoding  # noqa: E402
 from bench.lib.models import SMALL_CPU, V4_FLASH, model_label, slice_config  # noqa: E402
 from bench.lib.results import environment, write_results  # noqa: E402
 from bench.lib.timing import MIN_REPEATS  # noqa: E402
@@ -91,11 +92,7 @@ def step_ms(llm: LLM, batch: int, context: int, steps: int, rng) -> dict:
     params = SamplingParams(max_tokens=engine.step_cfg.max_model_len - context, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"s{i}", rng.integers(2, vocab, context).tolist(), params)
-    while not (len(engine.scheduler.running) == batch
-               and all(len(r.generated) >= 2 for r in engine.scheduler.running)):
-        engine.step()
-    for _ in range(3):
-        engine.step()
+    step_until_decoding(engine, batch)
     samples, emitted = [], 0
     before = sum(len(r.generated) for r in engine.scheduler.running)
     for _ in range(max(steps, MIN_REPEATS)):
@@ -141,12 +138,15 @@ def main() -> None:
     weights = jax.block_until_ready(random_params(cfg, 0, jnp.bfloat16))
     batch_max, k_max = max(args.batches), max(args.ks)
     budget = max(1024, batch_max * (k_max + 1))
+    # tokens the first request may emit while the batch's other prompts prefill (no prefix
+    # shared): step_until_decoding needs it still running when the last joins
+    reach = -(-batch_max * args.context // budget) * (k_max + 1)
 
     def shapes(k: int) -> dict:
         """Only the buckets the run's steps use (prefill chunks, each batch's plain or verify
         step): a V4-Flash slice takes tens of seconds a bucket to compile."""
         need = {16, budget} | {max(16, pow2_at_least(b * (k + 1))) for b in args.batches}
-        return dict(max_num_seqs=batch_max, max_model_len=args.context + 128,
+        return dict(max_num_seqs=batch_max, max_model_len=args.context + 128 + reach,
                     max_num_batched_tokens=budget, token_buckets=tuple(sorted(need)),
                     gpu_memory_utilization=args.gpu_memory_utilization,
                     compilation_cache_dir=str(REPO / ".cache" / "xla-bench"))

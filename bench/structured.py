@@ -23,6 +23,7 @@ import jax
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.lib.engine_loop import step_until_decoding  # noqa: E402
 from bench.lib.results import environment, write_results  # noqa: E402
 from deepinfer_jax import LLM, SamplingParams  # noqa: E402
 
@@ -34,9 +35,7 @@ def measure(llm: LLM, params: SamplingParams, batch: int, steps: int) -> dict:
     engine = llm.engine
     for i in range(batch):
         engine.add_request(f"r{i}", llm.tokenizer.encode(f"items {i}:"), params)
-    while not (len(engine.scheduler.running) == batch
-               and all(len(r.generated) >= 2 for r in engine.scheduler.running)):
-        engine.step()
+    step_until_decoding(engine, batch, settle=0)
     tokens_before = sum(len(r.resolved_tokens) for r in engine.scheduler.running)
     start = time.perf_counter()
     for _ in range(steps):

@@ -20,6 +20,7 @@ from bench.lib.device_time import (
     runtime_trace_options,
     trace_events,
 )
+from bench.lib.engine_loop import step_until_decoding
 from deepinfer_jax import LLM, SamplingParams
 
 TAIL = 64            # tokens of each decode request after the shared prefix
@@ -38,11 +39,7 @@ def decode(llm: LLM, batch: int, context: int, steps: int, rng, trace_dir: Path 
         engine.step()                          # the shared prefix is now in the prefix cache
     for i in range(1, batch):
         engine.add_request(f"d{i}", shared + rng.integers(2, vocab, TAIL).tolist(), params)
-    while not (len(engine.scheduler.running) == batch
-               and all(len(r.generated) >= 2 for r in engine.scheduler.running)):
-        engine.step()
-    for _ in range(3):
-        engine.step()
+    step_until_decoding(engine, batch)
     times = []
     stats = engine.stats
     before = (stats.steps, stats.host_seconds, stats.wait_seconds)

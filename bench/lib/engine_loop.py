@@ -15,6 +15,21 @@ from deepinfer_jax.host.buckets import token_bucket
 from deepinfer_jax.host.plan_builder import build_plan
 
 
+def step_until_decoding(engine, batch: int, settle: int = 3) -> None:
+    """Steps `engine` until its `batch` requests all run and have 2 tokens each, then `settle`
+    steps more. Raises where one finished first: the later ones' prefills took more steps than
+    its max_tokens (a token budget too small for the prompts, or no prefix hit), and the batch
+    would never be whole."""
+    sched = engine.scheduler
+    while not (len(sched.running) == batch and all(len(r.generated) >= 2 for r in sched.running)):
+        if len(sched.running) + len(sched.waiting) < batch:
+            raise RuntimeError(f"a request finished before all {batch} were decoding: "
+                               "raise max_model_len or the token budget")
+        engine.step()
+    for _ in range(settle):
+        engine.step()
+
+
 def steady_decode(llm: LLM, batch: int, steps: int) -> dict:
     """`batch` requests of 16 prompt tokens decoding: ms per step of wall, device, host."""
     engine = llm.engine
@@ -24,11 +39,7 @@ def steady_decode(llm: LLM, batch: int, steps: int) -> dict:
         engine.add_request(f"r{i}", rng.integers(2, vocab, 16).tolist(),
                            SamplingParams(max_tokens=engine.step_cfg.max_model_len - 16,
                                           ignore_eos=True))
-    while not (len(engine.scheduler.running) == batch
-               and all(len(r.generated) >= 2 for r in engine.scheduler.running)):
-        engine.step()
-    for _ in range(3):
-        engine.step()
+    step_until_decoding(engine, batch)
     engine.stats.host_seconds = engine.stats.wait_seconds = 0.0
     start = time.perf_counter()
     for _ in range(steps):
