@@ -277,6 +277,9 @@ def main() -> None:
                     help="output directory (default: $OUT, else .cache/gpu-suite)")
     ap.add_argument("--pack", action="store_true", help="leave three files in the output")
     ap.add_argument("--list", action="store_true", help="the runs, their limits and commands")
+    ap.add_argument("--limit-s", type=int, default=None,
+                    help="every named run's time limit (a run longer than one device call, "
+                         "started detached: bench/README.md)")
     args = ap.parse_args()
     if args.list or not args.names:
         for name, run in RUNS.items():
@@ -299,7 +302,10 @@ def main() -> None:
     for name in names:
         log = work / "logs" / f"{name}.log"
         try:
-            code, seconds = run_one(name, RUNS[name], log, env, Path(tempfile.mkdtemp()))
+            run = RUNS[name]
+            if args.limit_s:
+                run = dataclasses.replace(run, limit_s=args.limit_s)
+            code, seconds = run_one(name, run, log, env, Path(tempfile.mkdtemp()))
         except Stopped:
             print(f"{name}: stopped with the suite\n" + "\n".join(summary), flush=True)
             raise SystemExit(124) from None
