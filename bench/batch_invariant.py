@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -27,27 +26,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.lib.decode import decode  # noqa: E402
-from bench.lib.engine_loop import steady_decode  # noqa: E402
+from bench.lib.engine_loop import prefill_seconds, steady_decode  # noqa: E402
 from bench.lib.models import SMALL_CPU, model_config, model_label  # noqa: E402
 from bench.lib.results import environment, write_results  # noqa: E402
 from bench.lib.timing import MIN_REPEATS  # noqa: E402
-from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
+from deepinfer_jax import LLM, Model  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
 
 
 def prefill_rates(llm: LLM, length: int, repeats: int) -> list[float]:
     """tokens/s of `repeats` prefills of a fresh `length`-token prompt (no prefix hit)."""
-    rng = np.random.default_rng(1)
-    vocab = llm.model.config.vocab_size
-    llm.generate([rng.integers(2, vocab, 64).tolist()], SamplingParams(max_tokens=1),
-                 use_tqdm=False)                                                # warm-up
-    rates = []
-    for _ in range(repeats):
-        prompt = rng.integers(2, vocab, length).tolist()
-        start = time.perf_counter()
-        llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
-        rates.append(length / (time.perf_counter() - start))
-    return rates
+    return [length / s for s in prefill_seconds(llm, length, repeats, np.random.default_rng(1))]
 
 
 def decode_rate(llm: LLM, batch: int, context: int, steps: int) -> float:

@@ -50,6 +50,7 @@ sys.path.insert(0, str(REPO))
 from bench.lib.ceilings import DATASHEET_BF16_TFLOPS, DATASHEET_TBPS  # noqa: E402
 from bench.lib.ceilings import measure as measure_ceilings  # noqa: E402
 from bench.lib.decode import decode  # noqa: E402
+from bench.lib.engine_loop import prefill_seconds  # noqa: E402
 from bench.lib.models import V4_FLASH, slice_config  # noqa: E402
 from bench.lib.results import environment, write_results  # noqa: E402
 from bench.lib.rooflines import (  # noqa: E402
@@ -59,7 +60,7 @@ from bench.lib.rooflines import (  # noqa: E402
     weight_counts,
 )
 from bench.lib.timing import MIN_REPEATS  # noqa: E402
-from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
+from deepinfer_jax import LLM, Model  # noqa: E402
 from deepinfer_jax.config.hf import to_hf_dict  # noqa: E402
 from deepinfer_jax.config.model import ModelConfig  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
@@ -68,15 +69,7 @@ from pallas_kernels.quantized import dequantize_tree, is_quantized, nbytes  # no
 # --- the engine -----------------------------------------------------------------------------
 
 def prefill(llm: LLM, length: int, rng) -> dict:
-    vocab = llm.model.config.vocab_size
-    llm.generate([rng.integers(2, vocab, length).tolist()], SamplingParams(max_tokens=1),
-                 use_tqdm=False)                                               # warm-up
-    samples = []
-    for _ in range(MIN_REPEATS):
-        prompt = rng.integers(2, vocab, length).tolist()
-        start = time.perf_counter()
-        llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
-        samples.append(time.perf_counter() - start)
+    samples = prefill_seconds(llm, length, MIN_REPEATS, rng)
     seconds = statistics.median(samples)
     return {"tokens_per_s": length / seconds, "ttft_s": seconds, "ttft_min_s": min(samples),
             "ttft_max_s": max(samples), "repeats": len(samples)}

@@ -33,13 +33,12 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.lib.decode import TAIL, traced_decode  # noqa: E402
-from bench.lib.engine_loop import step_until_decoding  # noqa: E402
+from bench.lib.decode import start_shared_prefix_batch, traced_decode  # noqa: E402
 from bench.lib.models import SMALL_CPU, model_config, model_label  # noqa: E402
 from bench.lib.results import environment, write_results  # noqa: E402
 from bench.lib.timing import MIN_REPEATS  # noqa: E402
 from bench.spec_verify import forced  # noqa: E402
-from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
+from deepinfer_jax import LLM, Model  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
 
 
@@ -61,15 +60,8 @@ def count_reads_first(llm: LLM) -> list[int]:
 
 def idle_row(llm: LLM, k: int, batch: int, context: int, steps: int, repeats: int,
              trace_dir: Path, rng) -> dict:
-    engine, vocab = llm.engine, llm.model.config.vocab_size
-    shared = rng.integers(2, vocab, context - TAIL).tolist()
-    params = SamplingParams(max_tokens=engine.step_cfg.max_model_len - context, ignore_eos=True)
-    engine.add_request("o0", shared + rng.integers(2, vocab, TAIL).tolist(), params)
-    while not any(r.generated for r in engine.scheduler.running):
-        engine.step()                          # the shared prefix is now in the prefix cache
-    for i in range(1, batch):
-        engine.add_request(f"o{i}", shared + rng.integers(2, vocab, TAIL).tolist(), params)
-    step_until_decoding(engine, batch)
+    engine = llm.engine
+    start_shared_prefix_batch(llm, batch, context, rng, "o")
     reads_first = count_reads_first(llm)
     windows, emitted = [], sum(len(r.generated) for r in engine.scheduler.running)
     for _ in range(repeats):

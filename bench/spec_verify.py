@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import statistics
 import sys
 import time
@@ -84,6 +85,16 @@ def tiny_acceptance(ks: list[int], batch: int, tokens: int) -> dict:
     return out
 
 
+def acceptance_from(path: Path, ks: list[int]) -> dict:
+    """tiny_acceptance's result as an earlier run measured it (its JSON's `tiny_acceptance`),
+    for every k asked."""
+    measured = {int(k): v for k, v in json.loads(path.read_text())["tiny_acceptance"].items()}
+    missing = sorted(set(ks) - set(measured))
+    if missing:
+        raise SystemExit(f"{path} has no tiny-model acceptance for k = {missing}")
+    return {k: measured[k] for k in ks}
+
+
 def step_ms(llm: LLM, batch: int, context: int, steps: int, rng) -> dict:
     """Median and spread of the loop's wall time per step, `batch` requests decoding at about
     `context` tokens (each its own prompt: no prefix sharing, so that MTP's state is each
@@ -129,9 +140,14 @@ def main() -> None:
     ap.add_argument("--check-tokens", type=int, default=32)
     ap.add_argument("--tiny-tokens", type=int, default=128)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--acceptance-from", type=Path, default=None,
+                    help="a spec-verify result file (.json) whose tiny-model acceptance to use "
+                         "instead of measuring it again (the GPU run then compiles 4 engines "
+                         "fewer)")
     args = ap.parse_args()
 
-    acceptance = tiny_acceptance(args.ks, 8, args.tiny_tokens)
+    acceptance = (tiny_acceptance(args.ks, 8, args.tiny_tokens) if args.acceptance_from is None
+                  else acceptance_from(args.acceptance_from, args.ks))
     base = (slice_config(V4_FLASH, args.v4_flash_layers) if args.v4_flash_layers
             else read_model_config(args.config))
     cfg = dataclasses.replace(base, num_mtp_layers=1)
@@ -173,7 +189,9 @@ def main() -> None:
         gc.collect()
     label = model_label(args, base) + " + 1 MTP layer, random bf16 weights"
     payload = {"environment": environment(), "model": label, "context": args.context,
-               "tiny_acceptance": acceptance, "rows": rows}
+               "tiny_acceptance": acceptance, "tiny_acceptance_from": (
+                   None if args.acceptance_from is None else str(args.acceptance_from)),
+               "rows": rows}
     lines = [f"Model: {label}; decode at a {args.context}-token context; the engine loop's "
              f"wall time per step, median of {max(args.steps, MIN_REPEATS)} (min-max).", "",
              "| k drafts | batch | plain ms/step | verify ms/step | cost vs plain | tiny model "
@@ -185,7 +203,9 @@ def main() -> None:
                      f"{p['ms_max']:.2f}) | {v['ms']:.2f} ({v['ms_min']:.2f}-{v['ms_max']:.2f}) "
                      f"| {r['cost_ratio']:.2f}x | {r['tiny_tokens_per_step']:.2f} | "
                      f"{r['implied_speedup']:.2f}x | {r['outputs_equal']} |")
-    lines += ["", "Tiny model (models/deepinfer-tiny-v4, greedy, 8 held-out prompts, "
+    source = ("measured in this run" if args.acceptance_from is None
+              else f"as measured in {args.acceptance_from.name}")
+    lines += ["", f"Tiny model ({source}; models/deepinfer-tiny-v4, greedy, 8 held-out prompts, "
               f"{args.tiny_tokens} tokens, exactly k drafts a step): " + ", ".join(
                   f"k={k}: {a['tokens_per_verify_step']:.2f} tokens/step, outputs equal "
                   f"{a['outputs_equal']}/8" for k, a in acceptance.items())]

@@ -26,20 +26,28 @@ from deepinfer_jax import LLM, SamplingParams
 TAIL = 64            # tokens of each decode request after the shared prefix
 
 
+def start_shared_prefix_batch(llm: LLM, batch: int, context: int, rng, tag: str) -> None:
+    """`batch` requests (ids tag0, tag1, ...) of `context` tokens, a shared prefix and TAIL
+    tokens each, all decoding (step_until_decoding); the first prefills the prefix alone, so
+    that the others find it in the prefix cache (where the engine has one)."""
+    engine, vocab = llm.engine, llm.model.config.vocab_size
+    shared = rng.integers(2, vocab, context - TAIL).tolist()
+    params = SamplingParams(max_tokens=engine.step_cfg.max_model_len - context, ignore_eos=True)
+    engine.add_request(f"{tag}0", shared + rng.integers(2, vocab, TAIL).tolist(), params)
+    while not any(r.generated for r in engine.scheduler.running):
+        engine.step()
+    for i in range(1, batch):
+        engine.add_request(f"{tag}{i}", shared + rng.integers(2, vocab, TAIL).tolist(), params)
+    step_until_decoding(engine, batch)
+
+
 def decode(llm: LLM, batch: int, context: int, steps: int, rng, trace_dir: Path | None = None) -> dict:
     """Steady decode at `batch` requests sharing a (context - TAIL)-token prefix: the loop's
     time per step, its split into host work and waiting for the device, and with trace_dir
     the device's kernels over as many more steps (busy ms per step and the kernels by time) and
     the launcher thread's host events (what launching a step cost the host)."""
-    engine, vocab = llm.engine, llm.model.config.vocab_size
-    shared = rng.integers(2, vocab, context - TAIL).tolist()
-    params = SamplingParams(max_tokens=engine.step_cfg.max_model_len - context, ignore_eos=True)
-    engine.add_request("d0", shared + rng.integers(2, vocab, TAIL).tolist(), params)
-    while not any(r.generated for r in engine.scheduler.running):
-        engine.step()                          # the shared prefix is now in the prefix cache
-    for i in range(1, batch):
-        engine.add_request(f"d{i}", shared + rng.integers(2, vocab, TAIL).tolist(), params)
-    step_until_decoding(engine, batch)
+    engine = llm.engine
+    start_shared_prefix_batch(llm, batch, context, rng, "d")
     times = []
     stats = engine.stats
     before = (stats.steps, stats.host_seconds, stats.wait_seconds)

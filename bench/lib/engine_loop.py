@@ -15,6 +15,21 @@ from deepinfer_jax.host.buckets import token_bucket
 from deepinfer_jax.host.plan_builder import build_plan
 
 
+def prefill_seconds(llm: LLM, length: int, repeats: int, rng) -> list[float]:
+    """Seconds to first token of `repeats` fresh `length`-token prompts (no prefix hit), one
+    at a time, after a warm-up prefill of the same length."""
+    vocab = llm.model.config.vocab_size
+    llm.generate([rng.integers(2, vocab, length).tolist()], SamplingParams(max_tokens=1),
+                 use_tqdm=False)
+    samples = []
+    for _ in range(repeats):
+        prompt = rng.integers(2, vocab, length).tolist()
+        start = time.perf_counter()
+        llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
 def step_until_decoding(engine, batch: int, settle: int = 3) -> None:
     """Steps `engine` until its `batch` requests all run and have 2 tokens each, then `settle`
     steps more. Raises where one finished first: the later ones' prefills took more steps than
