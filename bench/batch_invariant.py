@@ -66,7 +66,10 @@ def main() -> None:
     for invariant in (False, True):
         llm = LLM(model, batch_invariant=invariant, max_num_seqs=max(args.decode_batches),
                   max_model_len=max(args.prefill, args.context + args.steps + 128) + 64,
-                  max_num_batched_tokens=args.chunk, enable_prefix_caching=True,
+                  max_num_batched_tokens=args.chunk,
+                  # the shared prefix of --context's decode; off otherwise, as before (the
+                  # snapshots a cache takes cost the prefill a little in either mode)
+                  enable_prefix_caching=bool(args.context),
                   token_buckets=args.buckets and tuple(args.buckets),
                   compilation_cache_dir=str(REPO / ".cache" / "xla-bench"))
         tile = llm.engine.step_cfg.compute.invariant_tile
