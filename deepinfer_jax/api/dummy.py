@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from deepinfer_jax.api.model import Model
 from deepinfer_jax.config.hf import read_served_model_config
+from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.slice import slice_config
 from deepinfer_jax.weights import random_params
 
@@ -33,21 +34,31 @@ def config_file(path: str | Path) -> Path:
     return path / "config.json" if path.is_dir() else path
 
 
-def dummy_model(path: str | Path, dtype=None, weights: str = "quantized",
-                layers: int | None = None, seed: int = 0) -> Model:
-    """Random weights for the config at `path` (a directory or a config.json file).
-    layers: cut the config to that many layers first (config/slice.py: CSA, HCA alternating,
-    routed MoE in each, no MTP, unquantized). dtype: the projections' dtype (None: the
-    config's `dtype` / `torch_dtype`, else bfloat16). weights: "quantized" draws a quantized
-    config's FP8 / FP4 tensors in the release's formats, "bf16" draws them in `dtype`."""
+def dummy_config(path: str | Path, weights: str = "quantized",
+                 layers: int | None = None) -> ModelConfig:
+    """The config dummy_model draws for: the config at `path` (a directory or a config.json
+    file), cut to `layers` layers first where asked (config/slice.py: CSA, HCA alternating,
+    routed MoE in each, no MTP, unquantized); weights "bf16" drops its quantization."""
     cfg = read_served_model_config(config_file(path))
     if layers is not None:
         cfg = slice_config(cfg, layers)
-    release_formats = weights == "quantized" and cfg.quantization is not None
-    if not release_formats:
+    if weights != "quantized" or cfg.quantization is None:
         cfg = cfg.replace(quantization=None)
+    return cfg
+
+
+def dummy_model(path: str | Path, dtype=None, weights: str = "quantized",
+                layers: int | None = None, seed: int = 0, shardings=None) -> Model:
+    """Random weights for dummy_config(path, weights, layers). dtype: the projections' dtype
+    (None: the config's `dtype` / `torch_dtype`, else bfloat16). weights: "quantized" draws a
+    quantized config's FP8 / FP4 tensors in the release's formats, "bf16" draws them in
+    `dtype`. shardings: the abstract parameters -> their shardings on the engine's mesh, each
+    device drawing only its own (weights.random_params); None: on the default device."""
+    cfg = dummy_config(path, weights, layers)
     dtype = _config_dtype(path) if dtype is None else dtype
-    return Model(config=cfg, params=random_params(cfg, seed, dtype, release_formats=release_formats))
+    return Model(config=cfg, params=random_params(cfg, seed, dtype,
+                                                  release_formats=cfg.quantization is not None,
+                                                  shardings=shardings))
 
 
 def _config_dtype(path: str | Path):

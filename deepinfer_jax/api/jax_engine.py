@@ -6,10 +6,11 @@ Ascend backend."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from deepinfer_jax.api.cli_llm import model_directory
-from deepinfer_jax.api.dummy import LOAD_FORMATS, dummy_model
+from deepinfer_jax.api.dummy import LOAD_FORMATS, dummy_config, dummy_model
 from deepinfer_jax.api.model import Model, checkpoint_dtype, load
 from deepinfer_jax.api.v41_model import V41Model, load_v41
 from deepinfer_jax.config.engine import EngineConfig
@@ -21,7 +22,7 @@ from deepinfer_jax.engine.memory_plan import check_checkpoint_fits
 from deepinfer_jax.host.deepseek_v4_chat import chat_format
 from deepinfer_jax.host.tokenizer import TextTokenizer
 from deepinfer_jax.parallel.distributed import join_processes
-from deepinfer_jax.parallel.mesh import make_mesh
+from deepinfer_jax.parallel.mesh import make_mesh, param_shardings
 
 
 def start(options: EngineConfig, model, *, dtype, weights: str, tokenizer, load_format: str,
@@ -39,9 +40,12 @@ def start(options: EngineConfig, model, *, dtype, weights: str, tokenizer, load_
         loaded = model.for_compute(step_config.compute) if isinstance(model, V41Model) else model
         text_tokenizer, template = None, None
     elif isinstance(model, (str, Path)) and load_format == "dummy":
-        # random weights drawn on the device: no checkpoint, nothing to check before
-        loaded = dummy_model(model, dtype, weights, dummy_layers)
-        step_config = options.resolve(loaded.config, device)
+        # random weights drawn on the device: no checkpoint, nothing to check before; over a
+        # mesh each device draws its own shards (a model no one device holds whole)
+        step_config = options.resolve(dummy_config(model, weights, dummy_layers), device)
+        mesh = make_mesh(step_config.compute.parallel)
+        loaded = dummy_model(model, dtype, weights, dummy_layers, shardings=(
+            None if mesh is None else functools.partial(param_shardings, mesh=mesh)))
         text_tokenizer = TextTokenizer.from_model_dir(model_directory(model))
         template = chat_format(model_directory(model), text_tokenizer)
     elif isinstance(model, (str, Path)):

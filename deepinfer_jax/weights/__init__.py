@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -32,14 +33,26 @@ def load_params(path: str | Path, cfg: ModelConfig, dtype=jnp.bfloat16,
 
 
 def random_params(cfg: ModelConfig, key: jax.Array | int = 0, dtype=jnp.bfloat16,
-                  release_formats: bool = False) -> ModelParams:
+                  release_formats: bool = False,
+                  shardings: Callable[[ModelParams], ModelParams] | None = None) -> ModelParams:
     """Random weights with the checkpoint's shapes, drawn on the device (benchmarks);
-    release_formats: in the release's FP8 / FP4 formats where it has them."""
+    release_formats: in the release's FP8 / FP4 formats where it has them.
+
+    shardings: a function from the abstract parameters to a sharding per leaf (parallel/mesh.py
+    `param_shardings` on the engine's mesh): each device then draws only its own shards, so a
+    model larger than one device's memory (V4-Flash over 8 GPUs) is never whole on one. The
+    values do not depend on it (jax's threefry is partitionable)."""
     if isinstance(key, int):
         key = jax.random.key(key)
-    return _random_params(key, cfg, jnp.dtype(dtype), release_formats)
+    dtype = jnp.dtype(dtype)
+    if shardings is None:
+        return _random_params(key, cfg, dtype, release_formats)
+    draw = functools.partial(_draw, cfg=cfg, dtype=dtype, release_formats=release_formats)
+    return jax.jit(draw, out_shardings=shardings(jax.eval_shape(draw, key)))(key)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "release_formats"))
-def _random_params(key: jax.Array, cfg: ModelConfig, dtype, release_formats: bool) -> ModelParams:
+def _draw(key: jax.Array, cfg: ModelConfig, dtype, release_formats: bool) -> ModelParams:
     return build_params(cfg, RandomSource(cfg, key, dtype, release_formats))
+
+
+_random_params = jax.jit(_draw, static_argnames=("cfg", "dtype", "release_formats"))
