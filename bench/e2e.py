@@ -31,6 +31,7 @@ never share the GPU's memory.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import statistics
@@ -61,7 +62,7 @@ from bench.lib.rooflines import (  # noqa: E402
 )
 from bench.lib.timing import MIN_REPEATS  # noqa: E402
 from deepinfer_jax import LLM, Model  # noqa: E402
-from deepinfer_jax.config.hf import to_hf_dict  # noqa: E402
+from deepinfer_jax.config.hf import read_model_config, to_hf_dict  # noqa: E402
 from deepinfer_jax.config.model import ModelConfig  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
 from pallas_kernels.quantized import dequantize_tree, is_quantized, nbytes  # noqa: E402
@@ -156,6 +157,26 @@ def main() -> None:
     ap.add_argument("--engram-vocab", type=int, default=None,
                     help="v4.1: Engram hash buckets per head (default: the config's, at most "
                          "200000)")
+    ap.add_argument("--parallel", default=None, metavar="AXIS=N[,...]",
+                    help="the model over a device mesh (e.g. dp=8, dp=4,ep=2), rows per GPU: "
+                         "bench/lib/e2e_parallel.py; --batches are then requests per GPU")
+    ap.add_argument("--devices", type=int, default=None,
+                    help="with --parallel: the devices its layout must span (a check)")
+    ap.add_argument("--full-model", action="store_true",
+                    help="the config's own layers and MTP block (not a --layers slice)")
+    ap.add_argument("--cp-prefill", type=int, nargs="*", default=[],
+                    help="with --parallel: prompt lengths prefilled by an engine context "
+                         "parallel over every device")
+    ap.add_argument("--spec-batches", type=int, nargs="*", default=[],
+                    help="with --parallel: requests per GPU timed with exactly --spec-k MTP "
+                         "drafts verified a step, beside plain decoding")
+    ap.add_argument("--spec-k", type=int, default=3)
+    ap.add_argument("--acceptance-from", type=Path, default=None,
+                    help="a spec-verify result (.json): the trained tiny model's tokens per "
+                         "verify step, imposed on --spec-batches' rows")
+    ap.add_argument("--profile-batch", type=int, default=0,
+                    help="with --parallel: requests per GPU whose decode is profiled for the "
+                         "collectives' time per layer (0: none)")
     args = ap.parse_args()
     buckets = set(args.token_buckets or (16, 64, 256, 1024)) | {max(args.prefill)}
     engine_shapes = lambda: dict(  # noqa: E731
@@ -165,6 +186,14 @@ def main() -> None:
         gpu_memory_utilization=args.gpu_memory_utilization)
     if args.fp4_config:
         override_fp4_defaults(dict(item.split("=") for item in args.fp4_config))
+    if args.parallel:
+        from bench.lib import e2e_parallel
+        cfg = full_or_slice_config(args)
+        options = engine_shapes()
+        del options["max_num_seqs"]                              # a rank's, set per case
+        options["compilation_cache_dir"] = str(REPO / ".cache" / "xla-bench")
+        return e2e_parallel.run(args, cfg, draw_params(cfg, args.parallel, args.quantized),
+                                options, lambda c, layout: draw_params(c, layout, args.quantized))
     if args.model == "v4.1":
         from bench.lib import e2e_v41
         return e2e_v41.run(args, engine_shapes(), prefill, decode, table)
@@ -251,6 +280,30 @@ def main() -> None:
                          "rows": rows, "peer": peer, "quantized_vs_bf16": versus}, text)
 
 
+# --- a model over a mesh ---------------------------------------------------------------------
+
+def full_or_slice_config(args) -> ModelConfig:
+    """--full-model: the config as released (every layer, its MTP block; unquantized without
+    --quantized); else the --layers slice, with an MTP layer when --spec-batches asks for one."""
+    if args.full_model:
+        cfg = read_model_config(args.config)
+        return cfg if args.quantized else cfg.replace(quantization=None)
+    cfg = slice_config(args.config, args.layers)
+    return cfg.replace(num_mtp_layers=1) if args.spec_batches else cfg
+
+
+def draw_params(cfg: ModelConfig, layout: str | None, quantized: bool):
+    """Random weights, drawn straight into the mesh of `layout` (each device its own shards:
+    the full model is larger than one GPU) or, for None, on the default device."""
+    from bench.lib.e2e_parallel import parse_layout
+    from deepinfer_jax.config.parallel import ParallelConfig
+    from deepinfer_jax.parallel.mesh import make_mesh, param_shardings
+    mesh = None if layout is None else make_mesh(ParallelConfig.from_options(parse_layout(layout)))
+    shardings = None if mesh is None else functools.partial(param_shardings, mesh=mesh)
+    return jax.block_until_ready(random_params(cfg, 0, jnp.bfloat16, release_formats=quantized,
+                                               shardings=shardings))
+
+
 # --- depth ------------------------------------------------------------------------------------
 
 def deepest_slice(args, shapes: dict) -> int:
@@ -283,7 +336,6 @@ def deepest_slice(args, shapes: dict) -> int:
 
 
 def read_config_layers(path: Path) -> int:
-    from deepinfer_jax.config.hf import read_model_config
     return read_model_config(path).num_layers
 
 

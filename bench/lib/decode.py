@@ -46,8 +46,13 @@ def decode(llm: LLM, batch: int, context: int, steps: int, rng, trace_dir: Path 
     time per step, its split into host work and waiting for the device, and with trace_dir
     the device's kernels over as many more steps (busy ms per step and the kernels by time) and
     the launcher thread's host events (what launching a step cost the host)."""
-    engine = llm.engine
     start_shared_prefix_batch(llm, batch, context, rng, "d")
+    return decode_timed(llm, batch, steps, trace_dir)
+
+
+def decode_timed(llm: LLM, batch: int, steps: int, trace_dir: Path | None = None) -> dict:
+    """decode()'s timing of `batch` requests already decoding; aborts them after."""
+    engine = llm.engine
     times = []
     stats = engine.stats
     before = (stats.steps, stats.host_seconds, stats.wait_seconds)

@@ -54,6 +54,42 @@ def decode_roofline(counts: dict, cfg: ModelConfig, batch: int, context: int,
     return {"bytes_per_step": weight_bytes + cache_bytes, "tokens_per_s": batch / seconds}
 
 
+def mesh_weight_counts(params, cfg: ModelConfig, expert_ranks: int) -> dict:
+    """weight_counts of the model a plain step runs (the MTP block left out: only the
+    speculative step reads it), and what one device of the mesh holds of it: its shard of
+    every weight but the routed experts and the embedding (`device_dense_bytes`) and its
+    share of each layer's experts (`local_experts`, the placement's split over dp x cp x ep)."""
+    plain = params.replace(mtp=())
+    counts = weight_counts(plain, cfg)
+    experts = {id(leaf) for layer in plain.layers
+               for w in (layer.moe.experts.w13, layer.moe.experts.w2) for leaf in jax.tree.leaves(w)}
+    embed = {id(leaf) for leaf in jax.tree.leaves(plain.embed)}
+    shard_bytes = sum(leaf.addressable_shards[0].data.nbytes if hasattr(leaf, "addressable_shards")
+                      else leaf.size * leaf.dtype.itemsize
+                      for leaf in jax.tree.leaves(plain)
+                      if id(leaf) not in experts and id(leaf) not in embed)
+    return counts | {"device_dense_bytes": shard_bytes,
+                     "local_experts": cfg.n_routed_experts // expert_ranks}
+
+
+def mesh_decode_roofline(counts: dict, cfg: ModelConfig, rank_batch: int, total_batch: int,
+                         context: int, copy_tbps: float) -> dict:
+    """One device's decode step (counts: mesh_weight_counts): its dense share, the experts of
+    its share that the step's total_batch tokens hit (every rank's tokens reach every
+    device's experts; uniform routing), and its rank's rank_batch requests' cache rows (every
+    device of a rank reads them: tp splits heads, not the one shared K=V row)."""
+    experts, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    hit = counts["local_experts"] * (1 - (1 - k / experts) ** total_batch)
+    weight_bytes = (counts["device_dense_bytes"]
+                    + cfg.num_layers * hit * counts["per_expert_bytes"])
+    cache_bytes = 0
+    for kind in cfg.layer_types:
+        attn, index = rows_read(cfg, kind, context)
+        cache_bytes += rank_batch * 2 * (attn * cfg.head_dim + index * cfg.index_head_dim)
+    total = weight_bytes + cache_bytes
+    return {"bytes_per_step": total, "seconds": total / (copy_tbps * 1e12)}
+
+
 def prefill_roofline(counts: dict, cfg: ModelConfig, length: int, matmul_tflops: float) -> dict:
     """The FLOPs a prefill must do: every layer for every token, the LM head once (the step
     projects only the row it samples)."""
