@@ -45,6 +45,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from bench.lib import peer_figures
 from bench.lib.ceilings import DATASHEET_BF16_TFLOPS, DATASHEET_TBPS
 from bench.lib.ceilings import measure as measure_ceilings
 from bench.lib.decode import TAIL, decode_timed
@@ -351,6 +352,7 @@ def tables(payload: dict, args, cfg: ModelConfig) -> str:
         lines.append(f"| {r['case']} | {r['tokens_per_s_per_gpu']:.0f} | {roof:.0f} | "
                      f"{100 * r['tokens_per_s_per_gpu'] / roof:.0f}% | "
                      f"{100 * r['tokens_per_s_per_gpu'] / sheet:.0f}% | {ttft} | {itl} |")
+    lines += ["", *peer_figures.table()]
     spec = [r for r in rows if "implied_speedup" in r]
     if spec:
         lines += ["", "Speculation (MTP, exactly k drafts verified a step; acceptance imposed "
