@@ -58,7 +58,10 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     device_memory_gib: float | None = None
     max_num_batched_tokens: int = 256    # chunked-prefill budget: tokens per step
-    token_buckets: tuple[int, ...] | None = None   # None: powers of two up to the budget
+    # None: powers of two up to the budget. A step never feeds more than the budget (drafts
+    # included), so declared buckets past the first that holds it are dropped: none could be
+    # chosen, and each would cost a compile and size the memory plan's activations
+    token_buckets: tuple[int, ...] | None = None
     compilation_cache_dir: str | None = dataclasses.field(default_factory=options.default_cache_dir)
     show_progress: bool = True
     async_scheduling: bool = True        # plan step N+1 while step N runs
@@ -126,7 +129,8 @@ class EngineConfig:
             if buckets[-1] < self.max_num_batched_tokens or buckets[0] <= 0:
                 raise EngineConfigError("token_buckets must be positive and reach "
                                         "max_num_batched_tokens")
-            object.__setattr__(self, "token_buckets", buckets)
+            reach = next(i for i, b in enumerate(buckets) if b >= self.max_num_batched_tokens)
+            object.__setattr__(self, "token_buckets", buckets[: reach + 1])
         if self.num_prefix_snapshots is not None and self.num_prefix_snapshots < 1:
             raise EngineConfigError("num_prefix_snapshots must be >= 1")
         check_prefix_replay(self)

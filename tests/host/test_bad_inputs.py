@@ -132,3 +132,14 @@ def test_lone_surrogate_in_a_prompt_is_an_invalid_request():
     assert tok.encode("def f(x):") == tok.encode("def f(x):")
     with pytest.raises(InvalidRequestError, match=r"not valid Unicode.*'\\ud800' at index 4"):
         tok.encode("def \ud800f(x):")
+
+
+@pytest.mark.parametrize("budget, kept", [(32, (16, 32)), (40, (16, 32, 64)), (128, (16, 32, 64, 128))])
+def test_buckets_no_step_can_reach_are_dropped(budget, kept):
+    """A step feeds at most max_num_batched_tokens (the scheduler's budget, drafts included;
+    a step past the largest bucket would raise in host/buckets.py), so buckets past the first
+    that holds it would be compiled for nothing; too few buckets is still an error."""
+    config = EngineConfig(max_num_batched_tokens=budget, token_buckets=(128, 16, 64, 32))
+    assert config.token_buckets == kept
+    with pytest.raises(EngineConfigError, match="reach max_num_batched_tokens"):
+        EngineConfig(max_num_batched_tokens=256, token_buckets=(16, 128))
