@@ -31,7 +31,6 @@ never share the GPU's memory.
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
 import statistics
@@ -188,12 +187,10 @@ def main() -> None:
         override_fp4_defaults(dict(item.split("=") for item in args.fp4_config))
     if args.parallel:
         from bench.lib import e2e_parallel
-        cfg = full_or_slice_config(args)
         options = engine_shapes()
         del options["max_num_seqs"]                              # a rank's, set per case
         options["compilation_cache_dir"] = str(REPO / ".cache" / "xla-bench")
-        return e2e_parallel.run(args, cfg, draw_params(cfg, args.parallel, args.quantized),
-                                options, lambda c, layout: draw_params(c, layout, args.quantized))
+        return e2e_parallel.run(args, options)
     if args.model == "v4.1":
         from bench.lib import e2e_v41
         return e2e_v41.run(args, engine_shapes(), prefill, decode, table)
@@ -278,30 +275,6 @@ def main() -> None:
     write_results(name, {"environment": env, "ceilings": ceilings, "weights": counts,
                          "startup": startup,
                          "rows": rows, "peer": peer, "quantized_vs_bf16": versus}, text)
-
-
-# --- a model over a mesh ---------------------------------------------------------------------
-
-def full_or_slice_config(args) -> ModelConfig:
-    """--full-model: the config as released (every layer, its MTP block; unquantized without
-    --quantized); else the --layers slice, with an MTP layer when --spec-batches asks for one."""
-    if args.full_model:
-        cfg = read_model_config(args.config)
-        return cfg if args.quantized else cfg.replace(quantization=None)
-    cfg = slice_config(args.config, args.layers)
-    return cfg.replace(num_mtp_layers=1) if args.spec_batches else cfg
-
-
-def draw_params(cfg: ModelConfig, layout: str | None, quantized: bool):
-    """Random weights, drawn straight into the mesh of `layout` (each device its own shards:
-    the full model is larger than one GPU) or, for None, on the default device."""
-    from bench.lib.e2e_parallel import parse_layout
-    from deepinfer_jax.config.parallel import ParallelConfig
-    from deepinfer_jax.parallel.mesh import make_mesh, param_shardings
-    mesh = None if layout is None else make_mesh(ParallelConfig.from_options(parse_layout(layout)))
-    shardings = None if mesh is None else functools.partial(param_shardings, mesh=mesh)
-    return jax.block_until_ready(random_params(cfg, 0, jnp.bfloat16, release_formats=quantized,
-                                               shardings=shardings))
 
 
 # --- depth ------------------------------------------------------------------------------------

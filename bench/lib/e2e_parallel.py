@@ -35,6 +35,7 @@ devices, an even split, over the matmul ceiling measured on one device.
 
 from __future__ import annotations
 
+import functools
 import gc
 import re
 import statistics
@@ -43,6 +44,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from bench.lib import peer_figures
@@ -54,10 +56,14 @@ from bench.lib.engine_loop import step_until_decoding
 from bench.lib.results import environment, write_results
 from bench.lib.rooflines import mesh_decode_roofline, mesh_weight_counts, prefill_roofline
 from bench.lib.timing import MIN_REPEATS
+from bench.spec_verify import acceptance_from, forced, pow2_at_least, step_ms
 from deepinfer_jax import LLM, Model, SamplingParams
+from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.config.parallel import ParallelConfig
 from deepinfer_jax.config.slice import slice_config
+from deepinfer_jax.parallel.mesh import make_mesh, param_shardings
+from deepinfer_jax.weights import random_params
 
 REPO = Path(__file__).resolve().parents[2]
 CHECK_LAYERS, CHECK_TOKENS = 2, 16
@@ -74,10 +80,28 @@ def parse_layout(text: str) -> dict:
         raise SystemExit(f"--parallel {text!r}: expected axis=N[,axis=N...], e.g. dp=8") from None
 
 
-def run(args, cfg: ModelConfig, params, engine_options: dict, draw) -> None:
-    """args: e2e.py's; cfg/params: the model (params drawn into the layout's mesh by `draw`,
-    a function (cfg, layout) -> params); engine_options: LLM's shape options but
-    max_num_seqs (set here per rank)."""
+def model_config(args) -> ModelConfig:
+    """--full-model: the config as released (every layer, its MTP block; unquantized without
+    --quantized); else the --layers slice, with an MTP layer when --spec-batches asks for one."""
+    if args.full_model:
+        cfg = read_model_config(args.config)
+        return cfg if args.quantized else cfg.replace(quantization=None)
+    cfg = slice_config(read_model_config(args.config), args.layers)
+    return cfg.replace(num_mtp_layers=1) if args.spec_batches else cfg
+
+
+def draw_params(cfg: ModelConfig, parallel: ParallelConfig | None, quantized: bool):
+    """Random weights, drawn straight into the mesh of `parallel` (each device its own
+    shards: the full model is larger than one GPU) or, for None, on the default device."""
+    mesh = None if parallel is None else make_mesh(parallel)
+    shardings = None if mesh is None else functools.partial(param_shardings, mesh=mesh)
+    return jax.block_until_ready(random_params(cfg, 0, jnp.bfloat16, release_formats=quantized,
+                                               shardings=shardings))
+
+
+def run(args, engine_options: dict) -> None:
+    """args: e2e.py's; engine_options: LLM's shape options but max_num_seqs (set here per
+    rank)."""
     layout = parse_layout(args.parallel)
     parallel = ParallelConfig.from_options(layout)
     devices = parallel.size
@@ -87,9 +111,11 @@ def run(args, cfg: ModelConfig, params, engine_options: dict, draw) -> None:
     if len(jax.devices()) < devices:
         raise SystemExit(f"--parallel {args.parallel} spans {devices} devices; "
                          f"{len(jax.devices())} present")
+    cfg = model_config(args)
+    params = draw_params(cfg, parallel, args.quantized)
     ceilings = measure_ceilings(small=jax.default_backend() != "gpu")
     print(ceilings, flush=True)
-    rows = [correctness_check(args, cfg, layout, engine_options, draw)]
+    rows = [correctness_check(args, cfg, layout, engine_options)]
     print(rows[-1], flush=True)
     rank_batches = {b: b * devices // parallel.dp for b in args.batches}
     if any(b * devices % parallel.dp for b in args.batches):
@@ -111,7 +137,7 @@ def run(args, cfg: ModelConfig, params, engine_options: dict, draw) -> None:
     collectives = None
     if args.profile_batch:
         collectives = profile_collectives(llm, args, rank_batches, parallel, cfg, rng)
-    plain_ms = {b: spec_plain_ms(llm, b * devices // parallel.dp, parallel.dp, args, rng)
+    plain_ms = {b: step_ms(llm, b * devices, args.context, args.steps, rng)
                 for b in args.spec_batches}
     del llm
     gc.collect()
@@ -127,11 +153,11 @@ def run(args, cfg: ModelConfig, params, engine_options: dict, draw) -> None:
 
 # --- rows -------------------------------------------------------------------------------------
 
-def correctness_check(args, cfg: ModelConfig, layout: dict, engine_options: dict, draw) -> dict:
+def correctness_check(args, cfg: ModelConfig, layout: dict, engine_options: dict) -> dict:
     """A CHECK_LAYERS slice on the same layout: greedy tokens of one prompt per rank against
     the plain forward's argmax over the same sequence."""
     small = slice_config(cfg, CHECK_LAYERS)
-    params = draw(small, None)                                    # on one device
+    params = draw_params(small, None, args.quantized)             # on one device
     ranks = ParallelConfig.from_options(layout).dp
     options = engine_options | {"max_model_len": 256, "max_num_batched_tokens": 256,
                                 "token_buckets": (16, 256), "enable_prefix_caching": False}
@@ -266,18 +292,12 @@ def finish(llm: LLM) -> None:
         engine.step()
 
 
-def spec_plain_ms(llm: LLM, rank_batch: int, ranks: int, args, rng) -> dict:
-    from bench.spec_verify import step_ms
-    return step_ms(llm, rank_batch * ranks, args.context, args.steps, rng)
-
-
 def speculative_rows(args, cfg, params, layout, engine_options, plain_ms: dict,
                      parallel: ParallelConfig, rng) -> list[dict]:
     """Per --spec-batches b (per GPU): the engine verifying exactly --spec-k drafts a request
-    every step vs the plain engine at the same batch (plain_ms, measured by spec_plain_ms)."""
+    every step vs the plain engine at the same batch (plain_ms, spec_verify.step_ms's)."""
     if not args.spec_batches:
         return []
-    from bench.spec_verify import acceptance_from, forced, pow2_at_least, step_ms
     if not cfg.num_mtp_layers or not params.mtp:
         raise SystemExit("--spec-batches needs the MTP layer: --full-model keeps the config's")
     if args.acceptance_from is None:
