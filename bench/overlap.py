@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.lib.decode import start_shared_prefix_batch, traced_decode  # noqa: E402
+from bench.lib.engine_loop import abort_all  # noqa: E402
 from bench.lib.models import SMALL_CPU, model_config, model_label  # noqa: E402
 from bench.lib.results import environment, write_results  # noqa: E402
 from bench.lib.timing import MIN_REPEATS  # noqa: E402
@@ -74,10 +75,7 @@ def idle_row(llm: LLM, k: int, batch: int, context: int, steps: int, repeats: in
     start = time.perf_counter()
     traced = traced_decode(engine, steps, trace_dir, runtime_events=False)
     trace_s = time.perf_counter() - start
-    for req in list(engine.scheduler.running):
-        engine.abort(req.request_id)
-    while engine.has_unfinished():
-        engine.step()
+    abort_all(engine)
     # a CPU backend's trace has no device timeline (device_events then takes every thread's)
     busy = traced["device_busy_union_ms_per_step"] if jax.default_backend() == "gpu" else None
     idle = ({"idle_share": None, "idle_share_min": None, "idle_share_max": None} if busy is None

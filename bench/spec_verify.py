@@ -37,7 +37,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.lib.engine_loop import step_until_decoding  # noqa: E402
+from bench.lib.engine_loop import abort_all, step_until_decoding  # noqa: E402
 from bench.lib.models import SMALL_CPU, V4_FLASH, model_label, slice_config  # noqa: E402
 from bench.lib.results import environment, write_results  # noqa: E402
 from bench.lib.timing import MIN_REPEATS  # noqa: E402
@@ -111,10 +111,7 @@ def step_ms(llm: LLM, batch: int, context: int, steps: int, rng) -> dict:
         engine.step()
         samples.append((time.perf_counter() - start) * 1e3)
     emitted = sum(len(r.generated) for r in engine.scheduler.running) - before
-    for req in list(engine.scheduler.running):
-        engine.abort(req.request_id)
-    while engine.has_unfinished():
-        engine.step()
+    abort_all(engine)
     return {"ms": statistics.median(samples), "ms_min": min(samples), "ms_max": max(samples),
             "repeats": len(samples), "tokens_per_step": emitted / len(samples) / batch}
 

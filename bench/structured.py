@@ -23,7 +23,7 @@ import jax
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.lib.engine_loop import step_until_decoding  # noqa: E402
+from bench.lib.engine_loop import abort_all, step_until_decoding  # noqa: E402
 from bench.lib.results import environment, write_results  # noqa: E402
 from deepinfer_jax import LLM, SamplingParams  # noqa: E402
 
@@ -43,10 +43,7 @@ def measure(llm: LLM, params: SamplingParams, batch: int, steps: int) -> dict:
     elapsed = time.perf_counter() - start
     tokens = sum(len(r.resolved_tokens) for r in engine.scheduler.running) - tokens_before
     finished = batch - len(engine.scheduler.running)
-    for req in list(engine.scheduler.running) + list(engine.scheduler.waiting):
-        engine.abort(req.request_id)
-    while engine.has_unfinished():
-        engine.step()
+    abort_all(engine)
     return {"step_ms": elapsed / steps * 1e3, "tokens_per_s": tokens / elapsed,
             "finished_early": finished}
 

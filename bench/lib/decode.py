@@ -20,24 +20,30 @@ from bench.lib.device_time import (
     runtime_trace_options,
     trace_events,
 )
-from bench.lib.engine_loop import step_until_decoding
+from bench.lib.engine_loop import abort_all, step_until_decoding
 from deepinfer_jax import LLM, SamplingParams
 
 TAIL = 64            # tokens of each decode request after the shared prefix
 
 
-def start_shared_prefix_batch(llm: LLM, batch: int, context: int, rng, tag: str) -> None:
+def start_shared_prefix_batch(llm: LLM, batch: int, context: int, rng, tag: str,
+                              first: int = 1) -> None:
     """`batch` requests (ids tag0, tag1, ...) of `context` tokens, a shared prefix and TAIL
-    tokens each, all decoding (step_until_decoding); the first prefills the prefix alone, so
-    that the others find it in the prefix cache (where the engine has one)."""
+    tokens each, all decoding (step_until_decoding); the `first` (one per data-parallel
+    rank, where each rank has its own prefix cache) prefill the prefix before the rest join,
+    so that those find it in the prefix cache (where the engine has one)."""
     engine, vocab = llm.engine, llm.model.config.vocab_size
     shared = rng.integers(2, vocab, context - TAIL).tolist()
     params = SamplingParams(max_tokens=engine.step_cfg.max_model_len - context, ignore_eos=True)
-    engine.add_request(f"{tag}0", shared + rng.integers(2, vocab, TAIL).tolist(), params)
-    while not any(r.generated for r in engine.scheduler.running):
-        engine.step()
-    for i in range(1, batch):
+
+    def add(i: int) -> None:
         engine.add_request(f"{tag}{i}", shared + rng.integers(2, vocab, TAIL).tolist(), params)
+    for i in range(first):
+        add(i)
+    while sum(bool(r.generated) for r in engine.scheduler.running) < first:
+        engine.step()
+    for i in range(first, batch):
+        add(i)
     step_until_decoding(engine, batch)
 
 
@@ -65,10 +71,7 @@ def decode_timed(llm: LLM, batch: int, steps: int, trace_dir: Path | None = None
              "wait_ms_per_step": 1e3 * (stats.wait_seconds - before[2]) / counted}
     if trace_dir is not None:
         split |= traced_decode(engine, steps, trace_dir)
-    for req in list(engine.scheduler.running):
-        engine.abort(req.request_id)
-    while engine.has_unfinished():
-        engine.step()
+    abort_all(engine)
     p50, p90, p99 = np.percentile(times, [50, 90, 99])
     return {"tokens_per_s": batch / statistics.mean(times), "itl_p50_s": p50, "itl_p90_s": p90,
             "itl_p99_s": p99, **split}

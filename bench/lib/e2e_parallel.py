@@ -50,9 +50,9 @@ import numpy as np
 from bench.lib import peer_figures
 from bench.lib.ceilings import DATASHEET_BF16_TFLOPS, DATASHEET_TBPS
 from bench.lib.ceilings import measure as measure_ceilings
-from bench.lib.decode import TAIL, decode_timed
+from bench.lib.decode import decode_timed, start_shared_prefix_batch
 from bench.lib.device_time import busy_and_span_of, device_events, kernel_totals, trace_events
-from bench.lib.engine_loop import step_until_decoding
+from bench.lib.engine_loop import abort_all
 from bench.lib.results import environment, write_results
 from bench.lib.rooflines import mesh_decode_roofline, mesh_weight_counts, prefill_roofline
 from bench.lib.timing import MIN_REPEATS
@@ -212,28 +212,10 @@ def prefill_row(llm: LLM, case: str, length: int, prompts: int, devices: int, co
     return row
 
 
-def start_ranked_batch(llm: LLM, rank_batch: int, ranks: int, context: int, rng,
-                       tag: str) -> None:
-    """rank_batch requests on each rank, all decoding, sharing a (context - TAIL)-token prefix:
-    one request per rank first (each rank's prefix cache then holds it), then the rest."""
-    engine, vocab = llm.engine, llm.model.config.vocab_size
-    shared = rng.integers(2, vocab, context - TAIL).tolist()
-    params = SamplingParams(max_tokens=engine.step_cfg.max_model_len - context, ignore_eos=True)
-
-    def add(i: int) -> None:
-        engine.add_request(f"{tag}{i}", shared + rng.integers(2, vocab, TAIL).tolist(), params)
-    for i in range(ranks):
-        add(i)
-    while sum(bool(r.generated) for r in engine.scheduler.running) < ranks:
-        engine.step()
-    for i in range(ranks, rank_batch * ranks):
-        add(i)
-    step_until_decoding(engine, rank_batch * ranks)
-
-
 def decode_row(llm: LLM, per_gpu: int, rank_batch: int, parallel: ParallelConfig, counts: dict,
                cfg: ModelConfig, args, ceilings: dict, rng) -> dict:
-    start_ranked_batch(llm, rank_batch, parallel.dp, args.context, rng, "d")
+    start_shared_prefix_batch(llm, rank_batch * parallel.dp, args.context, rng, "d",
+                              first=parallel.dp)
     timed = decode_timed(llm, rank_batch * parallel.dp, args.steps)
     roof = mesh_decode_roofline(counts, cfg, rank_batch, rank_batch * parallel.dp,
                                 args.context, ceilings["copy_tbps"])
@@ -257,7 +239,8 @@ def profile_collectives(llm: LLM, args, rank_batches: dict, parallel: ParallelCo
     """The collectives' kernels on the first GPU's timeline per decode step and per layer, at
     --profile-batch requests per GPU; None where the trace has no GPU timeline (a CPU run)."""
     rank_batch = args.profile_batch * parallel.size // parallel.dp
-    start_ranked_batch(llm, rank_batch, parallel.dp, args.context, rng, "p")
+    start_shared_prefix_batch(llm, rank_batch * parallel.dp, args.context, rng, "p",
+                              first=parallel.dp)
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):
             for _ in range(args.steps):
@@ -266,7 +249,7 @@ def profile_collectives(llm: LLM, args, rank_batches: dict, parallel: ParallelCo
             llm.engine.set_launch_thread(llm.engine.host.launch_thread)
             jax.block_until_ready(llm.engine.state)
         events = trace_events(Path(tmp))
-    finish(llm)
+    abort_all(llm.engine)
     gpus = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M"
             and e.get("name") == "process_name" and "GPU" in e["args"]["name"]}
     if not gpus:
@@ -282,14 +265,6 @@ def profile_collectives(llm: LLM, args, rank_batches: dict, parallel: ParallelCo
             "ms_per_layer": total / cfg.num_layers,
             "kernels": [{"name": n, "ms_per_step": ms, "launches": c} for n, ms, c in kernels],
             "device_busy_union_ms_per_step": busy_and_span_of(mine, args.steps)[0]}
-
-
-def finish(llm: LLM) -> None:
-    engine = llm.engine
-    for req in list(engine.scheduler.running) + list(engine.scheduler.waiting):
-        engine.abort(req.request_id)
-    while engine.has_unfinished():
-        engine.step()
 
 
 def speculative_rows(args, cfg, params, layout, engine_options, plain_ms: dict,

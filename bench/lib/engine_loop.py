@@ -37,11 +37,21 @@ def step_until_decoding(engine, batch: int, settle: int = 3) -> None:
     would never be whole."""
     sched = engine.scheduler
     while not (len(sched.running) == batch and all(len(r.generated) >= 2 for r in sched.running)):
-        if len(sched.running) + len(sched.waiting) < batch:
+        # (a constrained request joins the scheduler once its grammar has compiled)
+        if len(sched.running) + len(sched.waiting) + engine.num_awaiting_grammar() < batch:
             raise RuntimeError(f"a request finished before all {batch} were decoding: "
                                "raise max_model_len or the token budget")
         engine.step()
     for _ in range(settle):
+        engine.step()
+
+
+def abort_all(engine) -> None:
+    """Ends every request the engine holds (running and waiting) and steps until the launched
+    steps are read back, so the next case starts from an idle engine."""
+    for req in list(engine.scheduler.running) + list(engine.scheduler.waiting):
+        engine.abort(req.request_id)
+    while engine.has_unfinished():
         engine.step()
 
 
@@ -62,10 +72,7 @@ def steady_decode(llm: LLM, batch: int, steps: int) -> dict:
     wall = (time.perf_counter() - start) / steps
     host = engine.stats.host_seconds / steps
     device = compiled_step_seconds(engine, steps)
-    for req in list(engine.scheduler.running):
-        engine.abort(req.request_id)
-    while engine.has_unfinished():
-        engine.step()
+    abort_all(engine)
     return {"wall_ms": wall * 1e3, "device_ms": device * 1e3, "host_ms": host * 1e3,
             "idle_share": max(0.0, 1 - device / wall)}
 

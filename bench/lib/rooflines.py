@@ -64,9 +64,7 @@ def mesh_weight_counts(params, cfg: ModelConfig, expert_ranks: int) -> dict:
     experts = {id(leaf) for layer in plain.layers
                for w in (layer.moe.experts.w13, layer.moe.experts.w2) for leaf in jax.tree.leaves(w)}
     embed = {id(leaf) for leaf in jax.tree.leaves(plain.embed)}
-    shard_bytes = sum(leaf.addressable_shards[0].data.nbytes if hasattr(leaf, "addressable_shards")
-                      else leaf.size * leaf.dtype.itemsize
-                      for leaf in jax.tree.leaves(plain)
+    shard_bytes = sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(plain)
                       if id(leaf) not in experts and id(leaf) not in embed)
     return counts | {"device_dense_bytes": shard_bytes,
                      "local_experts": cfg.n_routed_experts // expert_ranks}
