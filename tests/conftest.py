@@ -145,17 +145,27 @@ def pytest_runtest_makereport(item, call):
 HARD_TIMEOUT_S = 1200
 
 
+# Engines' compiled steps kept from one test file to the next (engine/compile.py's memo keeps 32).
+# Files often build an engine of the same shapes as the file before (the shared tiny configs),
+# and a worker compiled such steps again for 270 s of one run's 70 core-minutes; the four most
+# recent trace keys would have served about 100 s of that (replayed on that run's compile log).
+KEPT_STEP_SETS = 4
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _release_compiled_programs():
-    """After each test file, its compiled steps and jit caches are let go. A worker kept up to
-    32 engines' steps (engine/compile.py's memo) and every jit it ever compiled, about 6 GB by
-    the end of a run, and the last three clean-clone runs here each lost a worker inside XLA's
-    CPU client (compiling or serializing) in the same late test, test_speculative_shipped.py,
-    which passes on its own. A file's own fixtures still share their engines."""
+    """After each test file, its jit caches and all but the most recent compiled steps are let
+    go. A worker kept up to 32 engines' steps and every jit it ever compiled, about 6 GB by the
+    end of a run, and three clean-clone runs here each lost a worker inside XLA's CPU client
+    (compiling or serializing) in the same late test, test_speculative_shipped.py, which passes
+    on its own (serializing was since turned off above). A file's own fixtures still share
+    their engines."""
     yield
     from deepinfer_jax.engine import compile as engine_compile
 
+    kept = list(engine_compile._memo.items())[-KEPT_STEP_SETS:]
     engine_compile._memo.clear()
+    engine_compile._memo.update(kept)
     jax.clear_caches()
     gc.collect()
 
