@@ -45,14 +45,11 @@ def random_params(cfg: ModelConfig, key: jax.Array | int = 0, dtype=jnp.bfloat16
     if isinstance(key, int):
         key = jax.random.key(key)
     dtype = jnp.dtype(dtype)
-    if shardings is None:
-        return _random_params(key, cfg, dtype, release_formats)
     draw = functools.partial(_draw, cfg=cfg, dtype=dtype, release_formats=release_formats)
+    if shardings is None:
+        return draw(key)        # tensor by tensor, each shape's draw compiled once
     return jax.jit(draw, out_shardings=shardings(jax.eval_shape(draw, key)))(key)
 
 
 def _draw(key: jax.Array, cfg: ModelConfig, dtype, release_formats: bool) -> ModelParams:
     return build_params(cfg, RandomSource(cfg, key, dtype, release_formats))
-
-
-_random_params = jax.jit(_draw, static_argnames=("cfg", "dtype", "release_formats"))
