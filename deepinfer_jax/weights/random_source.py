@@ -33,7 +33,7 @@ class RandomSource:
     random distinct experts. Each tensor's key derives from its name, so the values do not
     depend on build order. Each kind of tensor is one small jitted draw per shape, compiled
     once and called for every layer: one program over the whole model took XLA longer to
-    compile the deeper the model (tiny config on the CPU: 4.9 s at 4 layers, 24.8 s at 16).
+    compile the deeper the model (docs/performance-log.md, "Random weights").
     """
 
     def __init__(self, cfg: ModelConfig, key: jax.Array, dtype, release_formats: bool = False):
