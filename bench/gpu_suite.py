@@ -41,6 +41,10 @@ V4_BATCH_INVARIANT_E2E = ["--v4-flash-layers", "2", "--prefill", "8192", "--chun
                           "--context", "4096", "--decode-batches", "16", "64", "--steps", "16",
                           "--buckets", "16", "64", "8192"]
 
+# bench/launch_options.py's GPU run: the slope between 2 and 4 layers at batch 1
+LAUNCH_OPTIONS = ["--v4-flash-layers", "2", "4", "--batch", "1", "--context", "4096",
+                  "--budget", "16"]
+
 # bench/serve_load.py's GPU run (its docstring and bench/README.md say why these shapes)
 SERVE_LOAD = ["--requests", "1024", "--concurrency", "64", "--client-processes", "8",
               "--max-tokens", "64", "--prompt-ids",
@@ -151,6 +155,13 @@ RUNS = {
                         "context, plain and with 3 drafts a step (2 V4-Flash layers + MTP)",
                    (bench("overlap.py", "--v4-flash-layers", "2", "--context", "4096",
                           "--spec-k", "0", "3", "--steps", "10"),)),
+    "launch-options": Run(560, "the decode step's launch under XLA's command-buffer update "
+                               "modes and PDL, at 2 and 4 V4-Flash layers (batch 1, 4k context), "
+                               "with the default and the VMM allocator",
+                          (bench("launch_options.py", *LAUNCH_OPTIONS),
+                           ("env", "XLA_PYTHON_CLIENT_ALLOCATOR=vmm",
+                            *bench("launch_options.py", *LAUNCH_OPTIONS, "--variants", "default",
+                                   "skip-temp", "skip-profiled")))),
     "spec-verify": Run(590, "the verify step's cost for 1/3/5 drafts against a plain step (4 "
                             "V4-Flash layers + MTP, 4k context, batch 1/16/64) and the speed-up "
                             "the trained tiny model's acceptance implies (as spec-verify-cpu "
