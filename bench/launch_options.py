@@ -50,11 +50,11 @@ from deepinfer_jax.host.plan_builder import build_plan  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
 
 UPDATE_MODE = "xla_gpu_command_buffer_update_mode"
-VARIANTS = {
+VARIANTS = {                     # (the remapping modes last: the least tried)
     "default": {},
+    "pdl": {"xla_gpu_enable_pdl": True},
     "skip-temp": {UPDATE_MODE: "SKIP_TEMP"},
     "skip-profiled": {UPDATE_MODE: "SKIP_PROFILED"},
-    "pdl": {"xla_gpu_enable_pdl": True},
 }
 
 
@@ -99,7 +99,9 @@ def launch_ms(exe, params, state, plan_host, steps: int):
     return statistics.median(samples), state
 
 
-def measure_depth(layers: int, args, variants: dict) -> list[dict]:
+def measure_depth(layers: int, args, variants: dict, record) -> None:
+    """Each variant's row at this depth, handed to `record` as soon as it is measured (a
+    variant that crashes the process leaves the rows before it written)."""
     t0 = time.perf_counter()
     llm = steady_engine(layers, args)
     engine = llm.engine
@@ -117,7 +119,7 @@ def measure_depth(layers: int, args, variants: dict) -> list[dict]:
     device = jax.tree.leaves(engine.state)[0].sharding
     print(f"{layers} layers: steady decode at batch {args.batch} after "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
-    rows, reference = [], None
+    reference = None
     for name, options in variants.items():
         start = time.perf_counter()
         exe = lowered.compile(compiler_options=options)
@@ -142,13 +144,12 @@ def measure_depth(layers: int, args, variants: dict) -> list[dict]:
                "outputs_equal_default": same, "compile_s": compile_s,
                "pipelined": Timing.of(fresh).row(), "pipelined_plan_reused": Timing.of(reused).row(),
                "launch": Timing.of(launch).row()}
-        rows.append(row)
+        record(row)
         print(f"  {name:14} pipelined {row['pipelined']['ms']:.3f} ms "
               f"(plan reused {row['pipelined_plan_reused']['ms']:.3f}), launch "
               f"{row['launch']['ms']:.3f} ms, outputs equal: {same}", flush=True)
         del exe, state
     del llm, engine
-    return rows
 
 
 def slopes(rows: list[dict], depths: list[int]) -> dict:
@@ -193,22 +194,26 @@ def main() -> None:
     args = ap.parse_args()
     depths = args.v4_flash_layers or [2, 4]
     allocator = os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default")
-    rows = []
-    for layers in depths:
-        rows += measure_depth(layers, args, {v: VARIANTS[v] for v in args.variants})
-    slope = slopes(rows, depths)
     label = ("V4-Flash dimensions" + (", release formats" if args.quantized else ", bf16")
              if args.v4_flash_layers else f"{SMALL_CPU.relative_to(REPO)}, sliced")
-    payload = {"model": label, "batch": args.batch, "context": args.context,
-               "allocator": allocator, "rows": rows, "slope_ms_per_layer": slope,
-               "environment": environment()}
     platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
     name = args.name or f"launch-options-{platform}" + ("" if allocator == "default" else
                                                          f"-{allocator}")
-    print(write_results(name, payload, table(rows, slope, allocator)).read_text())
+    rows: list[dict] = []
+
+    def record(row: dict) -> None:
+        rows.append(row)
+        slope = slopes(rows, depths)
+        payload = {"model": label, "batch": args.batch, "context": args.context,
+                   "allocator": allocator, "rows": rows, "slope_ms_per_layer": slope,
+                   "environment": environment()}
+        write_results(name, payload, table(rows, slope, allocator))
+
+    for layers in depths:
+        measure_depth(layers, args, {v: VARIANTS[v] for v in args.variants}, record)
+    print(table(rows, slopes(rows, depths), allocator))
     if not all(r["outputs_equal_default"] for r in rows):
         raise SystemExit("a variant's outputs differ from the default compile's")
-
 
 if __name__ == "__main__":
     main()
