@@ -162,6 +162,9 @@ RUNS = {
                            ("env", "XLA_PYTHON_CLIENT_ALLOCATOR=vmm",
                             *bench("launch_options.py", *LAUNCH_OPTIONS, "--variants", "default",
                                    "skip-temp", "skip-profiled")))),
+    "depth-slope": Run(590, "the per-layer cost of a decode step at batch 1 and 16: quantized "
+                            "V4-Flash slices of 2, 4 and 8 layers against the roofline's slope",
+                       (bench("depth_slope.py", "--quantized"),)),
     "spec-verify": Run(590, "the verify step's cost for 1/3/5 drafts against a plain step (4 "
                             "V4-Flash layers + MTP, 4k context, batch 1/16/64) and the speed-up "
                             "the trained tiny model's acceptance implies (as spec-verify-cpu "
@@ -203,11 +206,14 @@ def install_wheels() -> Path | None:
     return site
 
 
-def environment(results: Path, site: Path | None) -> dict[str, str]:
+def environment(results: Path, site: Path | None, allocator: str | None) -> dict[str, str]:
     """The runs' environment: this repository (and the wheels) first on the path, results
     to the output directory, XLA's autotuning kept in .cache/autotune between runs (without
-    autotuning XLA picked a 10 TFLOP/s GEMM for 8192^3, so it stays on)."""
+    autotuning XLA picked a 10 TFLOP/s GEMM for 8192^3, so it stays on), and jax's GPU
+    allocator where one is named (the result files record it with the environment)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", BENCH_RESULTS_DIR=str(results))
+    if allocator:
+        env["XLA_PYTHON_CLIENT_ALLOCATOR"] = allocator
     env["PYTHONPATH"] = os.pathsep.join(
         [*([str(site)] if site else []), str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     autotune = REPO / ".cache" / "autotune"
@@ -302,6 +308,8 @@ def main() -> None:
     ap.add_argument("--limit-s", type=int, default=None,
                     help="every named run's time limit (a run longer than one device call, "
                          "started detached: bench/README.md)")
+    ap.add_argument("--allocator", default=None, choices=("bfc", "vmm", "cuda_async"),
+                    help="jax's GPU allocator for every run (XLA_PYTHON_CLIENT_ALLOCATOR)")
     args = ap.parse_args()
     if args.list or not args.names:
         for name, run in RUNS.items():
@@ -318,7 +326,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="gpu-suite-")) if args.pack else out
     (work / "logs").mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _raise_stopped)
-    env = environment(work / "results", install_wheels())
+    env = environment(work / "results", install_wheels(), args.allocator)
     gpu_snapshot(work / "gpu.txt")
     summary = ["| run | exit | seconds | last lines |", "|---|---:|---:|---|"]
     for name in names:

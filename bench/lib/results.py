@@ -2,7 +2,7 @@
 $BENCH_RESULTS_DIR, where a GPU suite collects a run's files apart from the tree's), each
 stamped with what a reader needs to trust or repeat the figure: the date, the device, the
 library versions, the commit and the exact command, its environment settings included (the
-DEEPINFER_* and XLA_FLAGS variables change what runs)."""
+DEEPINFER_*, XLA_FLAGS and XLA_PYTHON_CLIENT_* variables change what runs)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def commit() -> str | None:
 def command() -> str:
     """This process's command line, as one could type it again from the repository root."""
     settings = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
-                if k.startswith("DEEPINFER_") or k == "XLA_FLAGS"]
+                if k.startswith(("DEEPINFER_", "XLA_PYTHON_CLIENT_")) or k == "XLA_FLAGS"]
     script = Path(sys.argv[0]).resolve()
     script = script.relative_to(REPO) if script.is_relative_to(REPO) else script
     return " ".join([*settings, "python", shlex.join([str(script), *sys.argv[1:]])])
