@@ -108,10 +108,8 @@ def measure_depth(layers: int, args, variants: dict, record) -> None:
     decision = engine.scheduler.schedule()        # booked as launched; nothing reads it back
     bucket = token_bucket(engine.step_cfg.token_buckets, decision.num_tokens)
     plan = build_plan(decision, bucket, engine.step_cfg)
-    truncation = next(t for (b, t), step in engine.steps.by_key.items()
-                      if b == bucket and step is engine.steps.select(bucket,
-                                                                     decision.truncating_sampler))
     compiled = engine.steps.select(bucket, decision.truncating_sampler)
+    truncation = next(t for (b, t), step in engine.steps.by_key.items() if step is compiled)
     plan_host = compiled.plan_wire.pack_host(plan)
     lowered = lower_step(engine.params, engine.state, llm.model.config, engine.step_cfg, bucket,
                          truncation=truncation)
