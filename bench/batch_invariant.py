@@ -57,6 +57,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--name", default=None,
+                    help="the result files' name (default batch-invariant-<platform>[-tileN])")
     ap.add_argument("--buckets", type=int, nargs="+", default=None,
                     help="token buckets to compile (default: powers of two up to --chunk)")
     args = ap.parse_args()
@@ -109,7 +111,7 @@ def main() -> None:
     payload["invariant_tile"] = tile
     default_tile = 8 if device == "cpu" else 64          # config/options.py's per device
     suffix = "" if tile == default_tile else f"-tile{tile}"   # a variant's own file
-    write_results(f"batch-invariant-{device}{suffix}", payload, table)
+    write_results(args.name or f"batch-invariant-{device}{suffix}", payload, table)
     print(table)
 
 

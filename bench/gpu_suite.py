@@ -39,7 +39,7 @@ V4_BATCH_INVARIANT = ["--v4-flash-layers", "2", "--prefill", "8192", "--decode-b
 # issue 35's settings: 4k-context decode at batch 16 and 64, the 8k prefill in one chunk
 V4_BATCH_INVARIANT_E2E = ["--v4-flash-layers", "2", "--prefill", "8192", "--chunk", "8192",
                           "--context", "4096", "--decode-batches", "16", "64", "--steps", "16",
-                          "--buckets", "16", "64", "8192"]
+                          "--buckets", "16", "64", "8192", "--name", "batch-invariant-e2e-gpu"]
 
 # bench/launch_options.py's GPU run: the slope between 2 and 4 layers at batch 1
 LAUNCH_OPTIONS = ["--v4-flash-layers", "2", "4", "--batch", "1", "--context", "4096",
