@@ -171,8 +171,11 @@ def resolve_compute(device: DeviceFacts = CPU, *, formulation: str | None = None
     else:
         choices = _kernels_from_environment(env, device)
         if batch_invariant and choices.attention_min_tokens:
-            # a size threshold would make a row's path follow its batch
-            choices = dataclasses.replace(choices, sink_attention=("reference",))
+            # a size threshold would make a row's path follow its batch: the kernel then runs
+            # at every size. It is invariant by construction (one program per token, its rows
+            # in a fixed order; test_rows_stay_invariant_on_the_kernels on the H200), where
+            # the reference would run the prefill in a loop of row tiles
+            choices = dataclasses.replace(choices, attention_min_tokens=0)
     tile = invariant_tile or int(env.get("DEEPINFER_INVARIANT_TILE") or 0) or (
         # 8 rows on the CPU (little padding); 64 on GPUs, where each tile is one more
         # iteration of launches and re-reads every weight it multiplies. A property of the

@@ -60,9 +60,10 @@ def test_a_chosen_attention_kernel_runs_at_every_size():
     assert resolve_compute(H200, environ={}).kernels.attention_min_tokens == ATTENTION_MIN_TOKENS
 
 
-def test_batch_invariant_mode_leaves_out_a_size_dependent_attention_kernel():
+def test_batch_invariant_mode_runs_the_attention_kernel_at_every_size():
     default = resolve_compute(H200, batch_invariant=True, environ={}).kernels
-    assert default.sink_attention == ("reference",)
+    assert default.sink_attention == ("mosaic_gpu", "reference")
+    assert default.attention_min_tokens == 0        # no size threshold: a row's path is fixed
     assert default.grouped_gemm == ("mosaic_gpu", "reference")
     asked = resolve_compute(H200, batch_invariant=True, environ={
         "DEEPINFER_KERNEL_SINK_ATTENTION": "mosaic_gpu"}).kernels

@@ -85,6 +85,21 @@ def test_the_kernels_refuse_batches_under_min_tokens():
         np.asarray(reference.sink_attention(q, kv, visible, sinks), np.float32))
 
 
+def test_a_tokens_result_does_not_follow_its_batch():
+    """Batch-invariant mode runs the kernel at every batch size (config/options.py): its
+    default config must not change with the tokens, and a token's output must be bitwise the
+    one it gets alone."""
+    assert all(api.default_config(t) == api.default_config(1) for t in (16, 64, 8192))
+    assert api.default_config(1).num_splits == 1
+    q, kv, visible, sinks = problem(5, 64, 100, "random", seed=7)
+    batched = np.asarray(api.sink_attention(q, kv, visible, sinks, implementation=KERNEL),
+                         np.float32)
+    for t in (0, 3):
+        alone = api.sink_attention(q[t:t + 1], kv[t:t + 1], visible[t:t + 1], sinks,
+                                   implementation=KERNEL)
+        np.testing.assert_array_equal(np.asarray(alone, np.float32)[0], batched[t])
+
+
 @pytest.mark.parametrize("splits", [2, 4])
 @pytest.mark.parametrize("pattern", ["random", "first few", "none"])
 def test_rows_split_over_programs(splits, pattern):
