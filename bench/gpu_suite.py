@@ -183,11 +183,28 @@ RUNS = {
                            "slice (random weights) against LLM.generate on the same requests",
                       (bench("serve_load.py", *SERVE_LOAD),)),
     "step-profile": Run(480, "batch-1 decode (4 V4-Flash layers, 4k context) and an 8k prefill "
-                             "step (2 layers): host vs device, kernels ranked",
+                             "step (2 layers): host vs device, every kernel with its source line",
                         (bench("step_profile.py", "--v4-flash-layers", "4", "--context", "4096",
-                               "--batch", "1", "--steps", "30", "--out", "{scratch}/b1"),
+                               "--batch", "1", "--steps", "30", "--out", "{scratch}/b1",
+                               "--name", "step-profile-gpu"),
                          bench("step_profile.py", "--v4-flash-layers", "2", "--prefill", "8192",
-                               "--steps", "5", "--out", "{scratch}/prefill"))),
+                               "--steps", "5", "--out", "{scratch}/prefill",
+                               "--name", "step-profile-prefill-gpu"))),
+    "step-profile-quantized": Run(
+        420, "batch-1 and batch-16 decode of the 4-layer slice in the release's formats (4k "
+             "context): host vs device, every kernel with its source line",
+        (bench("step_profile.py", "--v4-flash-layers", "4", "--context", "4096", "--batch", "1",
+               "--quantized", "--steps", "30", "--out", "{scratch}/q1",
+               "--name", "step-profile-b1-quantized-gpu"),
+         bench("step_profile.py", "--v4-flash-layers", "4", "--context", "4096", "--batch", "16",
+               "--quantized", "--steps", "30", "--out", "{scratch}/q16",
+               "--name", "step-profile-b16-quantized-gpu"))),
+    "step-profile-invariant": Run(
+        300, "the batch-invariant mode's 8k single-chunk prefill step (2 V4-Flash layers): every "
+             "kernel with its source line",
+        (bench("step_profile.py", "--v4-flash-layers", "2", "--prefill", "8192", "--steps", "5",
+               "--batch-invariant", "--out", "{scratch}/inv",
+               "--name", "step-profile-invariant-prefill-gpu"),)),
 }
 
 

@@ -12,7 +12,8 @@ overlapped loop cannot go below) and, with --out, the runtime's host events of t
 by name, (3) with --out, a profiler trace and the device kernels ranked by total time (from
 the trace's Perfetto JSON), each with the model line it came from (the optimised HLO's
 source metadata, bench/lib/hlo_sources.py). With --prefill N: (2) and (3) for one
-N-token prompt in one step instead.
+N-token prompt in one step instead. With --name, the figures and every kernel (not only the
+top ones printed) also go to bench/results/NAME.{json,md}.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from bench.lib.device_time import (  # noqa: E402
     trace_events,
 )
 from bench.lib.hlo_sources import describe  # noqa: E402
+from bench.lib.results import write_results  # noqa: E402
 from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
 from deepinfer_jax.host.buckets import token_bucket  # noqa: E402
 from deepinfer_jax.host.plan_builder import build_plan  # noqa: E402
@@ -64,14 +66,17 @@ def build(args) -> LLM:
     return LLM(args.model, **common)
 
 
-def kernel_table(trace_dir: Path, steps: int, top: int = 25) -> list[tuple[str, float, int]]:
+def kernel_table(trace_dir: Path, steps: int, record: dict) -> list[tuple[str, float, int]]:
+    """Every kernel of the traced steps, (name, ms a step, calls a step), longest first."""
     totals = kernel_totals(trace_events(trace_dir), steps)
-    print(f"device: {sum(ms for ms, _ in totals.values()):.2f} ms busy, "
-          f"{sum(c for _, c in totals.values()):.0f} events per step")
-    return sorted(((n, ms, c) for n, (ms, c) in totals.items()), key=lambda r: -r[1])[:top]
+    record["device_busy_ms"] = sum(ms for ms, _ in totals.values())
+    record["kernels_per_step"] = sum(c for _, c in totals.values())
+    print(f"device: {record['device_busy_ms']:.2f} ms busy, "
+          f"{record['kernels_per_step']:.0f} events per step")
+    return sorted(((n, ms, c) for n, (ms, c) in totals.items()), key=lambda r: -r[1])
 
 
-def steady_decode(llm: LLM, args) -> None:
+def steady_decode(llm: LLM, args, record: dict) -> None:
     """Reach steady decode at args.batch requests, then split the loop's time (with
     --launch-ab, again with the step launched from the loop's own thread)."""
     engine, vocab = llm.engine, llm.model.config.vocab_size
@@ -85,15 +90,17 @@ def steady_decode(llm: LLM, args) -> None:
         engine.step()
     for _ in range(5):
         engine.step()
-    loop_split(engine, args.steps, "launch thread" if engine.host.launch_thread else "")
+    label = "launch thread" if engine.host.launch_thread else "no launch thread"
+    record["loop"] = {label: loop_split(engine, args.steps, label)}
     if args.launch_ab:
         engine.set_launch_thread(False)       # the same engine, no worker thread
         for _ in range(5):
             engine.step()
-        loop_split(engine, args.steps, "no launch thread")
+        record["loop"]["no launch thread"] = loop_split(engine, args.steps, "no launch thread")
 
 
-def loop_split(engine, steps: int, label: str) -> None:
+def loop_split(engine, steps: int, label: str) -> dict:
+    """The loop's wall time per step and its split, ms."""
     stats = engine.stats
     before = (stats.steps, stats.host_seconds, stats.wait_seconds)
     profile = cProfile.Profile()
@@ -109,9 +116,10 @@ def loop_split(engine, steps: int, label: str) -> None:
     print(f"loop ({label}): {1e3 * wall:.2f} ms/step = host {1e3 * host:.2f} + waiting "
           f"{1e3 * wait:.2f}")
     pstats.Stats(profile).sort_stats("tottime").print_stats(15)
+    return {"ms": 1e3 * wall, "host_ms": 1e3 * host, "waiting_ms": 1e3 * wait}
 
 
-def dispatch_cost(compiled, params, state, plan, buffer, args):
+def dispatch_cost(compiled, params, state, plan, buffer, args, record: dict):
     """How long the host takes to launch the step, with the device idle at each call (each
     call waited for before the next): a loop that overlaps launching with running can only
     be as fast as this. Both with a fresh plan per call (the engine's case: XLA's CUDA
@@ -130,6 +138,9 @@ def dispatch_cost(compiled, params, state, plan, buffer, args):
                 whole.append(time.perf_counter() - start)
         print(f"dispatch ({label}, each call waited for): launch {1e3 * np.median(launch):.2f} "
               f"ms (min {1e3 * min(launch):.2f}), launch + run {1e3 * np.median(whole):.2f} ms")
+        record.setdefault("dispatch", {})[label] = {
+            "launch_ms": 1e3 * float(np.median(launch)), "launch_min_ms": 1e3 * min(launch),
+            "launch_and_run_ms": 1e3 * float(np.median(whole))}
     if args.out:
         trace_dir = args.out / "dispatch-trace"
         with jax.profiler.trace(str(trace_dir), profiler_options=runtime_trace_options()):
@@ -138,7 +149,8 @@ def dispatch_cost(compiled, params, state, plan, buffer, args):
                 jax.block_until_ready(out)
         events = trace_events(trace_dir)
         print("the launching thread's host events per call, nested events counted in each:")
-        for e in host_totals(events, 10, launching_thread(events), top=40):
+        record["launch_host_events"] = host_totals(events, 10, launching_thread(events), top=40)
+        for e in record["launch_host_events"]:
             print(f"{e['ms_per_call']:8.3f} ms  x{e['count_per_call']:<6.1f} {e['name']}")
     return state
 
@@ -163,7 +175,12 @@ def main() -> None:
                     help="with --v4-flash-layers: weights in the release's formats (FP8, FP4)")
     ap.add_argument("--launch-ab", action="store_true",
                     help="then the same loop with the step launched from the loop's thread")
+    ap.add_argument("--name", default=None,
+                    help="also write bench/results/NAME.{json,md} (every kernel, with --out)")
     args = ap.parse_args()
+    record: dict = {"case": {k: getattr(args, k) for k in (
+        "v4_flash_layers", "batch", "context", "budget", "prefill", "chunk", "batch_invariant",
+        "quantized")}}
     if args.prefill:
         args.budget, args.batch, args.context = args.chunk or args.prefill, 1, args.prefill
     llm = build(args)
@@ -175,7 +192,7 @@ def main() -> None:
         while request.num_tokens - request.num_computed > args.budget:
             engine.step()       # chunked: profile the last chunk, the one that sees the most
     else:
-        steady_decode(llm, args)
+        steady_decode(llm, args, record)
     engine.set_launch_thread(False)     # waits for the launched steps: the state is settled
     # The compiled step alone: the same plan, called back to back (the state is donated).
     # (schedule() books it as launched; the engine is not stepped again after this)
@@ -193,6 +210,7 @@ def main() -> None:
     jax.block_until_ready(out)
     device = (time.perf_counter() - start) / args.steps
     print(f"compiled step alone (bucket {bucket}): {1e3 * device:.2f} ms")
+    record["bucket"], record["step_alone_ms"] = bucket, 1e3 * device
     # The same with one plan buffer on the device, passed every call: if XLA's CUDA graphs are
     # re-recorded when an input's address changes, this call skips that (an A/B, issue 11).
     buffer = jax.device_put(compiled.plan_wire.pack_host(plan))
@@ -203,20 +221,47 @@ def main() -> None:
     for _ in range(args.steps):
         state, out = compiled.executable(engine.params, state, buffer)
     jax.block_until_ready(out)
+    record["step_alone_plan_reused_ms"] = 1e3 * (time.perf_counter() - start) / args.steps
     print(f"compiled step alone, one plan buffer on the device reused: "
-          f"{1e3 * (time.perf_counter() - start) / args.steps:.2f} ms")
-    state = dispatch_cost(compiled, engine.params, state, plan, buffer, args)
+          f"{record['step_alone_plan_reused_ms']:.2f} ms")
+    state = dispatch_cost(compiled, engine.params, state, plan, buffer, args, record)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         with jax.profiler.trace(str(args.out / "trace"), create_perfetto_trace=True):
             for _ in range(10):
                 state, out = compiled(engine.params, state, plan)
             jax.block_until_ready(out)
-        table = kernel_table(args.out / "trace", 10, top=args.top or (40 if args.prefill else 25))
+        table = kernel_table(args.out / "trace", 10, record)
         sources = describe(compiled.executable.as_text(), [name for name, _, _ in table])
-        for name, ms, count in table:
+        record["kernels"] = [{"name": name, "ms": ms, "calls": count,
+                              "source": sources.get(name, "")} for name, ms, count in table]
+        for name, ms, count in table[:args.top or (40 if args.prefill else 25)]:
             print(f"{ms:8.3f} ms  x{count:<4} {name}  {sources.get(name, '')}")
     engine.state = state
+    if args.name:
+        write_results(args.name, record, summary(record))
+
+
+def summary(record: dict) -> str:
+    """The result file's Markdown: the figures, then every kernel."""
+    lines = ["| what | ms a step |", "|---|---:|"]
+    for label, loop in record.get("loop", {}).items():
+        lines.append(f"| engine loop ({label}) | {loop['ms']:.2f} (host {loop['host_ms']:.2f} + "
+                     f"waiting {loop['waiting_ms']:.2f}) |")
+    lines.append(f"| compiled step alone, back to back (bucket {record['bucket']}), a fresh plan "
+                 f"each call / one plan buffer reused | {record['step_alone_ms']:.2f} / "
+                 f"{record['step_alone_plan_reused_ms']:.2f} |")
+    for label, d in record["dispatch"].items():
+        lines.append(f"| launch alone, each call waited for ({label}) | {d['launch_ms']:.2f} "
+                     f"(min {d['launch_min_ms']:.2f}) |")
+    if "kernels" in record:
+        lines.append(f"| device busy (profiler, 10 steps) | {record['device_busy_ms']:.2f} in "
+                     f"{record['kernels_per_step']:.0f} kernels |")
+        lines += ["", "Every kernel, by total time a step:", "",
+                  "| kernel | ms | calls | source |", "|---|---:|---:|---|"]
+        lines += [f"| `{k['name']}` | {k['ms']:.3f} | {k['calls']:g} | {k['source']} |"
+                  for k in record["kernels"]]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
