@@ -141,6 +141,8 @@ def main() -> None:
                     help="a spec-verify result file (.json) whose tiny-model acceptance to use "
                          "instead of measuring it again (the GPU run then compiles 4 engines "
                          "fewer)")
+    ap.add_argument("--name", default=None,
+                    help="the result files' name (default spec-verify-<platform>)")
     args = ap.parse_args()
 
     acceptance = (tiny_acceptance(args.ks, 8, args.tiny_tokens) if args.acceptance_from is None
@@ -206,7 +208,8 @@ def main() -> None:
               f"{args.tiny_tokens} tokens, exactly k drafts a step): " + ", ".join(
                   f"k={k}: {a['tokens_per_verify_step']:.2f} tokens/step, outputs equal "
                   f"{a['outputs_equal']}/8" for k, a in acceptance.items())]
-    write_results(f"spec-verify-{jax.devices()[0].platform}", payload, "\n".join(lines))
+    write_results(args.name or f"spec-verify-{jax.devices()[0].platform}", payload,
+                  "\n".join(lines))
     print("\n".join(lines))
 
 
