@@ -32,7 +32,7 @@ def test_ties_and_crowded_chunks(chunk):
     x = np.asarray(rng.standard_normal((6, vocab)), np.float32)
     x[0] = 1.5                                                   # all tied
     x[1, 700: 700 + k] = 50.0 + np.arange(k)                     # the top k in one chunk
-    x[2, ::chunk] = 9.0                                          # 63 chunks share one maximum
+    x[2, ::chunk] = 9.0                                          # every chunk has one maximum
     x[2, 5 * chunk + 1] = 9.0                                    # and one chunk holds two of it
     x[3, chunk - 1::chunk] = 7.0                                 # maxima on the last slot
     x[3, chunk::chunk] = 7.0                                     # and the next chunk's first
