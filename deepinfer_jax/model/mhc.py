@@ -16,25 +16,33 @@ from deepinfer_jax.model.norms import unweighted_rms_norm
 from deepinfer_jax.model.params import HyperConnectionParams, HyperHeadParams
 from pallas_kernels.sinkhorn import api as sinkhorn_op
 
+# Batch-invariant mode pads the mix projection's columns to a multiple of this: 128-column
+# tiles let the invariant GEMM split its long K (hc * D) over programs (invariant_split_k),
+# and a large batch take the persistent kernel, which reads the streams once.
+MIX_COLUMNS = 128
+
 
 def _mixes(streams: jax.Array, fn: jax.Array, eps: float, compute: ComputeConfig) -> jax.Array:
     """streams [..., hc, D] -> f32[..., n_mix]: a linear map of the RMS-normalised flat streams.
 
-    bf16 streams (the default mode): the norm is one factor per token, so it is applied to
-    the n_mix sums instead of the hc * D inputs, and the float32 weight is split into three
-    bf16 parts (hi + mid + lo holds its 24-bit mantissa) so the projection is one bf16 GEMM
-    with float32 sums of exact products: float32 accuracy, without a float32 copy of the
-    streams or a float32 GEMM (that GEMM at HIGHEST precision, over a normalised copy written
-    out, is slower on the H200, though this form reads the streams twice:
-    docs/performance-log.md). The batch-invariant mode keeps the form proven invariant on the
-    H200."""
+    bf16 streams: the norm is one factor per token, so it is applied to the n_mix sums
+    instead of the hc * D inputs, and the float32 weight is split into three bf16 parts
+    (hi + mid + lo holds its 24-bit mantissa) so the projection is one bf16 GEMM with float32
+    sums of exact products: float32 accuracy, without a float32 copy of the streams or a
+    float32 GEMM (that GEMM at HIGHEST precision, over a normalised copy written out, is
+    slower on the H200, though this form reads the streams twice: docs/performance-log.md).
+    In batch-invariant mode that GEMM is the invariant dense kernel's, its 3 * n_mix columns
+    zero-padded to the kernel's split tile (float32 operands have no kernel: their jnp
+    reference would run in a loop of row tiles)."""
     flat = streams.reshape(*streams.shape[:-2], -1)
-    if compute.batch_invariant or flat.dtype != jnp.bfloat16:
+    if flat.dtype != jnp.bfloat16:
         return linear(unweighted_rms_norm(flat.astype(jnp.float32), eps), fn, compute)
-    parts = bf16_parts(fn.astype(jnp.float32))                              # [3, K, n_mix]
     n_mix = fn.shape[-1]
-    sums = jnp.matmul(flat, jnp.concatenate(parts, axis=-1), preferred_element_type=jnp.float32)
-    projected = (sums[..., :n_mix] + sums[..., n_mix:2 * n_mix]) + sums[..., 2 * n_mix:]
+    weight = jnp.concatenate(bf16_parts(fn.astype(jnp.float32)), axis=-1)    # [K, 3 n_mix]
+    if compute.batch_invariant:
+        weight = jnp.pad(weight, ((0, 0), (0, -weight.shape[-1] % MIX_COLUMNS)))
+    sums = linear(flat, weight, compute, out_dtype=jnp.float32)
+    projected = (sums[..., :n_mix] + sums[..., n_mix:2 * n_mix]) + sums[..., 2 * n_mix:3 * n_mix]
     x32 = flat.astype(jnp.float32)
     return projected * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
 
@@ -96,7 +104,9 @@ def hc_pre(streams: jax.Array, p: HyperConnectionParams, *, hc_eps: float, norm_
 def hc_post(block_out: jax.Array, streams: jax.Array, post: jax.Array, comb: jax.Array,
             compute: ComputeConfig) -> jax.Array:
     """X'_k = post_k * f + sum_j comb[j, k] X_j.  block_out [..., D], streams [..., hc, D]."""
-    if compute.batch_invariant:   # per token: [T', D], [T', hc, D], [T', hc], [T', hc, hc]
+    # elementwise per token, so invariant by itself on a GPU; the CPU's vectorised loops are
+    # not (ComputeConfig.tile_segments): there it runs in row tiles
+    if compute.tile_segments:     # per token: [T', D], [T', hc, D], [T', hc], [T', hc, hc]
         n = block_out.ndim - 1
         rows = [a.reshape(-1, *a.shape[n:]) for a in (block_out, streams, post, comb)]
         return per_row_tiles(_mix_streams, *rows, tile=compute.invariant_tile
