@@ -47,7 +47,8 @@ def segments(compute: ComputeConfig) -> Callable:
     return rowwise(compute) if compute.tile_segments else _apply
 
 
-def linear(x: jax.Array, w: jax.Array, compute: ComputeConfig, out_dtype=None) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array, compute: ComputeConfig, out_dtype=None,
+           k_ranges: int | None = None) -> jax.Array:
     """x [..., K] @ w [K, N], the result in out_dtype (default: the operands' type). With
     out_dtype float32 and bf16 operands this is a float32 matmul of them (each product is
     exact in float32, the sum is float32) without converting w first. Float32 operands are
@@ -55,7 +56,9 @@ def linear(x: jax.Array, w: jax.Array, compute: ComputeConfig, out_dtype=None) -
     reference model, torch with TF32 off, does not use.
 
     w may be FP8 (Fp8Blocks): the GEMM kernel dequantizes it tile by tile as it reads
-    (fp8_linear); where no kernel takes it, it is dequantized in the step first."""
+    (fp8_linear); where no kernel takes it, it is dequantized in the step first.
+    k_ranges: batch-invariant mode's K split for this weight (invariant_gemm.matmul), a
+    function of its shape; the default mode's one product has no ranges to fix."""
     if isinstance(w, Fp8Blocks):
         return fp8_linear(x, w, compute, out_dtype)
     if not compute.batch_invariant:
@@ -63,7 +66,8 @@ def linear(x: jax.Array, w: jax.Array, compute: ComputeConfig, out_dtype=None) -
         return jnp.matmul(x, w, preferred_element_type=out_dtype, precision=precision)
     flat = x.reshape(-1, x.shape[-1])
     out = invariant_gemm.matmul(flat, w, implementation=compute.kernels.grouped_gemm,
-                                out_dtype=out_dtype, row_tile=compute.invariant_tile)
+                                out_dtype=out_dtype, row_tile=compute.invariant_tile,
+                                k_ranges=k_ranges)
     return out.reshape(*x.shape[:-1], w.shape[-1])
 
 

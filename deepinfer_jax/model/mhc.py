@@ -16,10 +16,13 @@ from deepinfer_jax.model.norms import unweighted_rms_norm
 from deepinfer_jax.model.params import HyperConnectionParams, HyperHeadParams
 from pallas_kernels.sinkhorn import api as sinkhorn_op
 
-# Batch-invariant mode pads the mix projection's columns to a multiple of this: 128-column
-# tiles let the invariant GEMM split its long K (hc * D) over programs (invariant_split_k),
-# and a large batch take the persistent kernel, which reads the streams once.
+# Batch-invariant mode's mix projection on the invariant GEMM: its columns padded to a
+# multiple of MIX_COLUMNS (the kernel's split tile), and its long K (hc * D) summed in ranges
+# of MIX_K_RANGE, a function of the weight's shape alone: 16 programs for a decode batch's
+# 16384 x 128 (one would read the whole weight), 16 float32 partials a row for a prefill's;
+# a K it does not divide takes the weight shape's own split (invariant_split_k).
 MIX_COLUMNS = 128
+MIX_K_RANGE = 1024
 
 
 def _mixes(streams: jax.Array, fn: jax.Array, eps: float, compute: ComputeConfig) -> jax.Array:
@@ -32,16 +35,18 @@ def _mixes(streams: jax.Array, fn: jax.Array, eps: float, compute: ComputeConfig
     float32 GEMM (that GEMM at HIGHEST precision, over a normalised copy written out, is
     slower on the H200, though this form reads the streams twice: docs/performance-log.md).
     In batch-invariant mode that GEMM is the invariant dense kernel's, its 3 * n_mix columns
-    zero-padded to the kernel's split tile (float32 operands have no kernel: their jnp
-    reference would run in a loop of row tiles)."""
+    zero-padded and its K in fixed ranges (MIX_COLUMNS, MIX_K_RANGE; float32 operands have no
+    kernel: their jnp reference would run in a loop of row tiles)."""
     flat = streams.reshape(*streams.shape[:-2], -1)
     if flat.dtype != jnp.bfloat16:
         return linear(unweighted_rms_norm(flat.astype(jnp.float32), eps), fn, compute)
     n_mix = fn.shape[-1]
     weight = jnp.concatenate(bf16_parts(fn.astype(jnp.float32)), axis=-1)    # [K, 3 n_mix]
+    k = flat.shape[-1]
     if compute.batch_invariant:
         weight = jnp.pad(weight, ((0, 0), (0, -weight.shape[-1] % MIX_COLUMNS)))
-    sums = linear(flat, weight, compute, out_dtype=jnp.float32)
+    sums = linear(flat, weight, compute, out_dtype=jnp.float32,
+                  k_ranges=k // MIX_K_RANGE if k % MIX_K_RANGE == 0 else None)
     projected = (sums[..., :n_mix] + sums[..., n_mix:2 * n_mix]) + sums[..., 2 * n_mix:3 * n_mix]
     x32 = flat.astype(jnp.float32)
     return projected * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)

@@ -83,12 +83,12 @@ def persistent_config(n_out: int, splits: int) -> PersistentConfig:
     return PersistentConfig(block_n=block_n, max_concurrent_steps=3, store_n=32)
 
 
-def dense_invariant_config(num_rows: int, n_out: int, k: int | None = None
-                           ) -> TileConfig | PersistentConfig:
+def dense_invariant_config(num_rows: int, n_out: int, k: int | None = None,
+                           k_ranges: int | None = None) -> TileConfig | PersistentConfig:
     """matmul's config for M = num_rows in batch-invariant mode (k: the weight's rows, for
-    the K split)."""
-    splits = invariant_split_k(k, n_out) if k else 1
-    if k and num_rows >= PERSISTENT_MIN_ROWS and n_out % 128 == 0:
+    the K split; k_ranges: the caller's K split instead, on the per-tile kernel at every M)."""
+    splits = k_ranges or (invariant_split_k(k, n_out) if k else 1)
+    if k and num_rows >= PERSISTENT_MIN_ROWS and n_out % 128 == 0 and not k_ranges:
         config = persistent_config(n_out, splits)
         if k % (splits * config.block_k) == 0 and n_out % config.block_n == 0:
             return config
@@ -122,21 +122,27 @@ def persistent_fits(w: jax.Array, config: PersistentConfig, splits: int, dtype) 
 
 
 def matmul(x: jax.Array, w: jax.Array, *, implementation: Implementation = "reference",
-           config: Config | None = None, out_dtype=None, row_tile: int | None = None
-           ) -> jax.Array:
+           config: Config | None = None, out_dtype=None, row_tile: int | None = None,
+           k_ranges: int | None = None) -> jax.Array:
     """Batch-invariant x [M, K] @ w [K, N] -> [M, N] in out_dtype (default: x's dtype), the
     products summed in f32 (a row's K sum in one order whatever M: dense_invariant_config).
     row_tile: the reference multiplies the rows in tiles of this many, one after the other
-    (None: all at once, which is no longer invariant)."""
+    (None: all at once, which is no longer invariant).
+
+    k_ranges: the kernel sums K in this many ranges at every M, the ranges' partials added
+    after (invariant only if the caller derives it from the weight's shape alone). For a
+    narrow weight with a long K (the mHC mixes, 16384 x 128): the shape's own split is 32
+    ranges, which a large batch would run as a chain of 32 persistent-kernel launches, each
+    traced and compiled apart; the partials of fewer ranges cost less than that."""
     return dispatch("invariant_matmul", _MATMUL, implementation, x, w, config=config,
-                    out_dtype=out_dtype, row_tile=row_tile)
+                    out_dtype=out_dtype, row_tile=row_tile, k_ranges=k_ranges)
 
 
-def _matmul_kernel(x, w, *, config, out_dtype, row_tile, interpret):
+def _matmul_kernel(x, w, *, config, out_dtype, row_tile, k_ranges, interpret):
     if x.dtype != w.dtype or (out_dtype is not None
                               and jnp.dtype(out_dtype) not in (x.dtype, jnp.float32)):
         raise NotSupported(f"{x.dtype} @ {w.dtype} -> {out_dtype}")
-    config = config or dense_invariant_config(x.shape[0], w.shape[1], w.shape[0])
+    config = config or dense_invariant_config(x.shape[0], w.shape[1], w.shape[0], k_ranges)
     out_dtype = out_dtype or x.dtype
     if isinstance(config, PersistentConfig):   # the same K ranges as every other M's
         splits = invariant_split_k(w.shape[0], w.shape[1])
@@ -167,7 +173,7 @@ def _matmul_kernel(x, w, *, config, out_dtype, row_tile, interpret):
         return out[:rows].astype(out_dtype)
 
 
-def _matmul_reference(x, w, *, config, out_dtype, row_tile):
+def _matmul_reference(x, w, *, config, out_dtype, row_tile, k_ranges):
     """Float32 operands are multiplied in float32: a GPU's default for them is TF32, which
     the reference model (torch with TF32 off) does not use."""
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None

@@ -100,6 +100,23 @@ def test_persistent_dense_kernel_lowers_for_cuda(splits):
     assert exported.mlir_module().count("mosaic_gpu") >= splits // config.ranges
 
 
+def test_the_callers_k_ranges_hold_at_every_batch_size(monkeypatch):
+    """k_ranges (the mHC mixes' fixed split): the per-tile split kernel at every M, a large
+    batch included (no persistent chain), and a row's bits the same alone as in the batch."""
+    monkeypatch.setattr(invariant, "PERSISTENT_MIN_ROWS", 128)      # 200 rows count as large
+    assert isinstance(invariant.dense_invariant_config(200, N, 4 * K),
+                      mosaic_gpu_persistent.PersistentConfig)
+    large = invariant.dense_invariant_config(200, N, 4 * K, k_ranges=4)
+    assert isinstance(large, TileConfig) and large.split_k == 4
+    rng = np.random.default_rng(14)
+    x, w = bitwise_operands(rng, (200, 4 * K), (4 * K, N))
+    full = np.asarray(invariant.matmul(x, w, implementation=KERNEL, k_ranges=4), np.float32)
+    close(full, np.asarray(x, np.float64) @ np.asarray(w, np.float64))
+    for m in (1, 3):
+        np.testing.assert_array_equal(np.asarray(invariant.matmul(
+            x[:m], w, implementation=KERNEL, k_ranges=4), np.float32), full[:m])
+
+
 SPLIT = TileConfig(block_m=64, block_n=128, split_k=4)     # K = 4 x 128: ranges of 2 steps
 GROUPED = TileConfig(block_m=64, block_n=64, split_k=4, group_tiles=3)   # 4 tiles: 3 + 1
 
