@@ -148,7 +148,7 @@ RUNS = {
                          (bench("kernels_dense.py"),)),
     "batch-invariant": Run(420, "the batch-invariant mode's cost, decode and chunked prefill",
                            (bench("batch_invariant.py", *V4_BATCH_INVARIANT),)),
-    "batch-invariant-e2e": Run(420, "the batch-invariant mode's cost at the e2e settings: 4k-context "
+    "batch-invariant-e2e": Run(590, "the batch-invariant mode's cost at the e2e settings: 4k-context "
                                     "decode at batch 16/64, the 8k prefill in one chunk",
                                (bench("batch_invariant.py", *V4_BATCH_INVARIANT_E2E),)),
     "overlap": Run(420, "the device's idle share in the asynchronous loop at batch 1/16/64, 4k "
@@ -167,11 +167,12 @@ RUNS = {
                        (bench("depth_slope.py", "--quantized"),)),
     **{f"spec-verify-k{k}": Run(
         590, f"the verify step's cost for {k} draft{'s' if k > 1 else ''} against a plain step (4 "
-             "V4-Flash layers + MTP, 4k context, batch 1/16/64) and the speed-up the trained tiny "
-             "model's acceptance implies (as spec-verify-cpu measured it); one k a run: each k "
-             "builds its own engine (about 250 s on the H200)",
-        (bench("spec_verify.py", "--v4-flash-layers", "4", "--batches", "1", "16", "64", "--ks",
-               str(k), "--acceptance-from", "bench/results/spec-verify-cpu.json",
+             "V4-Flash layers + MTP in the release's formats, 4k context, batch 1/16/64) and "
+             "the speed-up the trained tiny model's acceptance implies (as spec-verify-cpu "
+             "measured it); one k a run: each k builds its own engine (about 250 s on the H200)",
+        (bench("spec_verify.py", "--v4-flash-layers", "4", "--quantized", "--batches", "1",
+               "16", "64", "--ks", str(k), "--acceptance-from",
+               "bench/results/spec-verify-cpu.json",
                "--name", f"spec-verify-k{k}-gpu"),)) for k in (1, 3, 5)},
     "speculative": Run(480, "MTP speculative decoding on the tiny model (cold: ~5 min compiling)",
                        (bench("speculative.py", "--buckets", "16", "64", "256"),)),

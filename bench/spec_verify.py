@@ -2,7 +2,7 @@
 plain step, and the speed-up the trained tiny model's acceptance implies.
 
     python bench/spec_verify.py                                        # CPU: small config
-    python bench/spec_verify.py --v4-flash-layers 4 --batches 1 16 64  # GPU: V4-Flash slice
+    python bench/spec_verify.py --v4-flash-layers 4 --quantized --batches 1 16 64   # GPU
 
 1. Acceptance: the shipped trained model (models/deepinfer-tiny-v4) completes bench/
    speculative.py's held-out prompts greedily with exactly k drafts per step (confidence cut
@@ -137,6 +137,9 @@ def main() -> None:
     ap.add_argument("--check-tokens", type=int, default=32)
     ap.add_argument("--tiny-tokens", type=int, default=128)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--quantized", action="store_true",
+                    help="random weights in the release's formats (a 4-layer slice's bf16 "
+                         "experts and MTP layer do not fit an H100's 80 GB)")
     ap.add_argument("--acceptance-from", type=Path, default=None,
                     help="a spec-verify result file (.json) whose tiny-model acceptance to use "
                          "instead of measuring it again (the GPU run then compiles 4 engines "
@@ -150,7 +153,8 @@ def main() -> None:
     base = (slice_config(V4_FLASH, args.v4_flash_layers) if args.v4_flash_layers
             else read_model_config(args.config))
     cfg = dataclasses.replace(base, num_mtp_layers=1)
-    weights = jax.block_until_ready(random_params(cfg, 0, jnp.bfloat16))
+    weights = jax.block_until_ready(random_params(cfg, 0, jnp.bfloat16,
+                                                  release_formats=args.quantized))
     batch_max, k_max = max(args.batches), max(args.ks)
     budget = max(1024, batch_max * (k_max + 1))
     # tokens the first request may emit while the batch's other prompts prefill (no prefix
@@ -186,7 +190,9 @@ def main() -> None:
             print(rows[-1], flush=True)
         del llm
         gc.collect()
-    label = model_label(args, base) + " + 1 MTP layer, random bf16 weights"
+    label = model_label(args, base) + " + 1 MTP layer, random weights " + (
+        "in the release's formats (FP8 projections, FP4 routed experts)" if args.quantized
+        else "in bf16")
     payload = {"environment": environment(), "model": label, "context": args.context,
                "tiny_acceptance": acceptance, "tiny_acceptance_from": (
                    None if args.acceptance_from is None else str(args.acceptance_from)),
