@@ -219,8 +219,9 @@ def test_the_gpu_step_lowers_with_every_kernel(monkeypatch, cfg):
     assert "mosaic_gpu" in module
 
 
-@pytest.mark.parametrize("bucket", [16, 1024])
-def test_the_v4_flash_step_runs_no_row_tiles_on_a_gpu(bucket):
+@pytest.mark.parametrize("bucket, quantized", [(16, False), (1024, False), (1024, True)],
+                         ids=["decode", "prefill", "prefill-release-formats"])
+def test_the_v4_flash_step_runs_no_row_tiles_on_a_gpu(bucket, quantized):
     """At V4-Flash's dimensions every matmul-like op of the invariant step takes a kernel
     (the mHC mixes the dense GEMM's, in bf16 parts) and the per-token code runs untiled, so
     the step as lowered for CUDA has no loop over row tiles: each would be launches per
@@ -228,5 +229,5 @@ def test_the_v4_flash_step_runs_no_row_tiles_on_a_gpu(bucket):
     iterations a layer in the 8k prefill before)."""
     from bench.step_ops import census, lower
 
-    loops = census(lower(2, bucket, quantized=False, batch_invariant=True), {"while"}, 3)
+    loops = census(lower(2, bucket, quantized=quantized, batch_invariant=True), {"while"}, 3)
     assert not loops, loops
