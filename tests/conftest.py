@@ -13,6 +13,23 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# Compiling is most of an engine test's time on the CPU, and the tests run what they compile
+# for a few steps: without LLVM's optimisations of the generated code the tiny-mixed engine's
+# two buckets build in 6.3 s instead of 8.5, though 32 prompts then take 0.7 s instead of 0.4
+# (the suite's test time -16%: docs/performance-log.md). The programs XLA builds are the same
+# (its HLO passes all run); only the machine code is less tuned. A user's setting of the flag
+# wins.
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0",)
+
+
+def xla_flags(*extra: str) -> str:
+    """XLA_FLAGS for a test process (this one, or a subprocess with `extra` flags)."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    own = [f for f in TEST_XLA_FLAGS if f.split("=")[0] not in {g.split("=")[0] for g in flags}]
+    return " ".join([*flags, *own, *extra])
+
+
+os.environ["XLA_FLAGS"] = xla_flags()      # (before the CPU client exists, as below)
 # Compiled steps persist across test runs (and are shared by every engine with equal shapes).
 os.environ.setdefault("XDG_CACHE_HOME", str(REPO / ".cache" / "xdg"))
 # Every CPU computation runs to its end in the call that dispatches it. The kernels' GPU

@@ -28,7 +28,7 @@ from deepinfer_jax.parallel.eplb import (
     placement_tables,
     transfer_sources,
 )
-from tests.conftest import REPO
+from tests.conftest import REPO, xla_flags
 
 CFG = read_model_config(REPO / "configs/tiny/tiny-mixed.json")
 
@@ -85,7 +85,7 @@ def test_bad_balancer_options_name_the_sizes():
 
 @pytest.fixture(scope="module")
 def run():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"),
                JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, str(REPO / "tests/engine/eplb_run.py")], env=env,
                           capture_output=True, text=True, timeout=900, cwd=REPO)

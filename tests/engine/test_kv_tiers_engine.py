@@ -24,7 +24,7 @@ from deepinfer_jax.device.tier_copies import page_pools
 from deepinfer_jax.engine import tier_copies
 from deepinfer_jax.host.decision import TierLoad, TierSpill
 from deepinfer_jax.host.kv_tiers import TierEntry
-from tests.conftest import REPO
+from tests.conftest import REPO, xla_flags
 
 # A pool of 20 pages of 64 tokens: three ~560-token requests evict a cached 500-token prefix.
 ENGINE = dict(max_num_seqs=4, max_model_len=1024, max_num_batched_tokens=128,
@@ -206,7 +206,7 @@ def test_over_a_device_mesh_a_prefix_back_from_the_host_tier_equals_the_cold_run
     back and the prompt's tokens and logprobs are the same mesh's cold run, bit for bit. (The
     bf16 model meets the XLA CPU compiler abort the MoE's float32 sums work around:
     model/moe.py.)"""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"),
                JAX_PLATFORMS="cpu")
     meshes = ("1,4,1", "1,1,2,2", "2,2,1")
     done = subprocess.run([sys.executable, str(REPO / "tests/engine/tiers_mesh_run.py"), *meshes],

@@ -26,7 +26,7 @@ from deepinfer_jax.config.engine import EngineConfig, EngineConfigError
 from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.config.options import DeviceFacts
 from deepinfer_jax.parallel.distributed import join_processes
-from tests.conftest import REPO
+from tests.conftest import REPO, xla_flags
 from tests.model.v41_oracle import FIXTURES as V41_FIXTURES
 
 CFG = read_model_config(REPO / "configs/tiny/tiny-mixed.json")
@@ -74,7 +74,7 @@ def _processes(*args: str) -> tuple[dict[str, list[str]], dict[str, dict]]:
     """multihost_run.py's commands and environments, one a process, joined at a free port."""
     address = f"127.0.0.1:{_free_port()}"
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_EACH}")
+               XLA_FLAGS=xla_flags(f"--xla_force_host_platform_device_count={DEVICES_EACH}"))
     names = [f"process{process}" for process in range(PROCESSES)]
     commands = {name: [sys.executable, str(REPO / "tests/engine/multihost_run.py"), address,
                        str(PROCESSES), str(process), *args] for process, name in enumerate(names)}
@@ -90,7 +90,7 @@ def runs():
     commands, envs = _processes(*MESHES)
     commands["single"] = [sys.executable, str(REPO / "tests/engine/parallel_run.py"),
                           "configs/tiny/tiny-mixed.json"]
-    envs["single"] = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    envs["single"] = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags())
     return _outputs(_run_together(commands, envs))
 
 

@@ -19,14 +19,14 @@ import pytest
 from deepinfer_jax.config.engine import EngineConfig, EngineConfigError
 from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.config.options import DeviceFacts
-from tests.conftest import REPO
+from tests.conftest import REPO, xla_flags
 
 CFG = read_model_config(REPO / "configs/tiny/tiny-mixed.json")
 MESHES = ("1,8,1", "2,4,1", "2,2,2", "8,1,1")    # the four; (2,2,2) has every axis
 
 
 def run_meshes(config: str, meshes) -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"),
                JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, str(REPO / "tests/engine/parallel_run.py"),
                            config, *meshes], env=env,

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from deepinfer_jax.config.hf import read_model_config
-from tests.conftest import REPO
+from tests.conftest import REPO, xla_flags
 from tests.model.v41_oracle import FIXTURES
 
 pytestmark = pytest.mark.skipif(not FIXTURES[0].exists(), reason="no V4.1 oracle fixtures")
@@ -32,7 +32,7 @@ CASES = {"a": ("2,2,2:device", "2,4,1:prefix", "1,4,1,2:invariant"), "b": ("1,1,
 @pytest.fixture(scope="module", params=["a", pytest.param("b", marks=pytest.mark.slow)])
 def runs(request):
     folder = FIXTURES["ab".index(request.param)]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"),
                JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, str(REPO / "tests/engine/v41_parallel_run.py"),
                            str(folder), *CASES[request.param]], env=env, capture_output=True,

@@ -21,7 +21,7 @@ from deepinfer_jax.api.cli import main
 from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.weights import CheckpointError, load_params, orbax_store
 from pallas_kernels.quantized import Fp4Blocks, Fp8Blocks
-from tests.conftest import ORACLE_DIR, REPO
+from tests.conftest import ORACLE_DIR, REPO, xla_flags
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ MESHES = ("dp=2,ep=4", "ep=4,tp=2")
 def mesh_runs(checkpoint, store, tmp_path_factory):
     """Each mesh's engine from the store and from the checkpoint (tests/weights/
     orbax_mesh_run.py), in one process, so the two share their compiled steps."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"),
                JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, str(REPO / "tests/weights/orbax_mesh_run.py"),
                            str(checkpoint), str(store), str(tmp_path_factory.mktemp("steps")),

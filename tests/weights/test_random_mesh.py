@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, xla_flags
 
 CONFIG = REPO / "configs" / "tiny" / "tiny-mixed.json"
 LAYOUT = "dp=2,ep=4"       # the routed experts split over dp x ep = 8 devices
@@ -22,7 +22,7 @@ LAYOUT = "dp=2,ep=4"       # the routed experts split over dp x ep = 8 devices
 
 @pytest.fixture(scope="module")
 def run() -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"),
                JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, str(REPO / "tests/weights/random_mesh_run.py"),
                            str(CONFIG), LAYOUT], env=env, capture_output=True, text=True,
