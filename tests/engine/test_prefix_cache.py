@@ -130,7 +130,9 @@ def test_with_mtp_speculation_a_warm_cache_equals_a_cold_run():
     shares the first 256 tokens but not the token after them, so its lookup falls back to the
     snapshot before."""
     spec = {"method": "mtp", "num_speculative_tokens": 3, "varlen": False}
-    engine = {**ENGINE, "token_buckets": (BUDGET,)}    # one speculative step to compile
+    # decode and verify steps (a row and its 3 drafts) in a bucket of their own: the test's
+    # dozen short generations padded to the prefill's 128 rows cost more than its compile
+    engine = {**ENGINE, "token_buckets": (16, BUDGET)}
     cold_spec = deepinfer_jax.LLM(TINY, speculative_config=spec, **engine)
     source = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()
     ids = cold_spec.tokenizer.encode(source)
