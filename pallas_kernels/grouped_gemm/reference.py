@@ -68,15 +68,26 @@ def expert_rows_one_by_one(x: jax.Array, w13: jax.Array, w2: jax.Array, group_si
                            swiglu_limit: float) -> jax.Array:
     """Each sorted row [M, D] through its group's expert on its own (batch-invariant mode's jnp
     path: a grouped product's per-row result may depend on how many rows its group has).
-    Rows past the groups' total come out 0."""
-    num_groups = w13.shape[0]
+    Rows past the groups' total come out 0.
+
+    A loop over the experts, each taking its weights once, around a loop over its rows: a
+    loop over the rows alone copied a row's expert weights out in every iteration (XLA's CPU
+    dot takes no dynamically sliced operand in place), most of an invariant tiny model's
+    CPU step."""
     ends = jnp.cumsum(group_sizes)
-    group = jnp.sum(ends[None, :] <= jnp.arange(x.shape[0])[:, None], axis=1)
+    starts = ends - group_sizes
 
-    def one(pair):
-        row, g = pair
-        e = jnp.minimum(g, num_groups - 1)
-        hidden = swiglu(row[None] @ w13[e], swiglu_limit).astype(row.dtype)
-        return jnp.where(g < num_groups, (hidden @ w2[e])[0], 0)
+    def rows_of(e, out):
+        w13_e, w2_e = w13[e], w2[e]
 
-    return jax.lax.map(one, (x, group))
+        def row(i, out):
+            hidden = swiglu(x[i][None] @ w13_e, swiglu_limit).astype(x.dtype)
+            return out.at[i].set((hidden @ w2_e)[0])
+
+        return jax.lax.fori_loop(starts[e], ends[e], row, out)
+
+    def expert(e, out):      # (an expert without rows reads no weights)
+        return jax.lax.cond(group_sizes[e] > 0, rows_of, lambda e, out: out, e, out)
+
+    out = jnp.zeros((x.shape[0], w2.shape[-1]), jnp.result_type(x, w2))
+    return jax.lax.fori_loop(0, w13.shape[0], expert, out)
