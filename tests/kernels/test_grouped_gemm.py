@@ -394,4 +394,3 @@ def test_kernel_lowers_for_cuda(fp8):
         exported = jax.export.export(fn, platforms=["cuda"])(
             layout.to_tiles(lhs, tiles, 64), rhs, tiles.tile_group, scale)
     assert "mosaic_gpu" in exported.mlir_module()
-
