@@ -35,7 +35,7 @@ from deepinfer_jax.model.v41 import engram_hash
 from deepinfer_jax.model.v41.paged_forward import final_logits
 from deepinfer_jax.model.v41.state import init_v41_state
 from tests.engine.test_v41_engine import ENGINE, _engine
-from tests.model.v41_oracle import FIXTURES, case
+from tests.model.v41_oracle import ENGINE_FEATURE_FIXTURES, FIXTURES, case
 
 pytestmark = pytest.mark.skipif(not FIXTURES[0].exists(), reason="no V4.1 oracle fixtures")
 
@@ -74,7 +74,7 @@ def _step_config(cfg, host_rows: bool) -> StepConfig:
                       engram_lookback=0 if host_rows else cfg.engram.max_ngram_size - 1)
 
 
-@pytest.mark.parametrize("folder", FIXTURES, ids=["a", "b"])
+@pytest.mark.parametrize("folder", ENGINE_FEATURE_FIXTURES)
 def test_host_rows_give_the_device_tables_logits_bit_for_bit(folder):
     """Chunked prefill with decoding rows beside it, then greedy decoding: every fed token's
     logits from the plan's host-hashed, host-gathered rows equal those of the step's own hash

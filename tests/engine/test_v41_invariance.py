@@ -16,7 +16,7 @@ import pytest
 
 import deepinfer_jax
 from deepinfer_jax.host.request import SamplingParams
-from tests.model.v41_oracle import FIXTURES
+from tests.model.v41_oracle import ENGINE_FEATURE_FIXTURES, FIXTURES
 
 pytestmark = pytest.mark.skipif(not FIXTURES[0].exists(), reason="no V4.1 oracle fixtures")
 
@@ -53,7 +53,7 @@ def _same(a, b) -> bool:
     return all(ta == tb and np.array_equal(la, lb) for (ta, la), (tb, lb) in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("folder", FIXTURES, ids=["a", "b"])
+@pytest.mark.parametrize("folder", ENGINE_FEATURE_FIXTURES)
 def test_v41_rows_do_not_depend_on_the_batch_or_the_chunks(folder):
     prompts, others, gen_tokens = _prompts(folder)
     small = _engine(folder, 16, True)

@@ -18,7 +18,7 @@ import deepinfer_jax
 from deepinfer_jax.host.kv_tiers.blockfile import read_meta
 from deepinfer_jax.host.kv_tiers.disk_tier import SUFFIX
 from deepinfer_jax.host.request import SamplingParams
-from tests.model.v41_oracle import FIXTURES
+from tests.model.v41_oracle import ENGINE_FEATURE_FIXTURES, FIXTURES
 
 pytestmark = pytest.mark.skipif(not FIXTURES[0].exists(), reason="no V4.1 oracle fixtures")
 
@@ -73,7 +73,7 @@ def tier_options(tier, tmp_path):
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
-@pytest.mark.parametrize("folder", FIXTURES, ids=["a", "b"])
+@pytest.mark.parametrize("folder", ENGINE_FEATURE_FIXTURES)
 def test_v41_a_prefix_back_from_a_tier_equals_the_cold_run_bitwise(folder, tier, tmp_path):
     options = tier_options(tier, tmp_path)
     llm = spill_base(folder, options)

@@ -18,7 +18,7 @@ import pytest
 import deepinfer_jax
 from deepinfer_jax.config.memory_v41 import v41_slot_bytes, v41_snapshot_bytes
 from deepinfer_jax.host.request import SamplingParams
-from tests.model.v41_oracle import FIXTURES
+from tests.model.v41_oracle import ENGINE_FEATURE_FIXTURES, FIXTURES
 
 pytestmark = pytest.mark.skipif(not FIXTURES[0].exists(), reason="no V4.1 oracle fixtures")
 
@@ -45,7 +45,7 @@ def _assert_same(outs, refs):
                 == [sorted((t, x.logprob) for t, x in lp.items()) for lp in ref.logprobs])
 
 
-@pytest.mark.parametrize("folder", FIXTURES, ids=["a", "b"])
+@pytest.mark.parametrize("folder", ENGINE_FEATURE_FIXTURES)
 def test_v41_warm_hits_equal_the_cold_run_and_skip_the_cached_tokens(folder):
     ref = np.load(folder / "reference.npz")
     base, other = (ref["input_ids"][r, -n:].tolist() for r, n in ((2, 70), (1, 33)))

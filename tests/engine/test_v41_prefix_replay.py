@@ -22,7 +22,7 @@ from deepinfer_jax.config.family import facts_of
 from deepinfer_jax.config.memory_v41 import v41_slot_bytes
 from deepinfer_jax.device.tier_copies import gather_page
 from deepinfer_jax.host.request import SamplingParams
-from tests.model.v41_oracle import FIXTURES
+from tests.model.v41_oracle import ENGINE_FEATURE_FIXTURES, FIXTURES
 
 pytestmark = pytest.mark.skipif(not FIXTURES[0].exists(), reason="no V4.1 oracle fixtures")
 
@@ -66,7 +66,7 @@ def bounded(folder, replay):
     return llm
 
 
-@pytest.mark.parametrize("folder", FIXTURES, ids=["a", "b"])
+@pytest.mark.parametrize("folder", ENGINE_FEATURE_FIXTURES)
 def test_v41_a_replay_of_the_windows_reach_equals_the_cold_run_bitwise(folder):
     replay = REACH[folder]
     llm = bounded(folder, replay)

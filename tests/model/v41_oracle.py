@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import pytest
 
 from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.model.v41 import csa, engram_hash, fake_quant
@@ -16,6 +17,11 @@ from deepinfer_jax.weights.v41 import load_v41_params
 from tests.conftest import V41_ORACLE_DIR
 
 FIXTURES = [V41_ORACLE_DIR / f"deepseek-v41-tiny-{x}" for x in "ab"]
+# An engine feature's test (invariance, prefix cache and replay, KV tiers, host Engram rows) on
+# both fixtures: b in the slow tier. b runs the same engine code with other sizes (a 4:1 CSA,
+# YaRN, no draft layer); its parity with the reference stays in CI's tier (test_v41_engine.py).
+ENGINE_FEATURE_FIXTURES = [pytest.param(FIXTURES[0], id="a"),
+                           pytest.param(FIXTURES[1], id="b", marks=pytest.mark.slow)]
 _FORWARD = jax.jit(forward, static_argnums=(1, 5))
 
 
