@@ -51,10 +51,9 @@ def test_async_loop_without_the_launch_thread(model, llm, workload):
     assert list(request.generated) == outputs[0].token_ids
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_preemption_in_both_loops(model, workload, async_scheduling):
-    llm = deepinfer_jax.LLM(model, **{**ENGINE, "num_pages": 14,
-                                      "async_scheduling": async_scheduling})
+def test_preemption_in_the_synchronous_loop(model, workload):
+    # (the asynchronous loop's, the default, is test_engine_vs_hf.py's preemption test)
+    llm = deepinfer_jax.LLM(model, **{**ENGINE, "num_pages": 14, "async_scheduling": False})
     admit_first_chunks(llm)          # admission that overcommits the cache, so that it preempts
     outputs = llm.generate(workload.prompts, sampling(workload), use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
