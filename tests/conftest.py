@@ -163,10 +163,13 @@ HARD_TIMEOUT_S = 1200
 
 
 # Engines' compiled steps kept from one test file to the next (engine/compile.py's memo keeps 32).
-# Files often build an engine of the same shapes as the file before (the shared tiny configs),
+# Files often build an engine of the same shapes as a file before (the shared tiny configs),
 # and a worker compiled such steps again for 270 s of one run's 70 core-minutes; the four most
 # recent trace keys would have served about 100 s of that (replayed on that run's compile log).
-KEPT_STEP_SETS = 4
+# With four kept, a later run's workers still compiled three step sets again that five to
+# seven other keys had pushed out (34 s); eight keep them (a tiny model's two-bucket set held
+# 20-50 MB of the worker's memory).
+KEPT_STEP_SETS = 8
 
 
 @pytest.fixture(scope="module", autouse=True)
