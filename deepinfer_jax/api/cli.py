@@ -56,6 +56,9 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
                     help="a request's numbers never depend on its batch")
     ap.add_argument("--speculative-tokens", type=int, metavar="K",
                     help="MTP speculative decoding with up to K drafts a step")
+    ap.add_argument("--speculative-token-map", metavar="PATH",
+                    help="with --speculative-tokens: draft only these token ids (a JSON list "
+                         "or .npy; tools/draft_token_map.py writes one)")
 
 
 def _sampling_args(ap: argparse.ArgumentParser) -> None:

@@ -9,7 +9,10 @@ def make_llm(args, **options):
     from deepinfer_jax.api.llm import LLM
 
     speculative = (None if not args.speculative_tokens else
-                   {"method": "mtp", "num_speculative_tokens": args.speculative_tokens})
+                   {"method": "mtp", "num_speculative_tokens": args.speculative_tokens,
+                    "draft_token_map": args.speculative_token_map})
+    if args.speculative_token_map and not args.speculative_tokens:
+        raise ValueError("--speculative-token-map goes with --speculative-tokens")
     distributed = (None if args.coordinator_address is None else
                    {"coordinator_address": args.coordinator_address,
                     "num_processes": args.num_processes, "process_id": args.process_id})

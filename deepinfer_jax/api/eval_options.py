@@ -54,7 +54,8 @@ ENGINE_ARGS = {
 SPEC_ARGS = {"speculative_tokens": ("num_speculative_tokens", _int),
              "speculative_confidence": ("confidence_threshold", float),
              "speculative_varlen": ("varlen", _bool),
-             "speculative_verify_budget": ("verify_token_budget", _int)}
+             "speculative_verify_budget": ("verify_token_budget", _int),
+             "speculative_token_map": ("draft_token_map", str)}
 LOAD_ARGS = {"pretrained": str, "dtype": _dtype, "weights": str, "tokenizer": _optional_str}
 # the backend's own: the seed of sampled generations (request i is seeded generation_seed + i)
 # and where to write the run's manifest

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from deepinfer_jax.config import options
 from deepinfer_jax.config.errors import EngineConfigError
@@ -19,6 +20,11 @@ class SpeculativeConfig:
     requests (each gets at most budget // requests), so speculation fades out as the batch
     grows and the step becomes compute-bound; past `budget` requests the engine runs its plain
     step.
+    draft_token_map: a file of token ids (a JSON list, or a .npy array) the MTP block drafts
+    from: its head then reads only those columns of the LM head, a cheaper draft at large
+    vocabularies (SGLang's speculative_token_map, after FR-Spec). Outputs are unchanged (a
+    draft outside it is only never proposed); `tools/draft_token_map.py` writes one from a
+    corpus's most frequent tokens. engine/draft_vocab.py reads and checks it.
     """
 
     method: str = "mtp"
@@ -26,6 +32,7 @@ class SpeculativeConfig:
     varlen: bool = True
     confidence_threshold: float = 0.3
     verify_token_budget: int = 32
+    draft_token_map: str | None = None
 
     def __post_init__(self):
         if self.method != "mtp":
@@ -36,6 +43,8 @@ class SpeculativeConfig:
             raise EngineConfigError("speculative_config.confidence_threshold must be in [0, 1)")
         if self.verify_token_budget < 1:
             raise EngineConfigError("speculative_config.verify_token_budget must be >= 1")
+        if self.draft_token_map is not None:
+            object.__setattr__(self, "draft_token_map", os.fspath(self.draft_token_map))
 
     @classmethod
     def from_options(cls, given) -> "SpeculativeConfig | None":

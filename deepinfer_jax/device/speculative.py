@@ -125,9 +125,12 @@ def draft(params: ModelParams, state: StateCache, plan, streams: Array, next_tok
             z_row, mtp_state = skip_unless(step_cfg.compute.launch_bound,
                                            any_rank(jnp.any(ctx1.valid), step_cfg), again,
                                            lambda z, t, st: (z, st), z_row, token, mtp_state)
-        logits = project_logits(z_row, mp.hc_head, mp.norm, params.head, cfg,
-                                step_cfg.compute)                                      # [N, V]
+        # [N, V], or [N, V'] over a draft token map's columns (engine/draft_vocab.py)
+        head = params.head if mp.draft_head is None else mp.draft_head
+        logits = project_logits(z_row, mp.hc_head, mp.norm, head, cfg, step_cfg.compute)
         token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        if mp.draft_ids is not None:
+            token = mp.draft_ids[token]
         drafts.append(token)
         probs.append(jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1))
         position = position + 1

@@ -34,6 +34,7 @@ from deepinfer_jax.config.v41 import V41Config
 from deepinfer_jax.contract import BatchPlan, SpecStepOutput, StepOutput
 from deepinfer_jax.engine.compile import compile_steps, enable_persistent_cache
 from deepinfer_jax.engine.deferred_masks import Deferred, DeferredMasks, needs_deferring
+from deepinfer_jax.engine.draft_vocab import draft_vocab_setup
 from deepinfer_jax.engine.engram_rows import engram_setup, host_table_bytes
 from deepinfer_jax.engine.launch import Launcher
 from deepinfer_jax.engine.memory_plan import check_compiled, engine_plan
@@ -109,6 +110,7 @@ class EngineCore:
         if step_cfg.spec_tokens and not params.mtp:
             raise EngineConfigError("speculative decoding needs the checkpoint's MTP weights "
                                     "(mtp.* tensors); this checkpoint has none")
+        params = draft_vocab_setup(params, step_cfg, cfg.vocab_size)
         self.cfg = cfg
         # before the probe's and the state's first computations: their programs load from
         # jax's cache

@@ -123,6 +123,10 @@ class MTPParams:
     norm: Array                 # f32[D]
     hc_head: HyperHeadParams
     layer: LayerParams
+    # With speculative_config.draft_token_map (engine/draft_vocab.py): the drafts come from
+    # these V' token ids only, scored by their columns of the LM head.
+    draft_ids: Array | None = None      # i32[V']
+    draft_head: Array | None = None     # [D, V']  = head[:, draft_ids]
 
 
 @struct.dataclass

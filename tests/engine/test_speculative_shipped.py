@@ -5,6 +5,8 @@ different test workers."""
 
 from __future__ import annotations
 
+import json
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -14,7 +16,10 @@ import pytest
 import deepinfer_jax
 from deepinfer_jax import SamplingParams
 from deepinfer_jax.host.tokenizer import TextTokenizer
+from tests.conftest import REPO
 from tests.engine.test_speculative import ENGINE, TINY, compare, mixed_params
+
+sys.path.insert(0, str(REPO / "tools"))
 
 # Room for a 310-token prompt in big chunks; one shape for the file's plain engines, which the
 # tests then share (compile.py: engines of equal shapes share their compiled steps). One token
@@ -57,6 +62,41 @@ def test_trained_model_logprobs_equal_plain_decoding_bitwise():
     assert out.token_ids == ref.token_ids and spec.spec_metrics.accepted > 0
     np.testing.assert_array_equal([lp.logprob for lp in out.logprobs],
                                   [lp.logprob for lp in ref.logprobs])
+
+
+def test_a_draft_token_map_keeps_the_outputs_and_drafts_only_its_tokens(tmp_path):
+    """speculative_config.draft_token_map: the MTP block drafts from the listed ids only.
+    Two maps of one size (so the steps compile once): other modules' most frequent tokens,
+    whose drafts get accepted, and ids that leave out every token plain decoding emits, whose
+    drafts never can be. Either way the tokens and logprobs are plain decoding's, bitwise."""
+    from draft_token_map import most_frequent
+
+    plain = deepinfer_jax.LLM(TINY, **SHIPPED)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    prompt = plain.tokenizer.encode((stdlib / "textwrap.py").read_text())[:310]
+    params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=1)
+    ref = plain.generate([prompt], params, use_tqdm=False)[0]
+    vocab = plain.model.config.vocab_size
+    corpus = np.concatenate([plain.tokenizer.encode((stdlib / name).read_text())
+                             for name in ("string.py", "shlex.py", "glob.py")])
+    size = vocab // 2
+    emitted = set(ref.token_ids)
+    maps = {"frequent": most_frequent(corpus, vocab, size),
+            "without the output": [i for i in range(vocab) if i not in emitted][:size]}
+    accepted = {}
+    for name, ids in maps.items():
+        path = tmp_path / "map.json"
+        path.write_text(json.dumps(ids))
+        # every draft made and verified (no confidence cut), so each map's drafts are tried
+        spec = {"num_speculative_tokens": 3, "varlen": False, "draft_token_map": str(path)}
+        llm = deepinfer_jax.LLM(TINY, speculative_config=spec, **SHIPPED)
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert out.token_ids == ref.token_ids, name
+        np.testing.assert_array_equal([lp.logprob for lp in out.logprobs],
+                                      [lp.logprob for lp in ref.logprobs])
+        assert llm.spec_metrics.drafted > 0
+        accepted[name] = llm.spec_metrics.accepted
+    assert accepted["without the output"] == 0 < accepted["frequent"]
 
 
 @pytest.mark.slow
