@@ -74,3 +74,22 @@ def test_the_tool_ranks_by_count_then_by_id():
     tokens = np.array([4, 1, 4, 2, 2, 4, 0, 3, 3])        # counts: 4 x3, 2 x2, 3 x2, 0 x1, 1 x1
     assert most_frequent(tokens, 6, 4) == [4, 2, 3, 0]
     assert most_frequent(tokens, 6, 6) == [4, 2, 3, 0, 1, 5]
+
+
+def test_the_cli_flag_reaches_the_speculative_config(monkeypatch, capsys):
+    from deepinfer_jax.api import cli, llm
+
+    made = []
+
+    def recording_llm(model=None, **options):
+        made.append(options)
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr(llm, "LLM", recording_llm)
+    assert cli.main(["generate", "--prompt", "x", "--speculative-tokens", "2",
+                     "--speculative-token-map", "map.json"]) == 1
+    assert made[0]["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 2,
+                                             "draft_token_map": "map.json"}
+    assert cli.main(["generate", "--prompt", "x", "--speculative-token-map", "map.json"]) == 1
+    assert "--speculative-token-map goes with --speculative-tokens" in capsys.readouterr().err
+    assert len(made) == 1
