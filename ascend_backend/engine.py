@@ -53,7 +53,9 @@ def compiled_matcher(structured: StructuredOutputs, spec):
 
 def requested_features(step_cfg: StepConfig) -> list[str]:
     """The platform-gated features a step configuration turns on."""
-    wanted = {"batch_invariant": step_cfg.batch_invariant}
+    wanted = {"batch_invariant": step_cfg.batch_invariant,
+              "draft_token_map": (step_cfg.speculative is not None
+                                  and step_cfg.speculative.draft_token_map is not None)}
     return [feature for feature, on in wanted.items() if on]
 
 

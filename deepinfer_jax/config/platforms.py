@@ -33,6 +33,8 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "chunked_prefill": ("nvidia", "ascend", "cpu"),
     "batch_invariant": ("nvidia", "cpu"),
     "speculative_decoding": ("nvidia", "ascend", "cpu"),
+    # the MTP block drafting from a token map (speculative_config.draft_token_map)
+    "draft_token_map": ("nvidia", "cpu"),
     "prefix_caching": ("nvidia", "ascend", "cpu"),
     "structured_output": ("nvidia", "ascend", "cpu"),
     # FP8 / FP4 weights kept quantized on the device (the Ascend backend reads a quantized
