@@ -48,16 +48,35 @@ from deepinfer_jax.config.hf import read_model_config  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
 
 
-def forced(k: int, batch: int) -> dict:
+def forced(k: int, batch: int, token_map: str | None = None) -> dict:
     """k drafts for every request of the batch, every step: no confidence cut, a budget that
-    covers them all."""
+    covers them all; with `token_map`, drafted from those ids only."""
     return {"num_speculative_tokens": k, "varlen": False, "confidence_threshold": 0.0,
-            "verify_token_budget": k * batch}
+            "verify_token_budget": k * batch, "draft_token_map": token_map}
 
 
-def tiny_acceptance(ks: list[int], batch: int, tokens: int) -> dict:
+def write_token_map(ids: list[int], name: str) -> str:
+    path = REPO / ".cache" / "bench" / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(ids))
+    return str(path)
+
+
+def tiny_token_map(fraction: float) -> str:
+    """The tiny model's most frequent tokens on its training text (tools/draft_token_map.py),
+    `fraction` of its vocabulary."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from draft_token_map import corpus_tokens, most_frequent
+
+    vocab = read_model_config(TINY).vocab_size
+    ids = most_frequent(corpus_tokens(TINY, []), vocab, round(fraction * vocab))
+    return write_token_map(ids, f"tiny-draft-map-{fraction:g}")
+
+
+def tiny_acceptance(ks: list[int], batch: int, tokens: int, token_map: str | None = None
+                    ) -> dict:
     """k -> tokens per verify step of the trained tiny model, and whether its speculative
-    outputs equal its plain ones."""
+    outputs equal its plain ones (with `token_map`: drafting from those ids only)."""
     # batch-invariant: a verify step's rows then round as plain steps' do, so speculative
     # greedy outputs must equal plain ones exactly (in the default mode a bf16 near-tie may
     # flip: bench/results/speculative-cpu.md)
@@ -70,7 +89,7 @@ def tiny_acceptance(ks: list[int], batch: int, tokens: int) -> dict:
     del plain
     out = {}
     for k in ks:
-        llm = LLM(TINY, speculative_config=forced(k, batch), **common)
+        llm = LLM(TINY, speculative_config=forced(k, batch, token_map), **common)
         got = [o.token_ids for o in llm.generate(ps, params, use_tqdm=False)]
         m = llm.spec_metrics
         out[k] = {"tokens_per_verify_step": (m.accepted + m.steps) / m.steps,
@@ -144,17 +163,28 @@ def main() -> None:
                     help="a spec-verify result file (.json) whose tiny-model acceptance to use "
                          "instead of measuring it again (the GPU run then compiles 4 engines "
                          "fewer)")
+    ap.add_argument("--draft-vocab-fraction", type=float, default=None,
+                    help="draft from a token map of this share of the vocabulary "
+                         "(speculative_config.draft_token_map): the tiny model's most frequent "
+                         "tokens for its acceptance; for the timed model its first ids (a step's "
+                         "cost depends on the map's size only)")
     ap.add_argument("--name", default=None,
                     help="the result files' name (default spec-verify-<platform>)")
     args = ap.parse_args()
 
-    acceptance = (tiny_acceptance(args.ks, 8, args.tiny_tokens) if args.acceptance_from is None
+    fraction = args.draft_vocab_fraction
+    acceptance = (tiny_acceptance(args.ks, 8, args.tiny_tokens,
+                                  None if fraction is None else tiny_token_map(fraction))
+                  if args.acceptance_from is None
                   else acceptance_from(args.acceptance_from, args.ks))
     base = (slice_config(V4_FLASH, args.v4_flash_layers) if args.v4_flash_layers
             else read_model_config(args.config))
     cfg = dataclasses.replace(base, num_mtp_layers=1)
     weights = jax.block_until_ready(random_params(cfg, 0, jnp.bfloat16,
                                                   release_formats=args.quantized))
+    token_map = (None if fraction is None else
+                 write_token_map(list(range(round(fraction * cfg.vocab_size))),
+                                 f"first-ids-{fraction:g}"))
     batch_max, k_max = max(args.batches), max(args.ks)
     budget = max(1024, batch_max * (k_max + 1))
     # tokens the first request may emit while the batch's other prompts prefill (no prefix
@@ -178,7 +208,8 @@ def main() -> None:
     del plain
     gc.collect()
     for k in args.ks:             # one engine per k: the budget gives every batch k drafts
-        llm = LLM(Model(cfg, weights), speculative_config=forced(k, batch_max), **shapes(k))
+        llm = LLM(Model(cfg, weights), speculative_config=forced(k, batch_max, token_map),
+                  **shapes(k))
         equal = sum(a == r for a, r in zip(greedy(llm, check, args.check_tokens), reference))
         for b in args.batches:
             t = step_ms(llm, b, args.context, args.steps, rng)
@@ -192,8 +223,10 @@ def main() -> None:
         gc.collect()
     label = model_label(args, base) + " + 1 MTP layer, random weights " + (
         "in the release's formats (FP8 projections, FP4 routed experts)" if args.quantized
-        else "in bf16")
+        else "in bf16") + ("" if fraction is None else
+                           f"; drafts from a token map of {fraction:g} of the vocabulary")
     payload = {"environment": environment(), "model": label, "context": args.context,
+               "draft_vocab_fraction": fraction,
                "tiny_acceptance": acceptance, "tiny_acceptance_from": (
                    None if args.acceptance_from is None else str(args.acceptance_from)),
                "rows": rows}
@@ -210,8 +243,10 @@ def main() -> None:
                      f"{r['implied_speedup']:.2f}x | {r['outputs_equal']} |")
     source = ("measured in this run" if args.acceptance_from is None
               else f"as measured in {args.acceptance_from.name}")
+    drafted_from = ("" if fraction is None else
+                    f", drafts from its {fraction:g} most frequent share of the vocabulary")
     lines += ["", f"Tiny model ({source}; models/deepinfer-tiny-v4, greedy, 8 held-out prompts, "
-              f"{args.tiny_tokens} tokens, exactly k drafts a step): " + ", ".join(
+              f"{args.tiny_tokens} tokens, exactly k drafts a step{drafted_from}): " + ", ".join(
                   f"k={k}: {a['tokens_per_verify_step']:.2f} tokens/step, outputs equal "
                   f"{a['outputs_equal']}/8" for k, a in acceptance.items())]
     write_results(args.name or f"spec-verify-{jax.devices()[0].platform}", payload,
