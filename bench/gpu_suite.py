@@ -175,6 +175,15 @@ RUNS = {
                "16", "64", "--ks", str(k), "--acceptance-from",
                "bench/results/spec-verify-cpu.json",
                "--name", f"spec-verify-k{k}-gpu"),)) for k in (1, 3, 5)},
+    "spec-verify-k3-map": Run(
+        1100, "spec-verify-k3 with the drafts from a token map of a quarter of the vocabulary "
+              "(speculative_config.draft_token_map: the draft reads a quarter of the LM head), "
+              "the tiny model's acceptance with its most frequent quarter (as "
+              "spec-verify-map0.25-cpu measured it); detached over two calls",
+        (bench("spec_verify.py", "--v4-flash-layers", "4", "--quantized", "--batches", "1",
+               "16", "64", "--ks", "3", "--draft-vocab-fraction", "0.25", "--acceptance-from",
+               "bench/results/spec-verify-map0.25-cpu.json",
+               "--name", "spec-verify-k3-map0.25-gpu"),)),
     "speculative": Run(480, "MTP speculative decoding on the tiny model (cold: ~5 min compiling)",
                        (bench("speculative.py", "--buckets", "16", "64", "256"),)),
     "prefix-cache": Run(480, "TTFT with a 16k cached prefix vs cold, from the device cache and "
