@@ -93,3 +93,11 @@ def test_the_cli_flag_reaches_the_speculative_config(monkeypatch, capsys):
     assert cli.main(["generate", "--prompt", "x", "--speculative-token-map", "map.json"]) == 1
     assert "--speculative-token-map goes with --speculative-tokens" in capsys.readouterr().err
     assert len(made) == 1
+
+
+def test_the_lm_eval_option_reaches_the_speculative_config():
+    from deepinfer_jax.api.eval_options import parse_model_args
+
+    a = parse_model_args({"speculative_tokens": "2", "speculative_token_map": "map.json"})
+    assert a.engine["speculative_config"] == {"num_speculative_tokens": 2,
+                                              "draft_token_map": "map.json"}
