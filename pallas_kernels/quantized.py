@@ -14,6 +14,9 @@ them so (about 4x fewer bytes than bf16 for the experts); the GEMMs dequantize a
   group-major `[in/32, out]` (the checkpoint's `[out, in/32]` transposed once at load, so a
   scale group's bytes for consecutive output rows are contiguous: the FP4 kernel reads each
   as one shared-memory row); routed experts stack them `[E, out, in/2]`, `[E, in/32, out]`.
+  Where the FP4 kernel runs, the engine holds the codes in its tile order instead (the same
+  bytes permuted once at load, fp4_layout.py): `[..., out/bn, in/bk, bn, bk/2]` bytes, or
+  `[..., out/bn, in/bk, bn, bk/8]` u32 words; `fp4_tile` says which, `fp4_rows` undoes it.
 
 `dequantize` is the plain-jnp meaning of both: the CPU path's first step and the kernels'
 test oracle.
@@ -27,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+
+from pallas_kernels import fp4_layout
 
 FP8_BLOCK = 128
 FP4_GROUP = 32
@@ -47,13 +52,21 @@ class Fp8Blocks(NamedTuple):
 
 class Fp4Blocks(NamedTuple):
     packed: jax.Array   # u8[..., N, K/2]   two E2M1 codes a byte, low nibble = even k
+                        # or tiled: u8[..., N/bn, K/bk, bn, bk/2] / u32[..., N/bn, K/bk, bn, bk/8]
     scale: jax.Array    # u8[..., K/32, N]  E8M0 bits: 2 ** (byte - 127), group-major
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The dequantized weight's shape in the model's layout: [..., K, N]."""
-        *lead, n, half_k = self.packed.shape
-        return (*lead, 2 * half_k, n)
+        *lead, k_groups, n = self.scale.shape
+        return (*lead, FP4_GROUP * k_groups, n)
+
+
+class Fp4Tile(NamedTuple):
+    """The FP4 kernel's tile order of a stack's codes (fp4_layout.py)."""
+    block_n: int        # weight rows a tile
+    block_k: int        # inputs a tile
+    words: bool         # u32 words in fp4_layout.word_major order (else u8 bytes)
 
 
 Quantized = Fp8Blocks | Fp4Blocks
@@ -84,6 +97,36 @@ def kernel_blocks(w: Fp8Blocks) -> bool:
 def nbytes(w) -> int:
     """Bytes the weight holds on the device (codes and scales)."""
     return sum(int(leaf.size) * leaf.dtype.itemsize for leaf in jax.tree.leaves(w))
+
+
+def fp4_tile(w: Fp4Blocks) -> Fp4Tile | None:
+    """The tile order w's codes are in; None: the checkpoint's rows."""
+    if w.packed.ndim == w.scale.ndim:
+        return None
+    words = w.packed.dtype == jnp.uint32
+    *_, block_n, width = w.packed.shape
+    return Fp4Tile(block_n, width * (8 if words else 2), words)
+
+
+def fp4_tiled(w: Fp4Blocks, tile: Fp4Tile) -> Fp4Blocks:
+    """w (in the checkpoint's rows) with its codes in `tile`'s order (jnp; scales unchanged)."""
+    if fp4_tile(w) is not None:
+        raise ValueError(f"FP4 codes already tiled ({fp4_tile(w)})")
+    packed = w.packed
+    if tile.words:
+        packed = fp4_layout.word_major(packed, fp4_layout.STORED_WORD_GROUPS)
+    return Fp4Blocks(fp4_layout.to_tiles(packed, tile.block_n, tile.block_k), w.scale)
+
+
+def fp4_rows(w: Fp4Blocks) -> Fp4Blocks:
+    """w with its codes in the checkpoint's rows, u8[..., N, K/2] (w itself if they are)."""
+    tile = fp4_tile(w)
+    if tile is None:
+        return w
+    packed = fp4_layout.from_tiles(w.packed)
+    if tile.words:
+        packed = fp4_layout.word_bytes(packed, fp4_layout.STORED_WORD_GROUPS)
+    return Fp4Blocks(packed, w.scale)
 
 
 # ---- from the checkpoint's arrays (numpy, at load time) ---------------------------------
@@ -134,6 +177,7 @@ def fp4_codes(packed: jax.Array) -> jax.Array:
 
 
 def _fp4_dequantize(w: Fp4Blocks, dtype) -> jax.Array:
+    w = fp4_rows(w)
     values = jnp.swapaxes(jnp.asarray(FP4_VALUES)[fp4_codes(w.packed)], -1, -2)  # f32[..., K, N]
     scale = jax.lax.bitcast_convert_type(w.scale.astype(jnp.uint32) << 23, jnp.float32)
     return (values * jnp.repeat(scale, FP4_GROUP, axis=-2)).astype(dtype)

@@ -30,6 +30,8 @@ import numpy as np
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.fp4_layout import word_major  # noqa: F401  (the codes' word order)
+
 FORMULATIONS = ("convert", "bits", "bits_ptx")
 
 # $2: a register holding two packed bytes (b0, b1: bytes 0 and 1, or 2 and 3: the `prmt`
@@ -159,23 +161,6 @@ def _ptx_word_pair(word, selector: str, factor_reg):
 # scale groups) in the WGMMA layout, 4 (16 bytes, four groups) in its 8-bit variant, whose
 # rows are the WGMMA layout's and whose column quads are 16 elements wide.
 WORD_LAYOUTS = {2: plgpu.Layout.WGMMA, 4: plgpu.Layout.WGMMA_8BIT}
-
-
-def word_major(packed: jax.Array, vector: int = 2) -> jax.Array:
-    """u8[..., K/2] packed codes -> u32[..., K/8], the bytes of every `vector` scale groups
-    (16 * vector bytes) reordered so that a `WORD_LAYOUTS[vector]` load of the words gives
-    each thread, in one register of `vector` words, the 4 bytes of each group it holds as a u8
-    WGMMA-layout load (bytes 2q, 2q + 1, 8 + 2q, 9 + 2q of the group for the thread's column
-    quad q): one 8- or 16-byte shared-memory load where the bytes take 2 * vector 2-byte ones.
-    Word vector * q + e, byte 2t + p of a piece is group e's byte 8t + 2q + p (little-endian
-    words)."""
-    *lead, half_k = packed.shape
-    if half_k % (16 * vector):
-        raise ValueError(f"word-major codes: K/2 = {half_k} bytes, not a multiple of "
-                         f"{16 * vector}")
-    pieces = packed.reshape(*lead, half_k // (16 * vector), vector, 2, 4, 2)   # [.., e, t, q, p]
-    reordered = jnp.moveaxis(pieces, -2, -4)                                   # [.., q, e, t, p]
-    return lax.bitcast_convert_type(reordered.reshape(*lead, half_k // 4, 4), jnp.uint32)
 
 
 def dequantize_words(words: jax.Array, factors: list[jax.Array], vector: int) -> jax.Array:

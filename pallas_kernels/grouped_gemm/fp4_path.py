@@ -12,10 +12,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import quantized
+from pallas_kernels import fp4_layout, quantized
 from pallas_kernels.common import NotSupported, kernel_mode
 from pallas_kernels.grouped_gemm import layout
-from pallas_kernels.grouped_gemm.mosaic_gpu_fp4 import Fp4Config, nibble_order, tiled_fp4_matmul_t
+from pallas_kernels.grouped_gemm.mosaic_gpu_fp4 import K_GRANULE, Fp4Config, nibble_order, tiled_fp4_matmul_t
 
 KERNEL_DTYPES = (jnp.bfloat16,)
 
@@ -36,6 +36,61 @@ def default_config(num_rows: int, interpret: bool = False, op: str = "gate_up",
     return Fp4Config(block_m=16, block_n=128 if wide else 64, block_k=128,
                      max_concurrent_steps=4, a_in_registers=not interpret,
                      dequant="bits" if interpret else "bits_ptx", scales_in_pipeline=True)
+
+
+# The tiles the engine stores each FP4 stack in where the kernel runs (weights/fp4_tiles.py):
+# one (block_n, block_k) per stack that decode's 16-token and prefill's 64-token tiles both
+# read, faster than the row order's defaults at both (kernels-fp4-probe6-gpu-h100.md). Words
+# where compiled (their dequantization is PTX); interpreted, the same tiles in bytes.
+STORED_TILES = {"gate_up": (64, 128), "down": (128, 128)}
+
+
+def stored_tile(w: quantized.Fp4Blocks, op: str, interpret: bool) -> quantized.Fp4Tile | None:
+    """The tile the engine holds FP4 stack w (row order) in for `op` ("gate_up", "down");
+    None where the kernel cannot read w so (its K not a multiple of the kernel's granule, or
+    sizes the tile does not divide): w then stays in rows."""
+    tile = quantized.Fp4Tile(*STORED_TILES[op], words=not interpret)
+    k, n = w.shape[-2:]
+    if k % K_GRANULE or k % tile.block_k or n % tile.block_n:
+        return None
+    return tile
+
+
+def tiled_config(w: quantized.Fp4Blocks, num_rows: int, interpret: bool) -> Fp4Config:
+    """The kernel's config for codes held in a tile order (`quantized.fp4_tile`): its tile's
+    rows and inputs a step, tile-major; word codes with one wgmma a step where compiled."""
+    tile = quantized.fp4_tile(w)
+    if tile.words and interpret:
+        raise NotSupported("FP4 kernel: word-ordered codes are read by the compiled kernel only")
+    return Fp4Config(block_m=64 if num_rows >= 4096 else 16, block_n=tile.block_n,
+                     block_k=tile.block_k, max_concurrent_steps=4, a_in_registers=not interpret,
+                     dequant="bits" if interpret else "bits_ptx", scales_in_pipeline=True,
+                     tile_major=True, word_codes=fp4_layout.STORED_WORD_GROUPS * tile.words,
+                     wgmma_per_step=tile.words)
+
+
+def _config(w: quantized.Fp4Blocks, num_rows: int, interpret: bool, op: str,
+            n_out: int, given: Fp4Config | None) -> Fp4Config:
+    """The given config, or the default for w's code order; a config that reads another
+    order than w's is refused."""
+    tile = quantized.fp4_tile(w)
+    if given is None:
+        return (default_config(num_rows, interpret, op, n_out) if tile is None
+                else tiled_config(w, num_rows, interpret))
+    reads = None if not given.tile_major else quantized.Fp4Tile(
+        given.block_n, given.block_k, given.word_codes > 0)
+    if given.word_codes not in (0, fp4_layout.STORED_WORD_GROUPS) and tile is not None:
+        reads = "another word order"
+    if reads != tile:
+        raise ValueError(f"FP4 kernel config reads codes as {reads}, the weights hold {tile}")
+    return given
+
+
+def _codes(w: quantized.Fp4Blocks) -> jax.Array:
+    """The codes as the kernel takes them: rows [G, N, W], or tiles merged to [G, rows, w]."""
+    if quantized.fp4_tile(w) is None:
+        return w.packed
+    return w.packed.reshape(w.packed.shape[0], -1, w.packed.shape[-1])
 
 
 def _check(x: jax.Array, w: quantized.Fp4Blocks, n_out: int, config: Fp4Config) -> None:
@@ -65,12 +120,12 @@ def _from_kernel_form(out_t: jax.Array, tiles: layout.TileLayout, order=None) ->
 
 def grouped_matmul(lhs, w: quantized.Fp4Blocks, group_sizes, *, swiglu_limit, config, interpret):
     n_out = w.shape[-1] // (2 if swiglu_limit is not None else 1)
-    config = config or default_config(lhs.shape[0], interpret,
-                                      "gate_up" if swiglu_limit is not None else "down", n_out)
+    config = _config(w, lhs.shape[0], interpret,
+                     "gate_up" if swiglu_limit is not None else "down", n_out, config)
     _check(lhs, w, n_out, config)
     with kernel_mode(interpret):
         x_t, tiles = kernel_input(lhs, group_sizes, config.block_m)
-        out_t = tiled_fp4_matmul_t(x_t, w.packed,
+        out_t = tiled_fp4_matmul_t(x_t, _codes(w),
                                    w.scale, tiles.tile_group, swiglu_limit=swiglu_limit,
                                    config=config, out_dtype=lhs.dtype)
         return _from_kernel_form(out_t, tiles)
@@ -82,8 +137,9 @@ def expert_mlp(x, w13, w2, group_sizes, swiglu_limit, *, configs, source_rows, o
         raise NotSupported("FP4 kernel: both expert weights FP4")
     rows = x.shape[0] if source_rows is None else source_rows.shape[0]
     dim, inter = x.shape[1], w2.shape[-2]
-    up_cfg, down_cfg = configs or (default_config(rows, interpret, "gate_up"),
-                                   default_config(rows, interpret, "down", w2.shape[-1]))
+    configs = configs or (None, None)
+    up_cfg = _config(w13, rows, interpret, "gate_up", inter, configs[0])
+    down_cfg = _config(w2, rows, interpret, "down", w2.shape[-1], configs[1])
     if up_cfg.block_m != down_cfg.block_m:
         raise ValueError("the gate/up and down kernels must tile the same rows")
     _check(x, w13, inter, up_cfg)
@@ -92,10 +148,10 @@ def expert_mlp(x, w13, w2, group_sizes, swiglu_limit, *, configs, source_rows, o
         tiles = layout.tile_layout(group_sizes, rows, up_cfg.block_m)
         sorted_x = x if source_rows is None else x[source_rows]
         hidden_t = tiled_fp4_matmul_t(_to_kernel_form(sorted_x, tiles, up_cfg.block_m),
-                                      w13.packed, w13.scale, tiles.tile_group,
+                                      _codes(w13), w13.scale, tiles.tile_group,
                                       swiglu_limit=swiglu_limit, config=up_cfg,
                                       out_dtype=x.dtype)
-        out_t = tiled_fp4_matmul_t(hidden_t[jnp.asarray(nibble_order(inter))], w2.packed,
+        out_t = tiled_fp4_matmul_t(hidden_t[jnp.asarray(nibble_order(inter))], _codes(w2),
                                    w2.scale, tiles.tile_group, config=down_cfg,
                                    out_dtype=x.dtype)
         return _from_kernel_form(out_t, tiles, out_order)

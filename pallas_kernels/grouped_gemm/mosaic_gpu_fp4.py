@@ -38,6 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import fp4_layout
 from pallas_kernels.grouped_gemm import fp4_dequant
 from pallas_kernels.grouped_gemm.mosaic_gpu import epilogue
 
@@ -134,11 +135,9 @@ def inputs_per_element(packed: jax.Array) -> int:
 def tile_major(packed: jax.Array, block_n: int, block_k: int) -> jax.Array:
     """u8[G, N, K/2] -> u8[G, (N/block_n) * (K/block_k) * block_n, block_k/2]: row block r's
     step s is rows [(r * K/block_k + s) * block_n, +block_n), one contiguous piece (and the
-    same of u32[G, N, K/8] word-major codes)."""
-    g, n, width = packed.shape
-    per = inputs_per_element(packed)
-    tiles = packed.reshape(g, n // block_n, block_n, width * per // block_k, block_k // per)
-    return tiles.transpose(0, 1, 3, 2, 4).reshape(g, -1, block_k // per)
+    same of u32[G, N, K/8] word-major codes); fp4_layout.to_tiles with its tile axes merged."""
+    return fp4_layout.to_tiles(packed, block_n, block_k).reshape(packed.shape[0], -1,
+                                                                 block_k // inputs_per_element(packed))
 
 
 @functools.partial(jax.jit, static_argnames=("swiglu_limit", "config", "out_dtype"))
