@@ -6,6 +6,7 @@ Ascend backend."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from deepinfer_jax.host.deepseek_v4_chat import chat_format
 from deepinfer_jax.host.tokenizer import TextTokenizer
 from deepinfer_jax.parallel.distributed import join_processes
 from deepinfer_jax.parallel.mesh import make_mesh, param_shardings
+from deepinfer_jax.weights.fp4_tiles import tile_fp4_experts
 
 
 def start(options: EngineConfig, model, *, dtype, weights: str, tokenizer, load_format: str,
@@ -70,6 +72,12 @@ def start(options: EngineConfig, model, *, dtype, weights: str, tokenizer, load_
         template = chat_format(model, text_tokenizer)
     else:
         raise TypeError(f"model must be a path or a deepinfer_jax.Model, got {type(model)}")
+    # FP4 experts in the kernel's tile order where it runs (weights/fp4_tiles.py); a Model
+    # passed in keeps its arrays, the engine's are a copy
+    params = tile_fp4_experts(loaded.params, step_config.compute.fp4_expert_order,
+                              owned=not isinstance(model, (Model, V41Model)))
+    if params is not loaded.params:
+        loaded = dataclasses.replace(loaded, params=params)
     if tokenizer is not None:     # a tokenizer.json, or a directory holding one
         path = Path(tokenizer)
         path = path.parent if path.is_file() else path

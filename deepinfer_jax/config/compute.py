@@ -101,6 +101,15 @@ class ComputeConfig:
         return FP4_K_GRANULE if kernel else 1
 
     @property
+    def fp4_expert_order(self) -> str | None:
+        """How FP4 routed-expert codes are held on the device (weights/fp4_tiles.py): in the
+        FP4 kernel's tiles where the grouped GEMM's table names it first, as 32-bit words where
+        compiled ("words": their dequantization is PTX) and bytes where interpreted
+        ("bytes"); None, the checkpoint's rows, for the jnp references (which read either, and
+        the tiles would only cost them a re-layout a call)."""
+        return {"mosaic_gpu": "words", "interpret": "bytes"}.get(self.kernels.grouped_gemm[0])
+
+    @property
     def launch_bound(self) -> bool:
         return self.formulation == "gpu"
 

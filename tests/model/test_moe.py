@@ -14,6 +14,8 @@ from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.config.model import MlpKind, ScoringFunc
 from deepinfer_jax.model.moe import moe, route
 from deepinfer_jax.weights import random_params
+from deepinfer_jax.weights.fp4_tiles import tile_fp4_experts
+from pallas_kernels.quantized import fp4_tile
 from tests.conftest import REPO
 from tests.kernels.which import KERNEL
 
@@ -109,6 +111,30 @@ def test_moe_through_the_grouped_gemm_kernel():
     got = np.asarray(moe(x, jnp.asarray(ids), p, MlpKind.MOE, cfg, ON_KERNEL)[0], np.float32)
     want = numpy_moe(np.asarray(x, np.float64), ids, p, MlpKind.MOE, cfg)
     np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2 * np.abs(want).max())
+
+
+def test_moe_on_fp4_tiles_equals_the_moe_on_fp4_rows():
+    """FP4 experts in the kernel's stored tile order (weights/fp4_tiles.py: bytes where
+    interpreted, 32-bit words where compiled) give the MoE bit for bit what the checkpoint's
+    row order gives on the same kernel, and what the jnp reference gives within rounding."""
+    cfg = BASE.replace(hidden_size=512, moe_intermediate_size=512, swiglu_limit=1.5,
+                       num_layers=2, layer_types=BASE.layer_types[:2],
+                       mlp_types=BASE.mlp_types[:2], n_routed_experts=4)
+    rows = random_params(cfg, 5, jnp.bfloat16, release_formats=True)
+    order = ON_KERNEL.fp4_expert_order
+    tiled = tile_fp4_experts(rows, order, owned=False)
+    p_rows, p_tiled = rows.layers[ROUTED_LAYER].moe, tiled.layers[ROUTED_LAYER].moe
+    assert fp4_tile(p_tiled.experts.w13).words == (order == "words")
+    assert fp4_tile(p_tiled.experts.w2) is not None and fp4_tile(p_rows.experts.w2) is None
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((9, cfg.hidden_size)), jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, 9))
+    run = lambda p, compute: np.asarray(moe(x, ids, p, MlpKind.MOE, cfg, compute)[0],  # noqa: E731
+                                        np.float32)
+    on_tiles = run(p_tiled, ON_KERNEL)
+    np.testing.assert_array_equal(on_tiles, run(p_rows, ON_KERNEL))
+    want = run(p_rows, ComputeConfig())
+    np.testing.assert_allclose(on_tiles, want, rtol=3e-2, atol=3e-2 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("impl", ["reference", "kernel"])
