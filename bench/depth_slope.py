@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 from bench.lib.ceilings import DATASHEET_TBPS  # noqa: E402
 from bench.lib.ceilings import measure as measure_ceilings  # noqa: E402
 from bench.lib.decode import decode  # noqa: E402
-from bench.lib.models import V4_FLASH, slice_config  # noqa: E402
+from bench.lib.models import V4_FLASH, engine_params, slice_config  # noqa: E402
 from bench.lib.results import environment, write_results  # noqa: E402
 from bench.lib.rooflines import decode_roofline, weight_counts  # noqa: E402
 from deepinfer_jax import LLM, Model  # noqa: E402
@@ -61,8 +61,8 @@ def main() -> None:
     rows = []
     for layers in args.layers:
         cfg = slice_config(args.config, layers)
-        params = jax.block_until_ready(random_params(cfg, 0, jnp.bfloat16,
-                                                     release_formats=args.quantized))
+        params = engine_params(jax.block_until_ready(random_params(
+            cfg, 0, jnp.bfloat16, release_formats=args.quantized)))
         counts = weight_counts(params, cfg)
         start = time.perf_counter()
         llm = LLM(Model(cfg, params), max_num_seqs=max(args.batches),

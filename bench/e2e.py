@@ -51,7 +51,7 @@ from bench.lib.ceilings import DATASHEET_BF16_TFLOPS, DATASHEET_TBPS  # noqa: E4
 from bench.lib.ceilings import measure as measure_ceilings  # noqa: E402
 from bench.lib.decode import decode  # noqa: E402
 from bench.lib.engine_loop import prefill_seconds  # noqa: E402
-from bench.lib.models import V4_FLASH, slice_config  # noqa: E402
+from bench.lib.models import V4_FLASH, engine_params, slice_config  # noqa: E402
 from bench.lib.results import environment, write_results  # noqa: E402
 from bench.lib.rooflines import (  # noqa: E402
     decode_roofline,
@@ -213,8 +213,8 @@ def main() -> None:
         return
 
     start = time.perf_counter()
-    params = jax.block_until_ready(random_params(cfg, 0, jnp.bfloat16,
-                                                 release_formats=args.quantized))
+    params = engine_params(jax.block_until_ready(random_params(
+        cfg, 0, jnp.bfloat16, release_formats=args.quantized)))
     startup = {"random_weights_s": time.perf_counter() - start}
     counts = weight_counts(params, cfg)
     start = time.perf_counter()
@@ -320,7 +320,7 @@ def quantized_versus_bf16(args, ceilings: dict) -> dict:
     logits agree (the FP8 codes and FP4 values times power-of-two scales are exact in bf16,
     so the weights are the same numbers; only the GEMMs' summation order differs)."""
     cfg = slice_config(args.config, args.versus_layers)
-    quantized = random_params(cfg, 1, jnp.bfloat16, release_formats=True)
+    quantized = engine_params(random_params(cfg, 1, jnp.bfloat16, release_formats=True))
     dequantized = dequantize_tree(quantized, jnp.bfloat16)
     rng = np.random.default_rng(1)
     prompt = rng.integers(2, cfg.vocab_size, 256)

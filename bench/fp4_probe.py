@@ -9,6 +9,7 @@ bandwidth (results: kernels-fp4-probe*-gpu.md; the story: docs/performance-log.m
     python bench/fp4_probe.py --study no-code-loads  # codes never read from shared memory
     python bench/fp4_probe.py --study step-wgmma     # one wgmma call a half and pipeline step
     python bench/fp4_probe.py --study words          # codes as 32-bit words: 8- or 16-byte loads
+    python bench/fp4_probe.py --study engine-tiles   # one stored tiling for decode and 8k prefill
 
 Each row: the median of 5 repeats of 10 calls (min-max beside it); `tbps` the hit experts'
 stored bytes (codes + scales) / time. Rows are printed and written to $OUT as they come.
@@ -86,6 +87,17 @@ def candidates(study: str, base: fp4_kernel.Fp4Config, op: str) -> dict:
                     f"words{v} n{other_n['block_n']}": rep(words, **other_n),
                     f"words{v} k256": rep(words, block_k=256)}
         return out
+    if study == "engine-tiles":
+        # one tile-major, word-major layout per weight stack that decode (16-token tiles) and
+        # prefill (64-token tiles) both read: the stack's (block_n, block_k) fixed at load
+        best = rep(base, tile_major=True, word_codes=4, wgmma_per_step=True, block_k=128,
+                   scales_in_pipeline=True)
+        n = 64 if op == "gate_up" else 128
+        other = 128 if op == "gate_up" else 64
+        return {"default": base, f"tiles n{n} k128": rep(best, block_n=n),
+                f"tiles n{other} k128": rep(best, block_n=other),
+                f"tiles n{n} k128 3 deep": rep(best, block_n=n, max_concurrent_steps=3),
+                f"tiles n{n} k256": rep(best, block_n=n, block_k=256)}
     if study == "no-code-loads":
         tm = rep(base, tile_major=True)
         return {"default": base, "tile_major": tm,
@@ -157,7 +169,7 @@ def main() -> None:
         return compile_one()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--study", choices=("options", "tile-major", "wgmma-twice", "swizzle", "occupancy",
-                                        "no-code-loads", "step-wgmma", "words"),
+                                        "no-code-loads", "step-wgmma", "words", "engine-tiles"),
                     default="options")
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT", "/tmp"))
@@ -177,7 +189,8 @@ def main() -> None:
         fp4_kernel.plgpu = {"twice": WgmmaTwice, "no code loads": NoCodeLoads}.get(
             variant, lambda real: real)(real)
         jax.clear_caches()
-        for tokens in (16, 64):
+        for tokens in (16, 64) + ((Shapes().prefill_tokens,) if args.study == "engine-tiles"
+                                  else ()):
             sizes, x, h = row_problem(tokens, shapes, tokens)
             hit = int((sizes > 0).sum())
             for op, w, a, n_out, swiglu in (("gate_up", w13, x, shapes.inter, LIMIT),

@@ -38,7 +38,7 @@ from bench.lib.ceilings import measure as measure_ceilings  # noqa: E402
 from bench.lib.results import environment, write_results  # noqa: E402
 from bench.lib.timing import rel_err, spread, timing  # noqa: E402
 from pallas_kernels import quantized  # noqa: E402
-from pallas_kernels.grouped_gemm import api, mosaic_gpu_persistent, reference  # noqa: E402
+from pallas_kernels.grouped_gemm import api, fp4_path, mosaic_gpu_persistent, reference  # noqa: E402
 from pallas_kernels.grouped_gemm.mosaic_gpu import TileConfig  # noqa: E402
 from pallas_kernels.grouped_gemm.mosaic_gpu_fp4 import Fp4Config  # noqa: E402
 from pallas_kernels.grouped_gemm.mosaic_gpu_ws import WarpSpecializedConfig  # noqa: E402
@@ -97,13 +97,20 @@ class Experts:
     w2_fp4: quantized.Fp4Blocks
 
 
+def as_engine_holds(w: quantized.Fp4Blocks, op: str) -> quantized.Fp4Blocks:
+    """FP4 codes in the order the engine holds them where the kernel reads them
+    (deepinfer_jax/weights/fp4_tiles.py: the kernel's stored tiles, as words when compiled)."""
+    tile = fp4_path.stored_tile(w, op, interpret=jax.default_backend() == "cpu")
+    return w if tile is None else quantized.fp4_tiled(w, tile)
+
+
 def make_experts(shapes: Shapes) -> Experts:
     """FP4 weights first; the bf16 ones are their dequantized values (so every impl computes
     the same function and the FP4 rows' error against the peers is the kernel's alone), the
     FP8 ones quantized from those."""
     e, d, i = shapes.experts, shapes.hidden, shapes.inter
-    w13_fp4 = fp4_blocks(jax.random.key(1), e, 2 * i, d, d)
-    w2_fp4 = fp4_blocks(jax.random.key(2), e, d, i, i)
+    w13_fp4 = as_engine_holds(fp4_blocks(jax.random.key(1), e, 2 * i, d, d), "gate_up")
+    w2_fp4 = as_engine_holds(fp4_blocks(jax.random.key(2), e, d, i, i), "down")
     w13 = jax.jit(quantized.dequantize)(w13_fp4)
     w2 = jax.jit(quantized.dequantize)(w2_fp4)
     return Experts(w13, w2, jax.jit(fp8_blocks)(w13), jax.jit(fp8_blocks)(w2), w13_fp4, w2_fp4)
@@ -259,7 +266,7 @@ def label(cfg) -> str:
         where = "" if cfg.a_in_registers else " A via smem"
         return (f"ours fp4 {cfg.block_n}x{cfg.block_m}x{cfg.block_k}/"
                 f"{cfg.max_concurrent_steps}{where} {cfg.dequant}"
-                f"{' overlap' * cfg.overlap_steps}")
+                f"{' tiles' * cfg.tile_major}{f' words{cfg.word_codes}' * (cfg.word_codes > 0)}")
     if isinstance(cfg, tuple):
         return " + ".join(label(c) for c in cfg).replace(" + ours bf16", " +")
     kind = ("ws " if isinstance(cfg, WarpSpecializedConfig) else

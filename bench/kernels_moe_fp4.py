@@ -4,6 +4,8 @@ DeepSeek-V4-Flash expert shapes (cases, timing and columns: bench/kernels_moe.py
 
     python bench/kernels_moe_fp4.py                  # H200
     python bench/kernels_moe_fp4.py --no-sweep       # the default configs only
+
+The FP4 weights are held as the engine holds them: in the kernel's stored tiles.
 """
 
 from __future__ import annotations
@@ -19,20 +21,21 @@ sys.path.insert(0, str(REPO))
 from bench.kernels_moe import Shapes, make_experts, moe_case, table  # noqa: E402
 from bench.lib.ceilings import measure as measure_ceilings  # noqa: E402
 from bench.lib.results import environment, write_results  # noqa: E402
-from pallas_kernels.grouped_gemm.mosaic_gpu_fp4 import Fp4Config  # noqa: E402
+from pallas_kernels.grouped_gemm import fp4_path  # noqa: E402
 
 
-def fp4_sweeps(prefill_too: bool = True) -> tuple[dict, dict]:
-    """FP4 kernel configs timed beside its defaults (mosaic_gpu_fp4.Fp4Config: tokens per tile
-    x weight rows per program x K step / pipeline depth, and the dequantization's formulation,
-    fp4_dequant.py)."""
-    def c(m, n, k, stages, overlap=False):
-        return Fp4Config(m, n, k, stages, dequant="bits_ptx", overlap_steps=overlap)
-    decode = [c(16, 64, 256, 4), c(16, 64, 128, 6), c(16, 64, 128, 4), c(16, 64, 128, 4, True),
-              c(16, 64, 128, 6, True), c(16, 128, 128, 4)]
-    prefill = [c(64, 64, 256, 4), c(128, 64, 128, 4)]
-    return ({"gate_up": prefill, "down": prefill} if prefill_too else {},
-            {"gate_up": decode, "down": decode})
+def fp4_sweeps(experts, prefill_too: bool = True) -> tuple[dict, dict]:
+    """FP4 kernel configs timed beside its defaults: the engine holds each stack in one tile
+    order (bench/kernels_moe.py `as_engine_holds`), so only what that leaves free varies:
+    the pipeline's depth, and at prefill the tokens a tile."""
+    def around(w, rows):
+        base = fp4_path.tiled_config(w, rows, interpret=False)
+        return [dataclasses.replace(base, max_concurrent_steps=s) for s in (3, 6)]
+    stacks = {"gate_up": experts.w13_fp4, "down": experts.w2_fp4}
+    decode = {op: around(w, 16) for op, w in stacks.items()}
+    prefill = {op: around(w, 4096) + [dataclasses.replace(
+        fp4_path.tiled_config(w, 4096, interpret=False), block_m=128)] for op, w in stacks.items()}
+    return (prefill if prefill_too else {}), decode
 
 
 def main() -> None:
@@ -45,7 +48,8 @@ def main() -> None:
     ceilings = measure_ceilings()
     print(ceilings, flush=True)
     experts = make_experts(shapes)
-    prefill_sweep, decode_sweep = ({}, {}) if args.no_sweep else fp4_sweeps(not args.decode_sweep_only)
+    prefill_sweep, decode_sweep = ({}, {}) if args.no_sweep else fp4_sweeps(
+        experts, not args.decode_sweep_only)
     results = []
     for tokens in shapes.decode_tokens:
         results += moe_case(f"decode {tokens}", tokens, shapes, experts, impl, None, {},

@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.lib.engine_loop import abort_all, step_until_decoding  # noqa: E402
-from bench.lib.models import SMALL_CPU, V4_FLASH, model_label, slice_config  # noqa: E402
+from bench.lib.models import SMALL_CPU, V4_FLASH, engine_params, model_label, slice_config  # noqa: E402
 from bench.lib.results import environment, write_results  # noqa: E402
 from bench.lib.timing import MIN_REPEATS  # noqa: E402
 from bench.speculative import MODEL as TINY  # noqa: E402
@@ -180,8 +180,8 @@ def main() -> None:
     base = (slice_config(V4_FLASH, args.v4_flash_layers) if args.v4_flash_layers
             else read_model_config(args.config))
     cfg = dataclasses.replace(base, num_mtp_layers=1)
-    weights = jax.block_until_ready(random_params(cfg, 0, jnp.bfloat16,
-                                                  release_formats=args.quantized))
+    weights = engine_params(jax.block_until_ready(random_params(
+        cfg, 0, jnp.bfloat16, release_formats=args.quantized)))
     token_map = (None if fraction is None else
                  write_token_map(list(range(round(fraction * cfg.vocab_size))),
                                  f"first-ids-{fraction:g}"))

@@ -58,10 +58,11 @@ def build(args) -> LLM:
                   enable_prefix_caching=False, batch_invariant=args.batch_invariant,
                   compilation_cache_dir=str(REPO / ".cache" / "xla-bench"))
     if args.v4_flash_layers:
-        from bench.lib.models import V4_FLASH, slice_config
+        from bench.lib.models import V4_FLASH, engine_params, slice_config
         from deepinfer_jax.weights import random_params
         cfg = slice_config(V4_FLASH, args.v4_flash_layers)
-        params = random_params(cfg, 0, jnp.bfloat16, release_formats=args.quantized)
+        params = engine_params(random_params(cfg, 0, jnp.bfloat16,
+                                             release_formats=args.quantized))
         return LLM(Model(cfg, params), **common)
     return LLM(args.model, **common)
 

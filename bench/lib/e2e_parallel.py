@@ -53,6 +53,7 @@ from bench.lib.ceilings import measure as measure_ceilings
 from bench.lib.decode import decode_timed, start_shared_prefix_batch
 from bench.lib.device_time import busy_and_span_of, device_events, kernel_totals, trace_events
 from bench.lib.engine_loop import abort_all
+from bench.lib.models import engine_params
 from bench.lib.results import environment, write_results
 from bench.lib.rooflines import mesh_decode_roofline, mesh_weight_counts, prefill_roofline
 from bench.lib.timing import MIN_REPEATS
@@ -95,8 +96,8 @@ def draw_params(cfg: ModelConfig, parallel: ParallelConfig | None, quantized: bo
     shards: the full model is larger than one GPU) or, for None, on the default device."""
     mesh = None if parallel is None else make_mesh(parallel)
     shardings = None if mesh is None else functools.partial(param_shardings, mesh=mesh)
-    return jax.block_until_ready(random_params(cfg, 0, jnp.bfloat16, release_formats=quantized,
-                                               shardings=shardings))
+    return engine_params(jax.block_until_ready(random_params(
+        cfg, 0, jnp.bfloat16, release_formats=quantized, shardings=shardings)))
 
 
 def run(args, engine_options: dict) -> None:

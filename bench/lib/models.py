@@ -23,6 +23,18 @@ def slice_config(path: Path, layers: int) -> ModelConfig:
     return slices.slice_config(read_model_config(path), layers)
 
 
+def engine_params(params):
+    """params with their FP4 experts already in the engine's kernel order for this machine
+    (weights/fp4_tiles.py), the row-order arrays freed: an LLM given a Model of these makes
+    no copy of them (it copies a Model's row-order stacks, which a deep slice cannot hold
+    twice)."""
+    from deepinfer_jax.config.options import resolve_compute
+    from deepinfer_jax.engine.devices import local_device_facts
+    from deepinfer_jax.weights.fp4_tiles import tile_fp4_experts
+    order = resolve_compute(local_device_facts()).fp4_expert_order
+    return tile_fp4_experts(params, order, owned=True)
+
+
 def model_config(args) -> ModelConfig:
     """args.v4_flash_layers > 0: that V4-Flash slice; else the config file args.config."""
     if not args.v4_flash_layers:
