@@ -9,10 +9,15 @@ rows `block_k` inputs a step; it is faster when
   K/2 bytes apart; and
 * within a row, the bytes of every 4 scale groups are reordered into 32-bit words
   (`word_major`) so that one 16-byte shared-memory load gives a thread the bytes of 4 groups
-  that the u8 layout gives it in eight 2-byte loads.
+  that the u8 layout gives it in eight 2-byte loads;
+* within a scale group, the nibbles are re-paired (`halves`): the kernel reads a group's 16
+  low nibbles as its first 16 inputs and the 16 high ones as the rest. The checkpoint pairs
+  inputs 2j and 2j + 1 in byte j, so its activations must come permuted (`nibble_order`,
+  a gather of every activation row each call); with byte j holding inputs j and j + 16 they
+  come in their own order.
 
-Both are permutations of the same bytes (no value changes, no size change), undone exactly by
-`from_tiles` and `word_bytes`. The engine lays its FP4 stacks out so once, at load
+All are permutations of the same codes (no value changes, no size change), undone exactly by
+`from_tiles`, `word_bytes` and `pairs`. The engine lays its FP4 stacks out so once, at load
 (deepinfer_jax/weights/fp4_tiles.py); `quantized.Fp4Blocks` holds either order.
 """
 
@@ -49,6 +54,23 @@ def word_bytes(words: jax.Array, vector: int) -> jax.Array:
     pieces = lax.bitcast_convert_type(words, jnp.uint8).reshape(
         *lead, quarter // (4 * vector), 4, vector, 2, 2)                       # [.., q, e, t, p]
     return jnp.moveaxis(pieces, -4, -2).reshape(*lead, 4 * quarter)
+
+
+def halves(packed: jax.Array) -> jax.Array:
+    """u8[..., K/2] codes paired as the checkpoint pairs them (byte j of a 32-input scale
+    group: inputs 2j low, 2j + 1 high) -> byte j holding inputs j (low) and j + 16 (high)."""
+    *lead, half_k = packed.shape
+    group = packed.reshape(*lead, half_k // 16, 16)
+    codes = jnp.stack([group & 0x0F, group >> 4], axis=-1).reshape(*lead, half_k // 16, 32)
+    return (codes[..., :16] | (codes[..., 16:] << 4)).reshape(*lead, half_k)
+
+
+def pairs(packed: jax.Array) -> jax.Array:
+    """`halves`' inverse: byte j holding inputs j and j + 16 -> inputs 2j and 2j + 1."""
+    *lead, half_k = packed.shape
+    group = packed.reshape(*lead, half_k // 16, 16)
+    codes = jnp.concatenate([group & 0x0F, group >> 4], axis=-1)          # inputs 0..31
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).reshape(*lead, half_k)
 
 
 def to_tiles(packed: jax.Array, block_n: int, block_k: int) -> jax.Array:

@@ -15,8 +15,9 @@ them so (about 4x fewer bytes than bf16 for the experts); the GEMMs dequantize a
   scale group's bytes for consecutive output rows are contiguous: the FP4 kernel reads each
   as one shared-memory row); routed experts stack them `[E, out, in/2]`, `[E, in/32, out]`.
   Where the FP4 kernel runs, the engine holds the codes in its tile order instead (the same
-  bytes permuted once at load, fp4_layout.py): `[..., out/bn, in/bk, bn, bk/2]` bytes, or
-  `[..., out/bn, in/bk, bn, bk/8]` u32 words; `fp4_tile` says which, `fp4_rows` undoes it.
+  codes permuted once at load, fp4_layout.py: re-paired `halves` within each scale group,
+  then `[..., out/bn, in/bk, bn, bk/2]` bytes or `[..., out/bn, in/bk, bn, bk/8]` u32
+  words); `fp4_tile` says which, `fp4_rows` undoes it.
 
 `dequantize` is the plain-jnp meaning of both: the CPU path's first step and the kernels'
 test oracle.
@@ -63,7 +64,8 @@ class Fp4Blocks(NamedTuple):
 
 
 class Fp4Tile(NamedTuple):
-    """The FP4 kernel's tile order of a stack's codes (fp4_layout.py)."""
+    """The FP4 kernel's tile order of a stack's codes (fp4_layout.py; within each scale group
+    the nibbles `halves`-paired, so the kernel takes its activations in their own order)."""
     block_n: int        # weight rows a tile
     block_k: int        # inputs a tile
     words: bool         # u32 words in fp4_layout.word_major order (else u8 bytes)
@@ -112,7 +114,7 @@ def fp4_tiled(w: Fp4Blocks, tile: Fp4Tile) -> Fp4Blocks:
     """w (in the checkpoint's rows) with its codes in `tile`'s order (jnp; scales unchanged)."""
     if fp4_tile(w) is not None:
         raise ValueError(f"FP4 codes already tiled ({fp4_tile(w)})")
-    packed = w.packed
+    packed = fp4_layout.halves(w.packed)
     if tile.words:
         packed = fp4_layout.word_major(packed, fp4_layout.STORED_WORD_GROUPS)
     return Fp4Blocks(fp4_layout.to_tiles(packed, tile.block_n, tile.block_k), w.scale)
@@ -126,7 +128,7 @@ def fp4_rows(w: Fp4Blocks) -> Fp4Blocks:
     packed = fp4_layout.from_tiles(w.packed)
     if tile.words:
         packed = fp4_layout.word_bytes(packed, fp4_layout.STORED_WORD_GROUPS)
-    return Fp4Blocks(packed, w.scale)
+    return Fp4Blocks(fp4_layout.pairs(packed), w.scale)
 
 
 # ---- from the checkpoint's arrays (numpy, at load time) ---------------------------------

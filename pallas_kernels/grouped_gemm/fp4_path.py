@@ -1,10 +1,12 @@
 """The kernel path of the grouped GEMM and the expert MLP on FP4 weights (mosaic_gpu_fp4.py).
 
-The kernel works on transposed operands: activations come in as x^T [K, tiled rows] with K in
-the kernel's nibble order, results go out as out^T [N, tiled rows]. This module moves rows in
-and out of that form with jnp (a gather and a transpose of the few activation rows; the
-weights are never touched), and chains the expert MLP's two GEMMs in it: the gate/up kernel's
-out^T [I, tiled rows] is the down kernel's x^T once its rows are put in nibble order.
+The kernel works on transposed operands: activations come in as x^T [K, tiled rows], results
+go out as out^T [N, tiled rows]. This module moves rows in and out of that form with jnp (a
+scatter into tiles and a transpose of the few activation rows; the weights are never
+touched), and chains the expert MLP's two GEMMs in it: the gate/up kernel's out^T [I, tiled
+rows] is the down kernel's x^T. On codes in the checkpoint's rows, K comes in the kernel's
+nibble order (a gather of x^T's rows, and of the hidden rows between the GEMMs); on codes
+in the engine's stored tiles, re-paired at load (fp4_layout.halves), in its own order.
 """
 
 from __future__ import annotations
@@ -102,10 +104,19 @@ def _check(x: jax.Array, w: quantized.Fp4Blocks, n_out: int, config: Fp4Config) 
         raise NotSupported(f"FP4 kernel: {why}") from None
 
 
-def _to_kernel_form(rows: jax.Array, tiles: layout.TileLayout, block_m: int) -> jax.Array:
-    """Sorted rows [M, K] -> x^T [K, T * block_m] in nibble order (padding columns 0)."""
-    order = jnp.asarray(nibble_order(rows.shape[1]))
-    return layout.to_tiles(rows, tiles, block_m).T[order]
+def _to_kernel_form(rows: jax.Array, tiles: layout.TileLayout, block_m: int,
+                    permuted: bool = True) -> jax.Array:
+    """Sorted rows [M, K] -> x^T [K, T * block_m] (padding columns 0), in nibble order for
+    weights paired as the checkpoint pairs them (`permuted`); codes held in the engine's
+    tiles are re-paired so that the inputs come in their own order (fp4_layout.halves)."""
+    x_t = layout.to_tiles(rows, tiles, block_m).T
+    return x_t[jnp.asarray(nibble_order(rows.shape[1]))] if permuted else x_t
+
+
+def _pairs_as_stored(w: quantized.Fp4Blocks) -> bool:
+    """Whether w's nibbles pair inputs 2j and 2j + 1 (the checkpoint's rows), so that the
+    activations must come in nibble order."""
+    return quantized.fp4_tile(w) is None
 
 
 def kernel_input(rows: jax.Array, group_sizes: jax.Array, block_m: int):
@@ -124,7 +135,8 @@ def grouped_matmul(lhs, w: quantized.Fp4Blocks, group_sizes, *, swiglu_limit, co
                      "gate_up" if swiglu_limit is not None else "down", n_out, config)
     _check(lhs, w, n_out, config)
     with kernel_mode(interpret):
-        x_t, tiles = kernel_input(lhs, group_sizes, config.block_m)
+        tiles = layout.tile_layout(group_sizes, lhs.shape[0], config.block_m)
+        x_t = _to_kernel_form(lhs, tiles, config.block_m, _pairs_as_stored(w))
         out_t = tiled_fp4_matmul_t(x_t, _codes(w),
                                    w.scale, tiles.tile_group, swiglu_limit=swiglu_limit,
                                    config=config, out_dtype=lhs.dtype)
@@ -147,11 +159,14 @@ def expert_mlp(x, w13, w2, group_sizes, swiglu_limit, *, configs, source_rows, o
     with kernel_mode(interpret):
         tiles = layout.tile_layout(group_sizes, rows, up_cfg.block_m)
         sorted_x = x if source_rows is None else x[source_rows]
-        hidden_t = tiled_fp4_matmul_t(_to_kernel_form(sorted_x, tiles, up_cfg.block_m),
+        hidden_t = tiled_fp4_matmul_t(_to_kernel_form(sorted_x, tiles, up_cfg.block_m,
+                                                      _pairs_as_stored(w13)),
                                       _codes(w13), w13.scale, tiles.tile_group,
                                       swiglu_limit=swiglu_limit, config=up_cfg,
                                       out_dtype=x.dtype)
-        out_t = tiled_fp4_matmul_t(hidden_t[jnp.asarray(nibble_order(inter))], _codes(w2),
+        if _pairs_as_stored(w2):
+            hidden_t = hidden_t[jnp.asarray(nibble_order(inter))]
+        out_t = tiled_fp4_matmul_t(hidden_t, _codes(w2),
                                    w2.scale, tiles.tile_group, config=down_cfg,
                                    out_dtype=x.dtype)
         return _from_kernel_form(out_t, tiles, out_order)

@@ -115,8 +115,10 @@ def test_moe_through_the_grouped_gemm_kernel():
 
 def test_moe_on_fp4_tiles_equals_the_moe_on_fp4_rows():
     """FP4 experts in the kernel's stored tile order (weights/fp4_tiles.py: bytes where
-    interpreted, 32-bit words where compiled) give the MoE bit for bit what the checkpoint's
-    row order gives on the same kernel, and what the jnp reference gives within rounding."""
+    interpreted, 32-bit words where compiled; nibbles re-paired so that the activations come
+    unpermuted) give the MoE what the checkpoint's row order gives on the same kernel, to
+    float32 rounding (each wgmma sums another half of a scale group's inputs), and what the
+    jnp reference gives within bf16 rounding."""
     cfg = BASE.replace(hidden_size=512, moe_intermediate_size=512, swiglu_limit=1.5,
                        num_layers=2, layer_types=BASE.layer_types[:2],
                        mlp_types=BASE.mlp_types[:2], n_routed_experts=4)
@@ -131,8 +133,8 @@ def test_moe_on_fp4_tiles_equals_the_moe_on_fp4_rows():
     ids = jnp.asarray(rng.integers(0, cfg.vocab_size, 9))
     run = lambda p, compute: np.asarray(moe(x, ids, p, MlpKind.MOE, cfg, compute)[0],  # noqa: E731
                                         np.float32)
-    on_tiles = run(p_tiled, ON_KERNEL)
-    np.testing.assert_array_equal(on_tiles, run(p_rows, ON_KERNEL))
+    on_tiles, on_rows = run(p_tiled, ON_KERNEL), run(p_rows, ON_KERNEL)
+    np.testing.assert_allclose(on_tiles, on_rows, rtol=1e-2, atol=1e-2 * np.abs(on_rows).max())
     want = run(p_rows, ComputeConfig())
     np.testing.assert_allclose(on_tiles, want, rtol=3e-2, atol=3e-2 * np.abs(want).max())
 

@@ -41,6 +41,18 @@ def test_tiles_hold_each_step_of_a_row_block_contiguously():
     np.testing.assert_array_equal(np.asarray(fp4_layout.from_tiles(jnp.asarray(tiled))), packed)
 
 
+def test_halves_pair_each_groups_inputs_j_and_j_plus_16():
+    packed = random_codes(np.random.default_rng(7), 2, 3, 48)           # 3 groups a row
+    code = lambda b, i: (b[i // 2] >> (4 * (i % 2))) & 0x0F  # noqa: E731  (checkpoint pairs)
+    got = np.asarray(fp4_layout.halves(jnp.asarray(packed)))
+    for row in ((0, 0), (1, 2), (0, 1)):
+        for g in range(3):
+            stored, want = packed[row][16 * g:16 * (g + 1)], got[row][16 * g:16 * (g + 1)]
+            for j in range(16):
+                assert want[j] == code(stored, j) | code(stored, j + 16) << 4
+    np.testing.assert_array_equal(np.asarray(fp4_layout.pairs(jnp.asarray(got))), packed)
+
+
 @pytest.mark.parametrize("vector", [2, 4])
 def test_word_bytes_undoes_word_major(vector):
     packed = random_codes(np.random.default_rng(vector), 3, 5, 256)
