@@ -12,7 +12,8 @@ bandwidth (results: kernels-fp4-probe*-gpu.md; the story: docs/performance-log.m
     python bench/fp4_probe.py --study engine-tiles   # one stored tiling for decode and 8k prefill
 
 Each row: the median of 5 repeats of 10 calls (min-max beside it); `tbps` the hit experts'
-stored bytes (codes + scales) / time. Rows are printed and written to $OUT as they come.
+stored bytes (codes + scales) / time. Rows are printed and written as they come (to
+$BENCH_RESULTS_DIR under bench/gpu_suite.py, else $OUT, else /tmp).
 """
 from __future__ import annotations
 
@@ -172,7 +173,7 @@ def main() -> None:
                                         "no-code-loads", "step-wgmma", "words", "engine-tiles"),
                     default="options")
     args = ap.parse_args()
-    out_dir = Path(os.environ.get("OUT", "/tmp"))
+    out_dir = Path(os.environ.get("BENCH_RESULTS_DIR") or os.environ.get("OUT", "/tmp"))
     out_file = out_dir / f"fp4_probe_{args.study}.json"
     if args.study == "options":
         ptxas_report(out_dir)

@@ -111,6 +111,21 @@ RUNS = {
                                        "1024", "--batches", "16", "--steps", "16",
                                        "--peer-python", "", "--name",
                                        "e2e-quantized-versus-gpu"),)),
+    # issue 32's two decode figures in one call: the bf16 slice's 51 GiB of weights need jax's
+    # memory fraction raised on an 80 GB card (e2e.py runs one form of the weights at a time)
+    "quantized-versus": Run(420, "decode b16 at 4k on 4 V4-Flash layers, quantized vs the same "
+                                 "weights in bf16 (logits compared too)",
+                            (("env", "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95", PY, "bench/e2e.py",
+                              "--quantized", "--versus-only", "--steps", "16", "--peer-python",
+                              "", "--gpu-memory-utilization", "0.95", "--name",
+                              "e2e-versus-gpu"),)),
+    "fp4-tiles": Run(200, "the FP4 grouped GEMM on the engine's stored tiles vs the row order, "
+                          "decode 16/64 and an 8k prefill",
+                     (bench("fp4_probe.py", "--study", "engine-tiles"),)),
+    "spec-shipped-tests": Run(420, "MTP speculation on the trained tiny model: outputs and "
+                                   "logprobs bitwise plain decoding's, with and without a "
+                                   "draft token map",
+                              ((*PYTEST, "tests/engine/test_speculative_shipped.py"),)),
     "kernels-moe": Run(420, "grouped MoE GEMM vs XLA and tokamax (.whl)",
                        (bench("kernels_moe.py"),)),
     "kernels-attention": Run(480, "sink attention kernels vs the XLA path",
