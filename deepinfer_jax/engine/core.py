@@ -23,6 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from deepinfer_jax.config.errors import EngineConfigError
@@ -57,6 +58,7 @@ from deepinfer_jax.host.scheduler import Scheduler
 from deepinfer_jax.host.spec_booking import SpecBooking
 from deepinfer_jax.host.stop_strings import StopStrings
 from deepinfer_jax.host.tokenizer import TextTokenizer
+from deepinfer_jax.model.mhc import with_mix_parts
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.model.v41.params import V41ModelParams
 from deepinfer_jax.parallel.eplb import ExpertBalancer, compile_transfer, with_placement
@@ -111,6 +113,9 @@ class EngineCore:
             raise EngineConfigError("speculative decoding needs the checkpoint's MTP weights "
                                     "(mtp.* tensors); this checkpoint has none")
         params = draft_vocab_setup(params, step_cfg, cfg.vocab_size)
+        # the mHC mixes' bf16 weight parts made once, not a launch a mix every step (mhc.py)
+        if isinstance(params, ModelParams) and params.embed.dtype == jnp.bfloat16:
+            params = with_mix_parts(params)
         self.cfg = cfg
         # before the probe's and the state's first computations: their programs load from
         # jax's cache

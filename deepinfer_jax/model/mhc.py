@@ -25,7 +25,8 @@ MIX_COLUMNS = 128
 MIX_K_RANGE = 1024
 
 
-def _mixes(streams: jax.Array, fn: jax.Array, eps: float, compute: ComputeConfig) -> jax.Array:
+def _mixes(streams: jax.Array, fn: jax.Array, eps: float, compute: ComputeConfig,
+           parts: jax.Array | None = None) -> jax.Array:
     """streams [..., hc, D] -> f32[..., n_mix]: a linear map of the RMS-normalised flat streams.
 
     bf16 streams: the norm is one factor per token, so it is applied to the n_mix sums
@@ -36,12 +37,14 @@ def _mixes(streams: jax.Array, fn: jax.Array, eps: float, compute: ComputeConfig
     slower on the H200, though this form reads the streams twice: docs/performance-log.md).
     In batch-invariant mode that GEMM is the invariant dense kernel's, its 3 * n_mix columns
     zero-padded and its K in fixed ranges (MIX_COLUMNS, MIX_K_RANGE; float32 operands have no
-    kernel: their jnp reference would run in a loop of row tiles)."""
+    kernel: their jnp reference would run in a loop of row tiles). `parts`: those three parts
+    side by side, made once (`with_mix_parts`) rather than at every call (a launch a mix on
+    a GPU)."""
     flat = streams.reshape(*streams.shape[:-2], -1)
     if flat.dtype != jnp.bfloat16:
         return linear(unweighted_rms_norm(flat.astype(jnp.float32), eps), fn, compute)
     n_mix = fn.shape[-1]
-    weight = jnp.concatenate(bf16_parts(fn.astype(jnp.float32)), axis=-1)    # [K, 3 n_mix]
+    weight = mix_parts(fn) if parts is None else parts                       # [K, 3 n_mix]
     k = flat.shape[-1]
     if compute.batch_invariant:
         weight = jnp.pad(weight, ((0, 0), (0, -weight.shape[-1] % MIX_COLUMNS)))
@@ -50,6 +53,20 @@ def _mixes(streams: jax.Array, fn: jax.Array, eps: float, compute: ComputeConfig
     projected = (sums[..., :n_mix] + sums[..., n_mix:2 * n_mix]) + sums[..., 2 * n_mix:3 * n_mix]
     x32 = flat.astype(jnp.float32)
     return projected * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
+def mix_parts(fn: jax.Array) -> jax.Array:
+    """f32 fn [K, n_mix] -> bf16 [K, 3 n_mix]: its `bf16_parts` side by side."""
+    return jnp.concatenate(bf16_parts(fn.astype(jnp.float32)), axis=-1)
+
+
+def with_mix_parts(params):
+    """params (any model's tree) with every mHC mix's `fn_parts` made from its fn, for a
+    model whose streams are bf16 (the only ones `_mixes` splits fn for)."""
+    is_mix = lambda x: isinstance(x, (HyperConnectionParams, HyperHeadParams))   # noqa: E731
+    parts = jax.jit(mix_parts)
+    return jax.tree.map(lambda p: p.replace(fn_parts=parts(p.fn)) if is_mix(p) else p, params,
+                        is_leaf=is_mix)
 
 
 def bf16_parts(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -96,7 +113,7 @@ def hc_pre(streams: jax.Array, p: HyperConnectionParams, *, hc_eps: float, norm_
            ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """streams [..., hc, D] -> (collapsed [..., D], post f32[..., hc], comb f32[..., hc, hc])."""
     hc = streams.shape[-2]
-    mixes = _mixes(streams, p.fn, norm_eps, compute)
+    mixes = _mixes(streams, p.fn, norm_eps, compute, p.fn_parts)
     pre_w, post_w, comb_w = mixes[..., :hc], mixes[..., hc:2 * hc], mixes[..., 2 * hc:]
     pre = jax.nn.sigmoid(pre_w * p.scale[0] + p.base[:hc]) + hc_eps
     post = 2.0 * jax.nn.sigmoid(post_w * p.scale[1] + p.base[hc:2 * hc])
@@ -135,6 +152,6 @@ def _mix_streams(block_out: jax.Array, streams: jax.Array, post: jax.Array, comb
 def hc_head(streams: jax.Array, p: HyperHeadParams, *, hc_eps: float, norm_eps: float,
             compute: ComputeConfig) -> jax.Array:
     """Final collapse of the streams [..., hc, D] -> [..., D] (sigmoid weights, no Sinkhorn)."""
-    mixes = _mixes(streams, p.fn, norm_eps, compute)
+    mixes = _mixes(streams, p.fn, norm_eps, compute, p.fn_parts)
     pre = jax.nn.sigmoid(mixes * p.scale[0] + p.base) + hc_eps
     return collapse(pre, streams, compute.batch_invariant).astype(streams.dtype)

@@ -32,6 +32,9 @@ class HyperConnectionParams:
     fn: Array      # f32[hc*D, (2+hc)*hc]  pre | post | comb mixing logits
     base: Array    # f32[(2+hc)*hc]
     scale: Array   # f32[3]                 pre, post, comb
+    # fn's three bf16 parts side by side, bf16[hc*D, 3*(2+hc)*hc], made once by the engine
+    # for bf16 streams (model/mhc.py with_mix_parts); None: made from fn at each call
+    fn_parts: Array | None = None
 
 
 @struct.dataclass
@@ -39,6 +42,7 @@ class HyperHeadParams:
     fn: Array      # f32[hc*D, hc]
     base: Array    # f32[hc]
     scale: Array   # f32[1]
+    fn_parts: Array | None = None      # bf16[hc*D, 3*hc], as HyperConnectionParams'
 
 
 @struct.dataclass

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from deepinfer_jax.config.compute import ComputeConfig
-from deepinfer_jax.model.mhc import _mixes, bf16_parts, hc_post
+from deepinfer_jax.model.mhc import _mixes, bf16_parts, hc_post, with_mix_parts
 from pallas_kernels.sinkhorn import api as sinkhorn_op
 
 ITERS, EPS = 20, 1e-6
@@ -68,6 +68,34 @@ def test_mixes_are_the_normalised_float32_projection(invariant):
     normed = flat / np.sqrt(np.mean(flat**2, axis=-1, keepdims=True) + 1e-6)
     want = normed @ np.asarray(fn, np.float64)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_mix_parts_made_once_give_the_same_mixes(invariant):
+    """The engine's `fn_parts` (with_mix_parts, made once at start-up) stand in for the parts
+    `_mixes` otherwise cuts from fn at each call: the same mixes, bit for bit, for every mix
+    of a model's tree and nothing else changed."""
+    from deepinfer_jax.config.hf import read_model_config
+    from deepinfer_jax.weights import random_params
+    from tests.conftest import REPO
+    cfg = read_model_config(REPO / "configs" / "tiny" / "tiny-mixed.json")
+    params = random_params(cfg, 0, jnp.bfloat16)
+    made = with_mix_parts(params)
+    mixes = [made.hc_head, *(m for layer in made.layers for m in (layer.attn_hc, layer.ffn_hc)),
+             *(m for mtp in made.mtp for m in (mtp.hc_head, mtp.layer.attn_hc, mtp.layer.ffn_hc))]
+    assert len(mixes) == 1 + 2 * cfg.num_layers + 3 * len(params.mtp)
+    assert params.layers[0].attn_hc.fn_parts is None
+    for mix in mixes:
+        np.testing.assert_array_equal(np.asarray(mix.fn_parts, np.float32),
+                                      np.asarray(jnp.concatenate(bf16_parts(mix.fn), -1), np.float32))
+    np.testing.assert_array_equal(np.asarray(made.embed), np.asarray(params.embed))
+    hc = params.layers[0].attn_hc
+    streams = jax.random.normal(jax.random.key(5), (7, hc.fn.shape[0] // cfg.hidden_size,
+                                                    cfg.hidden_size), jnp.bfloat16)
+    compute = ComputeConfig(batch_invariant=invariant)
+    mixes_of = jax.jit(lambda s, fn, parts: _mixes(s, fn, 1e-6, compute, parts))
+    np.testing.assert_array_equal(np.asarray(mixes_of(streams, hc.fn, None)),
+                                  np.asarray(mixes_of(streams, hc.fn, made.layers[0].attn_hc.fn_parts)))
 
 
 def test_hc_post_is_the_oracles_arithmetic_to_bf16_rounding():

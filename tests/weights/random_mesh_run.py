@@ -25,6 +25,7 @@ import deepinfer_jax  # noqa: E402
 from deepinfer_jax.api import dummy  # noqa: E402
 from deepinfer_jax.api.dummy import dummy_model  # noqa: E402
 from deepinfer_jax.config.parallel import ParallelConfig  # noqa: E402
+from deepinfer_jax.model.params import HyperConnectionParams, HyperHeadParams  # noqa: E402
 from deepinfer_jax.parallel.mesh import make_mesh, param_shardings  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
 
@@ -43,6 +44,14 @@ def compare(plain, placed, mesh) -> dict:
                         for path, leaf in zip(paths, leaves, strict=True)
                         if ".moe.experts." in path},
     }
+
+
+def as_loaded(params):
+    """The engine's params without what it adds at start-up (the mHC mixes' weight parts,
+    model/mhc.py with_mix_parts): the loaded weights, leaf for leaf."""
+    is_mix = lambda x: isinstance(x, (HyperConnectionParams, HyperHeadParams))   # noqa: E731
+    return jax.tree.map(lambda p: p.replace(fn_parts=None) if is_mix(p) else p, params,
+                        is_leaf=is_mix)
 
 
 DRAWS: list[dict] = []
@@ -79,8 +88,10 @@ def main() -> None:
                                                                       ignore_eos=True),
                        use_tqdm=False)
     print(json.dumps({"devices": len(jax.devices()), "drawn": compare(plain.params, drawn, mesh),
-                      "engine": compare(plain.params, llm.engine.params, llm.engine.mesh),
-                      "draws": DRAWS, "tokens": list(out[0].outputs[0].token_ids)}))
+                      "engine": compare(plain.params, as_loaded(llm.engine.params),
+                                        llm.engine.mesh),
+                      "draws": DRAWS, "tokens": list(out[0].outputs[0].token_ids),
+                      "mix_parts": llm.engine.params.layers[0].attn_hc.fn_parts is not None}))
 
 
 if __name__ == "__main__":

@@ -47,3 +47,4 @@ def test_dummy_weights_reach_the_engine_already_split(run):
     assert len(run["draws"]) == 2           # the test's own dummy_model, then the engine's
     assert drawn == {path: rows // 8 for path, (rows, _) in run["engine"]["expert_rows"].items()}
     assert len(run["tokens"]) == 4
+    assert run["mix_parts"]        # the bf16 engine made its mHC weight parts once (mhc.py)
