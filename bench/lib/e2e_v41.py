@@ -30,7 +30,7 @@ import numpy as np
 
 from bench.lib.ceilings import DATASHEET_BF16_TFLOPS, DATASHEET_TBPS
 from bench.lib.ceilings import measure as measure_ceilings
-from bench.lib.models import V4_FLASH
+from bench.lib.models import V4_FLASH, engine_params
 from bench.lib.results import environment, write_results
 from bench.lib.rooflines import weight_counts
 from deepinfer_jax import LLM
@@ -132,8 +132,9 @@ def run(args, engine_shapes: dict, prefill, decode, table) -> None:
     # FP4 experts drawn at the width the engine's kernels want (LLM would pad them on the
     # device, holding both widths for a moment)
     granule = options.resolve_compute(local_device_facts()).fp4_expert_granule
-    params = jax.block_until_ready(random_v41_params(cfg, 0, jnp.bfloat16, release_formats=True,
-                                                     fp4_k_granule=granule))
+    # and in the kernel's stored tiles (LLM would lay out a copy: weights/fp4_tiles.py)
+    params = engine_params(jax.block_until_ready(random_v41_params(
+        cfg, 0, jnp.bfloat16, release_formats=True, fp4_k_granule=granule)))
     startup = {"random_weights_s": time.perf_counter() - start}
     counts = weight_counts(params.replace(engram_tables=()), cfg)
     rng = np.random.default_rng(0)
