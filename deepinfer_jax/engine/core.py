@@ -93,6 +93,15 @@ class InFlight:
     deferred: Deferred | None = None    # `output`: the kept logits until masked (deferred_masks.py)
 
 
+def with_step_weights(params):
+    """The loaded weights plus what the step reads that the engine makes from them once: the
+    mHC mixes' bf16 weight parts of a V4 model with bf16 weights (model/mhc.py
+    with_mix_parts), instead of a launch a mix every step. The memory plan counts them."""
+    if isinstance(params, ModelParams) and params.embed.dtype == jnp.bfloat16:
+        return with_mix_parts(params)
+    return params
+
+
 class EngineCore:
     def __init__(self, cfg: ModelConfig | V41Config, params: ModelParams | V41ModelParams,
                  step_cfg: StepConfig, host: HostOptions, tokenizer: TextTokenizer | None = None,
@@ -112,10 +121,7 @@ class EngineCore:
         if step_cfg.spec_tokens and not params.mtp:
             raise EngineConfigError("speculative decoding needs the checkpoint's MTP weights "
                                     "(mtp.* tensors); this checkpoint has none")
-        params = draft_vocab_setup(params, step_cfg, cfg.vocab_size)
-        # the mHC mixes' bf16 weight parts made once, not a launch a mix every step (mhc.py)
-        if isinstance(params, ModelParams) and params.embed.dtype == jnp.bfloat16:
-            params = with_mix_parts(params)
+        params = with_step_weights(draft_vocab_setup(params, step_cfg, cfg.vocab_size))
         self.cfg = cfg
         # before the probe's and the state's first computations: their programs load from
         # jax's cache

@@ -83,14 +83,15 @@ def test_weights_over_the_budget_fail_before_any_compile(monkeypatch):
 
 
 def _plan_inputs(model):
-    """Weights as loaded, the probe's measured activations, and the state's fixed and
-    per-page bytes, from the pytree init_state allocates."""
+    """Weights as the engine holds them, the probe's measured activations, and the state's
+    fixed and per-page bytes, from the pytree init_state allocates."""
     cfg = read_model_config(TINY)
     options = EngineConfig(**SHAPES)
     step_cfg = options.resolve(cfg, local_device_facts())    # as LLM resolves it (a GPU's kernels)
     dtype = model.params.embed.dtype
-    weights = _nbytes(model.params)
-    activations = memory_plan.measured_activations(model.params, cfg, step_cfg,
+    params = core.with_step_weights(model.params)      # as the engine holds them
+    weights = _nbytes(params)
+    activations = memory_plan.measured_activations(params, cfg, step_cfg,
                                                    options.host_options(step_cfg))
     one, two = (_nbytes(_abstract_state(cfg, dataclasses.replace(step_cfg, num_pages=n), dtype))
                 for n in (1, 2))
@@ -145,10 +146,11 @@ def test_memory_the_allocator_holds_outside_its_largest_free_block_is_planned_un
     device = int((weights + memory_plan.with_slack(measured) + fixed + 20.5 * page) / 0.9)
     holes = 7 * page + 123
     monkeypatch.setattr(memory_plan, "held_outside_free_block", lambda devices: weights + holes)
+    params = core.with_step_weights(model.params)
 
     def plan(reported):
         limits = MemoryLimits(device, 0.9, reported=reported)
-        return memory_plan.engine_plan(model.params, read_model_config(TINY), step_cfg, host,
+        return memory_plan.engine_plan(params, read_model_config(TINY), step_cfg, host,
                                        limits)[1]
 
     stated, reported = plan(False), plan(True)
@@ -160,7 +162,7 @@ def test_memory_the_allocator_holds_outside_its_largest_free_block_is_planned_un
     too_small = MemoryLimits(int((weights + holes + memory_plan.with_slack(measured) + fixed)
                                  / 0.9), 0.9, reported=True)
     with pytest.raises(InsufficientMemoryError, match=r"unusable .*GiB \(held outside"):
-        memory_plan.engine_plan(model.params, read_model_config(TINY), step_cfg, host, too_small)
+        memory_plan.engine_plan(params, read_model_config(TINY), step_cfg, host, too_small)
 
 
 def test_only_a_reported_device_memory_is_measured_against_the_allocator(monkeypatch):
