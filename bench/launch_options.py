@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.lib.engine_loop import step_until_decoding  # noqa: E402
-from bench.lib.models import SMALL_CPU, V4_FLASH, slice_config  # noqa: E402
+from bench.lib.models import SMALL_CPU, V4_FLASH, engine_params, slice_config  # noqa: E402
 from bench.lib.results import environment, write_results  # noqa: E402
 from bench.lib.timing import MIN_REPEATS, Timing, spread  # noqa: E402
 from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
@@ -62,7 +62,7 @@ def steady_engine(layers: int, args) -> LLM:
     """An engine of `layers` V4-Flash layers (or the small CPU config) decoding `args.batch`
     requests at `args.context` tokens."""
     cfg = slice_config(V4_FLASH if args.v4_flash_layers else SMALL_CPU, layers)
-    params = random_params(cfg, 0, jnp.bfloat16, release_formats=args.quantized)
+    params = engine_params(random_params(cfg, 0, jnp.bfloat16, release_formats=args.quantized))
     llm = LLM(Model(cfg, params), max_num_seqs=max(args.batch, 16),
               max_model_len=args.context + 512, max_num_batched_tokens=args.budget,
               token_buckets=tuple(sorted({16, args.budget})), enable_prefix_caching=False,

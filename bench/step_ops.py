@@ -32,11 +32,13 @@ from bench.lib.models import V4_FLASH, slice_config  # noqa: E402
 from deepinfer_jax.config.engine import EngineConfig  # noqa: E402
 from deepinfer_jax.config.options import DeviceFacts  # noqa: E402
 from deepinfer_jax.device.step import step  # noqa: E402
+from deepinfer_jax.engine.core import with_step_weights  # noqa: E402
 from deepinfer_jax.engine.transfer import Wire  # noqa: E402
 from deepinfer_jax.host.decision import ScheduleDecision  # noqa: E402
 from deepinfer_jax.host.plan_builder import build_plan  # noqa: E402
 from deepinfer_jax.model.state import init_state  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
+from deepinfer_jax.weights.fp4_tiles import tile_fp4_experts  # noqa: E402
 from pallas_kernels.common import abstract_gpu  # noqa: E402
 
 H200 = DeviceFacts("gpu", "9.0")
@@ -57,8 +59,11 @@ def lower(layers: int, bucket: int, quantized: bool, batch_invariant: bool) -> s
     step_cfg = EngineConfig(max_num_seqs=min(bucket, 64), max_model_len=4096 + bucket,
                             max_num_batched_tokens=bucket, token_buckets=(bucket,),
                             batch_invariant=batch_invariant).resolve(cfg, H200, environ={})
-    params = jax.eval_shape(functools.partial(random_params, cfg, release_formats=quantized),
-                            jax.random.key(0))
+    # the weights as the engine holds them on the H200: FP4 experts in the kernel's tiles
+    # (weights/fp4_tiles.py), the mHC mixes' parts made (engine/core.with_step_weights)
+    params = jax.eval_shape(lambda key: with_step_weights(tile_fp4_experts(
+        random_params(cfg, key, release_formats=quantized), step_cfg.compute.fp4_expert_order,
+        owned=False)), jax.random.key(0))
     state = jax.eval_shape(lambda: init_state(cfg, step_cfg, jnp.bfloat16))
     wire = Wire.of(build_plan(ScheduleDecision(()), bucket, step_cfg))
     traced = jax.jit(lambda p, s, b: step(p, s, wire.unpack_device(b), cfg=cfg,
