@@ -32,7 +32,7 @@ from bench.lib.models import V4_FLASH, slice_config  # noqa: E402
 from deepinfer_jax.config.engine import EngineConfig  # noqa: E402
 from deepinfer_jax.config.options import DeviceFacts  # noqa: E402
 from deepinfer_jax.device.step import step  # noqa: E402
-from deepinfer_jax.engine.core import with_step_weights  # noqa: E402
+from deepinfer_jax.engine.step_weights import with_step_weights  # noqa: E402
 from deepinfer_jax.engine.transfer import Wire  # noqa: E402
 from deepinfer_jax.host.decision import ScheduleDecision  # noqa: E402
 from deepinfer_jax.host.plan_builder import build_plan  # noqa: E402
@@ -60,7 +60,7 @@ def lower(layers: int, bucket: int, quantized: bool, batch_invariant: bool) -> s
                             max_num_batched_tokens=bucket, token_buckets=(bucket,),
                             batch_invariant=batch_invariant).resolve(cfg, H200, environ={})
     # the weights as the engine holds them on the H200: FP4 experts in the kernel's tiles
-    # (weights/fp4_tiles.py), the mHC mixes' parts made (engine/core.with_step_weights)
+    # (weights/fp4_tiles.py), the mHC mixes' parts made (engine/step_weights.py)
     params = jax.eval_shape(lambda key: with_step_weights(tile_fp4_experts(
         random_params(cfg, key, release_formats=quantized), step_cfg.compute.fp4_expert_order,
         owned=False)), jax.random.key(0))

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from deepinfer_jax.config.errors import EngineConfigError
@@ -41,6 +40,7 @@ from deepinfer_jax.engine.launch import Launcher
 from deepinfer_jax.engine.memory_plan import check_compiled, engine_plan
 from deepinfer_jax.engine.request_checks import request_problems
 from deepinfer_jax.engine.snapshot_copies import SnapshotCopies
+from deepinfer_jax.engine.step_weights import with_step_weights
 from deepinfer_jax.engine.tier_copies import Spilled, TierCopies
 from deepinfer_jax.host.buckets import token_bucket
 from deepinfer_jax.host.decision import ScheduleDecision
@@ -58,7 +58,6 @@ from deepinfer_jax.host.scheduler import Scheduler
 from deepinfer_jax.host.spec_booking import SpecBooking
 from deepinfer_jax.host.stop_strings import StopStrings
 from deepinfer_jax.host.tokenizer import TextTokenizer
-from deepinfer_jax.model.mhc import with_mix_parts
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.model.v41.params import V41ModelParams
 from deepinfer_jax.parallel.eplb import ExpertBalancer, compile_transfer, with_placement
@@ -91,15 +90,6 @@ class InFlight:
     read: Callable[[jax.Array], StepOutput | SpecStepOutput]
     spilled: Spilled = dataclasses.field(default_factory=list)   # for the KV tiers, once read
     deferred: Deferred | None = None    # `output`: the kept logits until masked (deferred_masks.py)
-
-
-def with_step_weights(params):
-    """The loaded weights plus what the step reads that the engine makes from them once: the
-    mHC mixes' bf16 weight parts of a V4 model with bf16 weights (model/mhc.py
-    with_mix_parts), instead of a launch a mix every step. The memory plan counts them."""
-    if isinstance(params, ModelParams) and params.embed.dtype == jnp.bfloat16:
-        return with_mix_parts(params)
-    return params
 
 
 class EngineCore:

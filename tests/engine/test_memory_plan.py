@@ -29,6 +29,7 @@ from deepinfer_jax.config.options import DeviceFacts
 from deepinfer_jax.device.snapshots import init_pool
 from deepinfer_jax.engine import step_cache
 from deepinfer_jax.engine.devices import held_outside_free_block, local_device_facts
+from deepinfer_jax.engine.step_weights import with_step_weights
 from deepinfer_jax.model.state import init_state
 from tests.conftest import REPO
 
@@ -89,7 +90,7 @@ def _plan_inputs(model):
     options = EngineConfig(**SHAPES)
     step_cfg = options.resolve(cfg, local_device_facts())    # as LLM resolves it (a GPU's kernels)
     dtype = model.params.embed.dtype
-    params = core.with_step_weights(model.params)      # as the engine holds them
+    params = with_step_weights(model.params)      # as the engine holds them
     weights = _nbytes(params)
     activations = memory_plan.measured_activations(params, cfg, step_cfg,
                                                    options.host_options(step_cfg))
@@ -146,7 +147,7 @@ def test_memory_the_allocator_holds_outside_its_largest_free_block_is_planned_un
     device = int((weights + memory_plan.with_slack(measured) + fixed + 20.5 * page) / 0.9)
     holes = 7 * page + 123
     monkeypatch.setattr(memory_plan, "held_outside_free_block", lambda devices: weights + holes)
-    params = core.with_step_weights(model.params)
+    params = with_step_weights(model.params)
 
     def plan(reported):
         limits = MemoryLimits(device, 0.9, reported=reported)
