@@ -174,6 +174,7 @@ def main() -> None:
                     default="options")
     args = ap.parse_args()
     out_dir = Path(os.environ.get("BENCH_RESULTS_DIR") or os.environ.get("OUT", "/tmp"))
+    out_dir.mkdir(parents=True, exist_ok=True)
     out_file = out_dir / f"fp4_probe_{args.study}.json"
     if args.study == "options":
         ptxas_report(out_dir)

@@ -122,10 +122,20 @@ RUNS = {
     "fp4-tiles": Run(200, "the FP4 grouped GEMM on the engine's stored tiles vs the row order, "
                           "decode 16/64 and an 8k prefill",
                      (bench("fp4_probe.py", "--study", "engine-tiles"),)),
-    "spec-shipped-tests": Run(420, "MTP speculation on the trained tiny model: outputs and "
+    # the bitwise pair first, on its own: pytest -q reports a failure only at the end, which
+    # a run stopped at its limit never reaches
+    "spec-shipped-tests": Run(560, "MTP speculation on the trained tiny model: outputs and "
                                    "logprobs bitwise plain decoding's, with and without a "
                                    "draft token map",
-                              ((*PYTEST, "tests/engine/test_speculative_shipped.py"),)),
+                              ((*PYTEST, "--tb=short", "tests/engine/test_speculative_shipped.py",
+                                "-k", "bitwise or draft_token_map"),
+                               (*PYTEST, "tests/engine/test_speculative_shipped.py", "-k",
+                                "not (bitwise or draft_token_map)"))),
+    "invariance-probe": Run(420, "where a speculative step's logprobs part from a plain step's "
+                                 "(batch-invariant mode), with the layers' barriers and without",
+                            (bench("invariance_probe.py", "softmax"),
+                             bench("invariance_probe.py", "engines"),
+                             bench("invariance_probe.py", "engines", "--without-barriers"))),
     "kernels-moe": Run(420, "grouped MoE GEMM vs XLA and tokamax (.whl)",
                        (bench("kernels_moe.py"),)),
     "kernels-attention": Run(480, "sink attention kernels vs the XLA path",
