@@ -131,7 +131,7 @@ RUNS = {
                                 "-k", "bitwise or draft_token_map"),
                                (*PYTEST, "tests/engine/test_speculative_shipped.py", "-k",
                                 "not (bitwise or draft_token_map)"))),
-    "invariance-probe": Run(420, "where a speculative step's logprobs part from a plain step's "
+    "invariance-probe": Run(480, "where a speculative step's logprobs part from a plain step's "
                                  "(batch-invariant mode), with the layers' barriers and without",
                             (bench("invariance_probe.py", "softmax"),
                              bench("invariance_probe.py", "engines"),

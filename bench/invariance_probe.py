@@ -4,6 +4,8 @@ CPU). Two probes, JSON lines on stdout:
 
   python bench/invariance_probe.py softmax          # the sampler's log-softmax, [8, V] vs [48, V]
   python bench/invariance_probe.py engines          # the test's engines: where and how much
+                                                    # (and the speculative engine's state
+                                                    # under plain steps only)
 
   python bench/invariance_probe.py engines --without-barriers   # model/invariant.settled off
 
@@ -61,7 +63,8 @@ def engines_probe(barriers: bool = True) -> None:
 
     tiny = REPO / "models" / "deepinfer-tiny-v4"
     engine = dict(max_num_seqs=8, max_model_len=1024, max_num_batched_tokens=128,
-                  token_buckets=(128,), page_size=64, show_progress=False, batch_invariant=True)
+                  token_buckets=(128,), page_size=64, show_progress=False, batch_invariant=True,
+                  enable_prefix_caching=False)
     plain = deepinfer_jax.LLM(tiny, **engine)
     source = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()
     prompt = plain.tokenizer.encode(source)[:310]
@@ -71,6 +74,16 @@ def engines_probe(barriers: bool = True) -> None:
         runs[f"spec{k}"] = deepinfer_jax.LLM(
             tiny, speculative_config={"num_speculative_tokens": k, "varlen": False}, **engine)
     outs = {name: llm.generate([prompt], params, use_tqdm=False)[0] for name, llm in runs.items()}
+    # The speculative engine's state (its rings hold spare rows for drafts) under plain steps
+    # only: equal to plain decoding, the state's shapes are not what moves the bits
+    from deepinfer_jax.host.scheduler import Scheduler
+    draft_cap = Scheduler.draft_cap
+    Scheduler.draft_cap = lambda self: 0
+    try:
+        outs["spec3 state, plain steps"] = runs["spec3"].generate([prompt], params,
+                                                                  use_tqdm=False)[0]
+    finally:
+        Scheduler.draft_cap = draft_cap
     ref = np.array([lp.logprob for lp in outs["plain"].logprobs])
     for name, out in outs.items():
         got = np.array([lp.logprob for lp in out.logprobs])
@@ -79,7 +92,7 @@ def engines_probe(barriers: bool = True) -> None:
                "tokens_equal": out.token_ids ==
                outs["plain"].token_ids, "differing": np.flatnonzero(diff).tolist(),
                "max_diff": float(diff.max()), "logprobs": got.tolist()}
-        if name != "plain":
+        if name in runs and name != "plain":
             m = runs[name].spec_metrics
             row |= {"drafted": m.drafted, "accepted": m.accepted}
         print(json.dumps(row), flush=True)
