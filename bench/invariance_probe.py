@@ -47,10 +47,10 @@ def softmax_probe() -> None:
 
 def without_barriers() -> None:
     """The layers' and the head's optimization barriers off (the tree before `settled`)."""
-    from deepinfer_jax.device import speculative, step
-    from deepinfer_jax.model import reference_forward
+    from deepinfer_jax.device import speculative
+    from deepinfer_jax.model import family, reference_forward
 
-    for module in (speculative, step, reference_forward):
+    for module in (speculative, family, reference_forward):
         module.settled = lambda tree, compute: tree
 
 

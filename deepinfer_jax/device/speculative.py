@@ -149,7 +149,7 @@ def spec_step(params: ModelParams, state: StateCache, plan, *, cfg: ModelConfig,
     token_ids = resolve_placeholders(plan.token_ids, plan, state.last_tokens)
     state = record_fed_tokens(state, plan, token_ids)
     state, streams = forward_step(params, state, plan, token_ids, cfg, step_cfg)
-    streams = settled(streams, step_cfg.compute)    # as in the plain step (device/step.py)
+    streams = settled(streams, step_cfg.compute)    # as in the plain step (model/family.py)
 
     first = plan.seq_offset + plan.seq_len - 1 - plan.num_drafts          # x_t (or last token)
     columns = first[:, None] + jnp.arange(s)[None]                         # [N, S]

@@ -19,7 +19,6 @@ from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.contract import BatchPlan, StepOutput
 from deepinfer_jax.device.sampling import SamplingRows, sample
 from deepinfer_jax.model.family import model_family
-from deepinfer_jax.model.invariant import settled
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.model.state import StateCache
 
@@ -58,7 +57,6 @@ def forward_logits(params: ModelParams, state: StateCache, plan: BatchPlan, *, c
     state = record_fed_tokens(state, plan, token_ids)
     family = model_family(cfg)           # DeepSeek-V4 or V4.1 (model/family.py)
     state, final = family.forward(params, state, plan, token_ids, cfg, step_cfg)
-    final = settled(final, step_cfg.compute)        # the layers compiled alike in either step
     return state, family.sampled_logits(params, final, plan.sample_index, cfg, step_cfg)
 
 
