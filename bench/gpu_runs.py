@@ -166,6 +166,11 @@ RUNS = {
     "depth-slope": Run(590, "the per-layer cost of a decode step at batch 1 and 16: quantized "
                             "V4-Flash slices of 2, 4 and 8 layers against the roofline's slope",
                        (bench("depth_slope.py", "--quantized"),)),
+    "decode-buckets": Run(480, "batch 1, 4 and 8 decode on 4 quantized V4-Flash layers (4k context) "
+                               "padded to a 16-token bucket against buckets of 1, 4 and 8 tokens",
+                          (bench("depth_slope.py", "--quantized", "--layers", "4", "--batches",
+                                 "1", "4", "8", "--bucket-sets", "16,1024", "1,4,8,16,1024",
+                                 "--name", "decode-buckets-quantized-gpu"),)),
     **{f"spec-verify-k{k}": Run(
         1100, f"the verify step's cost for {k} draft{'s' if k > 1 else ''} against a plain step "
               "(4 V4-Flash layers + MTP in the release's formats, 4k context, batch 1/16/64) and "
