@@ -167,10 +167,12 @@ RUNS = {
                             "V4-Flash slices of 2, 4 and 8 layers against the roofline's slope",
                        (bench("depth_slope.py", "--quantized"),)),
     "decode-buckets": Run(480, "batch 1, 4 and 8 decode on 4 quantized V4-Flash layers (4k context) "
-                               "padded to a 16-token bucket against buckets of 1, 4 and 8 tokens",
+                               "padded to a 16-token bucket against buckets of 1, 4 and 8 tokens, "
+                               "each row's kernels profiled",
                           (bench("depth_slope.py", "--quantized", "--layers", "4", "--batches",
                                  "1", "4", "8", "--bucket-sets", "16,1024", "1,4,8,16,1024",
-                                 "--name", "decode-buckets-quantized-gpu"),)),
+                                 "--name", "decode-buckets-quantized-gpu", "--trace",
+                                 "/tmp/decode-buckets-trace"),)),
     **{f"spec-verify-k{k}": Run(
         1100, f"the verify step's cost for {k} draft{'s' if k > 1 else ''} against a plain step "
               "(4 V4-Flash layers + MTP in the release's formats, 4k context, batch 1/16/64) and "
