@@ -20,6 +20,8 @@ cumulative probability under the MTP block falls below the confidence threshold.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +39,7 @@ from deepinfer_jax.device.sampling import (
 )
 from deepinfer_jax.device.spec_carry import carry_in, carry_out
 from deepinfer_jax.device.step import record_fed_tokens, resolve_placeholders
-from deepinfer_jax.model.invariant import settled
+from deepinfer_jax.model.invariant import segments, settled
 from deepinfer_jax.model.mtp import mtp_input
 from deepinfer_jax.model.paged_forward import forward_step, layer_step
 from deepinfer_jax.model.params import ModelParams
@@ -62,25 +64,22 @@ def _repeat_rows(plan, positions: Array) -> SamplingRows:
 
 def verify(logits: Array, drafted: Array, num_drafts: Array, rows: SamplingRows,
            prompt_mask: Array, output_counts: Array, num_logprobs: int,
-           truncation: bool | None = None):
+           truncation: bool | None = None, tiled: Callable = lambda fn, *args: fn(*args)):
     """logits f32[N, S, V] at positions t..t+k, drafted i32[N, S] (d_{j+1} at column j) ->
-    (new tokens i32[N, S], accepted i32[N], SampleOutput of the new tokens, flattened)."""
+    (new tokens i32[N, S], accepted i32[N], SampleOutput of the new tokens, flattened).
+    tiled(fn, *args): how the per-position work runs (the CPU's batch-invariant mode: in
+    fixed row tiles, as step.sample_rows samples)."""
     n, s, vocab = logits.shape
     flat = logits.reshape(n * s, vocab)
-    processed = process_logits(flat, rows, prompt_mask, output_counts)
-    filtered = sampling_logits(processed, rows, truncation)
-    drawn = jax.vmap(jax.random.categorical)(row_keys(rows), filtered)
-    sampled = rows.temperature > 0
-    target = jnp.where(sampled, drawn, jnp.argmax(processed, axis=-1)).reshape(n, s)
     d = drafted.reshape(-1)
-    p_draft = jnp.take_along_axis(jax.nn.softmax(filtered, axis=-1), d[:, None], axis=-1)[:, 0]
-    uniform = jax.vmap(jax.random.uniform)(row_keys(rows, 1))
+    target, p_draft, uniform, resampled = tiled(
+        functools.partial(_position_draws, truncation=truncation), flat, d, rows, prompt_mask,
+        output_counts)
+    target, resampled = target.reshape(n, s), resampled.reshape(n, s)
+    sampled = rows.temperature > 0
     agree = jnp.where(sampled, uniform < p_draft, target.reshape(-1) == d).reshape(n, s)
     in_range = jnp.arange(s)[None] < num_drafts[:, None]
     accepted = jnp.sum(jnp.cumprod(agree & in_range, axis=1), axis=1)            # a
-    # after a rejection a sampled row draws from the target with the draft removed
-    without = jnp.where(jnp.arange(vocab)[None] == d[:, None], -jnp.inf, filtered)
-    resampled = jax.vmap(jax.random.categorical)(row_keys(rows, 2), without).reshape(n, s)
     at = lambda a, j: jnp.take_along_axis(a, j[:, None], axis=1)[:, 0]  # noqa: E731
     rejected = accepted < num_drafts
     bonus = jnp.where(sampled.reshape(n, s)[:, 0] & rejected, at(resampled, accepted),
@@ -88,7 +87,26 @@ def verify(logits: Array, drafted: Array, num_drafts: Array, rows: SamplingRows,
     j = jnp.arange(s)[None]
     new = jnp.where(j < accepted[:, None], drafted, jnp.where(j == accepted[:, None],
                                                               bonus[:, None], 0))
-    return new.astype(jnp.int32), accepted, token_logprobs(flat, new.reshape(-1), num_logprobs)
+    new = new.astype(jnp.int32)
+    logprobs = tiled(functools.partial(token_logprobs, num_logprobs=num_logprobs), flat,
+                     new.reshape(-1))
+    return new, accepted, logprobs
+
+
+def _position_draws(flat: Array, d: Array, rows: SamplingRows, prompt_mask: Array,
+                    output_counts: Array, truncation: bool | None):
+    """Per verified position (row of flat f32[M, V], its draft d i32[M]): the target's token,
+    the draft's probability under it, the acceptance draw, and the token a sampled row takes
+    after a rejection (from the target with the draft removed)."""
+    processed = process_logits(flat, rows, prompt_mask, output_counts)
+    filtered = sampling_logits(processed, rows, truncation)
+    drawn = jax.vmap(jax.random.categorical)(row_keys(rows), filtered)
+    target = jnp.where(rows.temperature > 0, drawn, jnp.argmax(processed, axis=-1))
+    p_draft = jnp.take_along_axis(jax.nn.softmax(filtered, axis=-1), d[:, None], axis=-1)[:, 0]
+    uniform = jax.vmap(jax.random.uniform)(row_keys(rows, 1))
+    without = jnp.where(jnp.arange(flat.shape[-1])[None] == d[:, None], -jnp.inf, filtered)
+    resampled = jax.vmap(jax.random.categorical)(row_keys(rows, 2), without)
+    return target, p_draft, uniform, resampled
 
 
 def draft(params: ModelParams, state: StateCache, plan, streams: Array, next_tokens: Array,
@@ -163,7 +181,7 @@ def spec_step(params: ModelParams, state: StateCache, plan, *, cfg: ModelConfig,
     new, accepted, lp = verify(logits, drafted, verified, rows,
                                jnp.repeat(state.prompt_mask[slot], s, axis=0),
                                jnp.repeat(state.output_counts[slot], s, axis=0), step_cfg.max_logprobs,
-                               truncation)
+                               truncation, tiled=segments(step_cfg.compute))
     bonus = jnp.take_along_axis(new, accepted[:, None], axis=1)[:, 0]
     sink = state.last_tokens.shape[0]
     state = dataclasses.replace(state, last_tokens=state.last_tokens.at[

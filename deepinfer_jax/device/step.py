@@ -10,6 +10,7 @@ The model's family (DeepSeek-V4 or V4.1) supplies the forward and the sampled ro
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.contract import BatchPlan, StepOutput
 from deepinfer_jax.device.sampling import SamplingRows, sample
 from deepinfer_jax.model.family import model_family
+from deepinfer_jax.model.invariant import segments
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.model.state import StateCache
 
@@ -72,8 +74,13 @@ def sample_rows(last_tokens: jax.Array, prompt_mask: jax.Array, output_counts: j
                         frequency_penalty=plan.frequency_penalty, seed=plan.seed,
                         position=plan.positions[plan.sample_index], allowed=plan.allowed)
     slot = jnp.minimum(plan.seq_slot, last_tokens.shape[0] - 1)
-    out = sample(logits, rows, prompt_mask[slot], output_counts[slot], step_cfg.max_logprobs,
-                 truncation)
+    # The CPU's batch-invariant mode samples in fixed row tiles, as it runs the model's
+    # segments: XLA's CPU code for a [rows, V] log-softmax rounds by the row count (seen at
+    # V = 512 with 1-7 rows against 8 or more), and buckets set the rows.
+    sampler = functools.partial(sample, num_logprobs=step_cfg.max_logprobs,
+                                truncation=truncation)
+    out = segments(step_cfg.compute)(sampler, logits, rows, prompt_mask[slot],
+                                     output_counts[slot])
     slots = jnp.where(plan.seq_samples, plan.seq_slot, last_tokens.shape[0])
     last_tokens = last_tokens.at[slots].set(out.tokens, mode="drop", unique_indices=True)
     return last_tokens, StepOutput(out.tokens, out.logprob, out.top_ids, out.top_logprobs)

@@ -71,8 +71,10 @@ def test_with_7_and_31_others(invariant, prompts, alone):
 
 
 def test_chunk_budget_loop_and_warm_call(model, invariant, prompts, alone):
-    small_chunks = deepinfer_jax.LLM(model, batch_invariant=True, **{**ENGINE,
-                                                                     "max_num_batched_tokens": 32})
+    # and buckets down to one token: the batch's last rows decode in steps of 1 and 4 rows,
+    # where `alone` ran each in a bucket of 16
+    small_chunks = deepinfer_jax.LLM(model, batch_invariant=True, **{
+        **ENGINE, "max_num_batched_tokens": 32, "token_buckets": (1, 4, 32)})
     assert same(logprobs(small_chunks.generate(prompts, PARAMS, use_tqdm=False)), alone)
     sync = deepinfer_jax.LLM(model, batch_invariant=True, async_scheduling=False, **ENGINE)
     assert same(logprobs(sync.generate(prompts, PARAMS, use_tqdm=False)), alone)
