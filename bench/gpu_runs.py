@@ -108,10 +108,11 @@ RUNS = {
                                (*PYTEST, "tests/engine/test_speculative_shipped.py", "-k",
                                 "not (bitwise or draft_token_map)"))),
     "invariance-probe": Run(480, "where a speculative step's logprobs part from a plain step's "
-                                 "(batch-invariant mode), with the layers' barriers and without",
+                                 "(batch-invariant mode), and whether plain engines whose states "
+                                 "differ in shape only agree",
                             (bench("invariance_probe.py", "softmax"),
-                             bench("invariance_probe.py", "engines"),
-                             bench("invariance_probe.py", "engines", "--without-barriers"))),
+                             bench("invariance_probe.py", "states"),
+                             bench("invariance_probe.py", "engines"))),
     "kernels-moe": Run(420, "grouped MoE GEMM vs XLA and tokamax (.whl)",
                        (bench("kernels_moe.py"),)),
     "kernels-attention": Run(480, "sink attention kernels vs the XLA path",

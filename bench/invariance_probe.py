@@ -7,12 +7,15 @@ CPU). Two probes, JSON lines on stdout:
                                                     # (and the speculative engine's state
                                                     # under plain steps only)
 
-  python bench/invariance_probe.py engines --without-barriers   # model/invariant.settled off
+  python bench/invariance_probe.py states           # plain engines whose states differ in
+                                                    # shape only (more slots, more pages)
 
 `engines` runs under the caller's XLA_FLAGS, so that one run per flag set (autotuning off,
 cuBLAS instead of Triton GEMMs) tells which compiler choice moves the bits. On the H100
-(2026-12-06, before `settled`): every one of the 16 logprobs differed, from the first token
-on, up to 0.02, whatever the flags (docs/performance-log.md).
+(2026-12-06): every one of the 16 logprobs differed, from the first token on, up to 0.02,
+whatever the flags, with optimization barriers around the head or without; and the
+speculative engine running plain steps only differed as much (docs/performance-log.md).
+`states` asks whether the state's shapes alone move the bits.
 """
 
 from __future__ import annotations
@@ -45,21 +48,9 @@ def softmax_probe() -> None:
               flush=True)
 
 
-def without_barriers() -> None:
-    """The layers' and the head's optimization barriers off (the tree before `settled`)."""
-    from deepinfer_jax.device import speculative
-    from deepinfer_jax.model import family, reference_forward
-
-    for module in (speculative, family, reference_forward):
-        module.settled = lambda tree, compute: tree
-
-
-def engines_probe(barriers: bool = True) -> None:
+def engines_probe() -> None:
     import deepinfer_jax
     from deepinfer_jax import SamplingParams
-
-    if not barriers:
-        without_barriers()
 
     tiny = REPO / "models" / "deepinfer-tiny-v4"
     engine = dict(max_num_seqs=8, max_model_len=1024, max_num_batched_tokens=128,
@@ -88,7 +79,7 @@ def engines_probe(barriers: bool = True) -> None:
     for name, out in outs.items():
         got = np.array([lp.logprob for lp in out.logprobs])
         diff = np.abs(got - ref)
-        row = {"probe": "engines", "barriers": barriers, "run": name,
+        row = {"probe": "engines", "run": name,
                "tokens_equal": out.token_ids ==
                outs["plain"].token_ids, "differing": np.flatnonzero(diff).tolist(),
                "max_diff": float(diff.max()), "logprobs": got.tolist()}
@@ -98,8 +89,33 @@ def engines_probe(barriers: bool = True) -> None:
         print(json.dumps(row), flush=True)
 
 
+def states_probe() -> None:
+    """Plain engines alike but for their states' shapes: a request's logprobs in each."""
+    import deepinfer_jax
+    from deepinfer_jax import SamplingParams
+
+    tiny = REPO / "models" / "deepinfer-tiny-v4"
+    engine = dict(max_num_seqs=8, max_model_len=1024, max_num_batched_tokens=128,
+                  token_buckets=(128,), page_size=64, show_progress=False, batch_invariant=True,
+                  enable_prefix_caching=False)
+    variants = {"plain": {}, "16 slots": {"max_num_seqs": 16}, "more pages": {"num_pages": 192}}
+    outs = {}
+    for name, change in variants.items():
+        llm = deepinfer_jax.LLM(tiny, **{**engine, **change})
+        source = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()
+        prompt = llm.tokenizer.encode(source)[:310]
+        outs[name] = llm.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True,
+                                                           logprobs=1), use_tqdm=False)[0]
+        del llm
+    ref = np.array([lp.logprob for lp in outs["plain"].logprobs])
+    for name, out in outs.items():
+        got = np.array([lp.logprob for lp in out.logprobs])
+        diff = np.abs(got - ref)
+        print(json.dumps({"probe": "states", "run": name,
+                          "tokens_equal": out.token_ids == outs["plain"].token_ids,
+                          "differing": np.flatnonzero(diff).tolist(),
+                          "max_diff": float(diff.max())}), flush=True)
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "softmax":
-        softmax_probe()
-    else:
-        engines_probe(barriers="--without-barriers" not in sys.argv[2:])
+    {"softmax": softmax_probe, "engines": engines_probe, "states": states_probe}[sys.argv[1]]()

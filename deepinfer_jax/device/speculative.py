@@ -39,7 +39,7 @@ from deepinfer_jax.device.sampling import (
 )
 from deepinfer_jax.device.spec_carry import carry_in, carry_out
 from deepinfer_jax.device.step import record_fed_tokens, resolve_placeholders
-from deepinfer_jax.model.invariant import segments, settled
+from deepinfer_jax.model.invariant import segments
 from deepinfer_jax.model.mtp import mtp_input
 from deepinfer_jax.model.paged_forward import forward_step, layer_step
 from deepinfer_jax.model.params import ModelParams
@@ -167,7 +167,6 @@ def spec_step(params: ModelParams, state: StateCache, plan, *, cfg: ModelConfig,
     token_ids = resolve_placeholders(plan.token_ids, plan, state.last_tokens)
     state = record_fed_tokens(state, plan, token_ids)
     state, streams = forward_step(params, state, plan, token_ids, cfg, step_cfg)
-    streams = settled(streams, step_cfg.compute)    # as in the plain step (model/family.py)
 
     first = plan.seq_offset + plan.seq_len - 1 - plan.num_drafts          # x_t (or last token)
     columns = first[:, None] + jnp.arange(s)[None]                         # [N, S]

@@ -19,7 +19,6 @@ import jax.numpy as jnp
 
 from deepinfer_jax.config.family import V4, V41, FamilyFacts, facts_of
 from deepinfer_jax.model import paged_forward
-from deepinfer_jax.model.invariant import settled
 from deepinfer_jax.model.reference_forward import project_logits
 from deepinfer_jax.model.state import init_state
 from deepinfer_jax.model.v41 import engram_device
@@ -36,8 +35,6 @@ class ModelFamily:
 
 
 def _v4_logits(params, streams, rows, cfg, step_cfg):
-    # the layers compiled alike in a plain step and a speculative one (device/speculative.py)
-    streams = settled(streams, step_cfg.compute)
     return project_logits(streams[rows], params.hc_head, params.norm, params.head, cfg,
                           step_cfg.compute)
 

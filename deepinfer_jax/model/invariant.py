@@ -47,16 +47,6 @@ def segments(compute: ComputeConfig) -> Callable:
     return rowwise(compute) if compute.tile_segments else _apply
 
 
-def settled(tree, compute: ComputeConfig):
-    """`tree` as computed on its own, in batch-invariant mode: behind an optimization barrier,
-    which XLA fuses nothing across. On a GPU a row reduction's order follows the fusion it
-    lands in, so the same layers over the same bucket could round differently where their
-    result has other consumers: a plain step's sampler, a speculative step's verifier and MTP
-    block. Behind the barrier both compile the layers alike. (The CPU's reductions run in
-    one order whatever the fusion; there it changes nothing.)"""
-    return jax.lax.optimization_barrier(tree) if compute.batch_invariant else tree
-
-
 def linear(x: jax.Array, w: jax.Array, compute: ComputeConfig, out_dtype=None,
            k_ranges: int | None = None) -> jax.Array:
     """x [..., K] @ w [K, N], the result in out_dtype (default: the operands' type). With

@@ -13,7 +13,7 @@ from deepinfer_jax.config.compute import ComputeConfig
 from deepinfer_jax.config.model import AttentionKind, MlpKind, ModelConfig
 from deepinfer_jax.model import attention, indexer
 from deepinfer_jax.model.compressor import compress_sequence
-from deepinfer_jax.model.invariant import linear, settled
+from deepinfer_jax.model.invariant import linear
 from deepinfer_jax.model.mhc import hc_head, hc_post, hc_pre
 from deepinfer_jax.model.moe import moe
 from deepinfer_jax.model.norms import rms_norm
@@ -95,14 +95,10 @@ def forward_streams(params: ModelParams, token_ids: jax.Array, cfg: ModelConfig,
 
 def project_logits(streams: jax.Array, head_params: HyperHeadParams, norm: jax.Array,
                    head: jax.Array, cfg: ModelConfig, compute: ComputeConfig) -> jax.Array:
-    """Residual streams [..., hc, D] -> f32 logits [..., V] (hc head, final norm, lm head).
-
-    In batch-invariant mode the head's norms run behind barriers (`settled`): a plain step
-    projects [N, hc, D], a speculative one [N, k + 1, hc, D], each in its own context, and
-    on a GPU a reduction is compiled for the fusion it lands in."""
-    y = hc_head(settled(streams, compute), head_params, hc_eps=cfg.hc_eps,
-                norm_eps=cfg.rms_norm_eps, compute=compute)
-    y = settled(rms_norm(y, norm, cfg.rms_norm_eps), compute)
+    """Residual streams [..., hc, D] -> f32 logits [..., V] (hc head, final norm, lm head)."""
+    y = hc_head(streams, head_params, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
+                compute=compute)
+    y = rms_norm(y, norm, cfg.rms_norm_eps)
     # The reference's head runs in float32. bf16 operands with a float32 result are that
     # (exact products, float32 sums) without a float32 copy of the 129280 x 4096 head each
     # step unless the compiler fuses the convert into its GEMM (faster on the CPU; no
