@@ -39,7 +39,7 @@ from deepinfer_jax.device.sampling import (
 )
 from deepinfer_jax.device.spec_carry import carry_in, carry_out
 from deepinfer_jax.device.step import record_fed_tokens, resolve_placeholders
-from deepinfer_jax.model.invariant import segments
+from deepinfer_jax.model.invariant import segments, whole_batch
 from deepinfer_jax.model.mtp import mtp_input
 from deepinfer_jax.model.paged_forward import forward_step, layer_step
 from deepinfer_jax.model.params import ModelParams
@@ -64,7 +64,7 @@ def _repeat_rows(plan, positions: Array) -> SamplingRows:
 
 def verify(logits: Array, drafted: Array, num_drafts: Array, rows: SamplingRows,
            prompt_mask: Array, output_counts: Array, num_logprobs: int,
-           truncation: bool | None = None, tiled: Callable = lambda fn, *args: fn(*args)):
+           truncation: bool | None = None, tiled: Callable = whole_batch):
     """logits f32[N, S, V] at positions t..t+k, drafted i32[N, S] (d_{j+1} at column j) ->
     (new tokens i32[N, S], accepted i32[N], SampleOutput of the new tokens, flattened).
     tiled(fn, *args): how the per-position work runs (the CPU's batch-invariant mode: in

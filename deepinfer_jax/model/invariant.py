@@ -30,7 +30,7 @@ def per_row_tiles(fn: Callable, *args, tile: int):
     return in_row_tiles(fn, tile, *args)
 
 
-def _apply(fn: Callable, *args):
+def whole_batch(fn: Callable, *args):
     return fn(*args)
 
 
@@ -38,13 +38,13 @@ def rowwise(compute: ComputeConfig) -> Callable:
     """How a row-wise computation runs: tile by tile in batch-invariant mode, else at once."""
     if compute.batch_invariant:
         return functools.partial(per_row_tiles, tile=compute.invariant_tile)
-    return _apply
+    return whole_batch
 
 
 def segments(compute: ComputeConfig) -> Callable:
     """How a per-token segment of the layer (projections, norms, mixing) runs: in row tiles
     only where its elementwise code is not invariant by itself (the CPU formulation)."""
-    return rowwise(compute) if compute.tile_segments else _apply
+    return rowwise(compute) if compute.tile_segments else whole_batch
 
 
 def linear(x: jax.Array, w: jax.Array, compute: ComputeConfig, out_dtype=None,
