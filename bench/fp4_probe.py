@@ -10,6 +10,7 @@ bandwidth (results: kernels-fp4-probe*-gpu.md; the story: docs/performance-log.m
     python bench/fp4_probe.py --study step-wgmma     # one wgmma call a half and pipeline step
     python bench/fp4_probe.py --study words          # codes as 32-bit words: 8- or 16-byte loads
     python bench/fp4_probe.py --study engine-tiles   # one stored tiling for decode and 8k prefill
+    python bench/fp4_probe.py --study persistent     # programs over the used tiles only
 
 Each row: the median of 5 repeats of 10 calls (min-max beside it); `tbps` the hit experts'
 stored bytes (codes + scales) / time. Rows are printed and written as they come (to
@@ -99,6 +100,13 @@ def candidates(study: str, base: fp4_kernel.Fp4Config, op: str) -> dict:
                 f"tiles n{other} k128": rep(best, block_n=other),
                 f"tiles n{n} k128 3 deep": rep(best, block_n=n, max_concurrent_steps=3),
                 f"tiles n{n} k256": rep(best, block_n=n, block_k=256)}
+    if study == "persistent":
+        # the engine's stored tiles (fp4_path.tiled_config), one program a pair vs persistent
+        n = fp4_path.STORED_TILES[op][0]
+        tiles = rep(base, tile_major=True, word_codes=4, wgmma_per_step=True, block_k=128,
+                    scales_in_pipeline=True, block_n=n)
+        return {"stored tiles": tiles} | {f"persistent {p}/SM": rep(tiles, programs_per_sm=p)
+                                          for p in (1, 2, 4, 8)}
     if study == "no-code-loads":
         tm = rep(base, tile_major=True)
         return {"default": base, "tile_major": tm,
@@ -165,12 +173,21 @@ def compile_one() -> None:
         a, w, s, swiglu_limit=LIMIT, implementation="mosaic_gpu", config=cfg))(x, w13, sizes))
 
 
+def problems(study: str) -> tuple[tuple[int, int], ...]:
+    """(tokens, the decode bucket their rows are padded to) of each problem a study times."""
+    if study == "persistent":
+        return ((1, 16), (4, 16), (16, 16), (64, 64))
+    prefill = ((Shapes().prefill_tokens,) * 2,) if study == "engine-tiles" else ()
+    return ((16, 16), (64, 64)) + prefill
+
+
 def main() -> None:
     if sys.argv[1:] == ["--compile-one"]:
         return compile_one()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--study", choices=("options", "tile-major", "wgmma-twice", "swizzle", "occupancy",
-                                        "no-code-loads", "step-wgmma", "words", "engine-tiles"),
+                                        "no-code-loads", "step-wgmma", "words", "engine-tiles",
+                                        "persistent"),
                     default="options")
     args = ap.parse_args()
     out_dir = Path(os.environ.get("BENCH_RESULTS_DIR") or os.environ.get("OUT", "/tmp"))
@@ -191,9 +208,11 @@ def main() -> None:
         fp4_kernel.plgpu = {"twice": WgmmaTwice, "no code loads": NoCodeLoads}.get(
             variant, lambda real: real)(real)
         jax.clear_caches()
-        for tokens in (16, 64) + ((Shapes().prefill_tokens,) if args.study == "engine-tiles"
-                                  else ()):
+        for tokens, bucket in problems(args.study):
             sizes, x, h = row_problem(tokens, shapes, tokens)
+            # the bucket's padding rows, in no group (as the engine's step pads them)
+            pad = ((0, (bucket - tokens) * shapes.top_k), (0, 0))
+            x, h = jnp.pad(x, pad), jnp.pad(h, pad)
             hit = int((sizes > 0).sum())
             for op, w, a, n_out, swiglu in (("gate_up", w13, x, shapes.inter, LIMIT),
                                             ("down", w2, h, shapes.hidden, None)):
@@ -204,7 +223,8 @@ def main() -> None:
                 used = (tiles.tile_group >= 0).repeat(base.block_m)[None, :]
                 reference = None
                 for name, cfg in candidates(args.study, base, op).items():
-                    row = {"study": args.study, "wgmma": variant, "tokens": tokens, "op": op,
+                    row = {"study": args.study, "wgmma": variant, "tokens": tokens,
+                           "bucket": bucket, "op": op,
                            "config": name, "hit": hit}
                     try:
                         packed = (word_major(w.packed, cfg.word_codes) if cfg.word_codes

@@ -98,6 +98,10 @@ RUNS = {
     "fp4-tiles": Run(200, "the FP4 grouped GEMM on the engine's stored tiles vs the row order, "
                           "decode 16/64 and an 8k prefill",
                      (bench("fp4_probe.py", "--study", "engine-tiles"),)),
+    "fp4-persistent": Run(300, "the FP4 grouped GEMM on the stored tiles, one program a pair vs "
+                               "persistent programs over the used tiles, decode 1/4 of a "
+                               "16-token bucket, 16 and 64",
+                          (bench("fp4_probe.py", "--study", "persistent"),)),
     # the bitwise pair first, on its own: pytest -q reports a failure only at the end, which
     # a run stopped at its limit never reaches
     "spec-shipped-tests": Run(560, "MTP speculation on the trained tiny model: outputs and "

@@ -19,7 +19,8 @@ into registers, where they become wgmma's A operand:
 Interpret mode (the CPU) has no register-A wgmma: there (`Fp4Config.a_in_registers=False`) the
 same bf16 operand is staged in shared memory first, which the compiled kernel can also do.
 
-One program per (row tile, block of `block_n` weight rows); the K loop is a TMA pipeline over
+One program per (row tile, block of `block_n` weight rows), or persistent programs looping
+over the used tiles' pairs (`Fp4Config.programs_per_sm`); the K loop is a TMA pipeline over
 `block_k` inputs a step. SwiGLU: the gate rows' and the up rows' accumulators side by side
 (`w13` stores gate rows first). Only the hit experts' bytes are read; no bf16 copy of a weight
 is ever written to memory. A row's result depends on its own tokens column and its expert only,
@@ -41,6 +42,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import fp4_layout
 from pallas_kernels.grouped_gemm import fp4_dequant
 from pallas_kernels.grouped_gemm.mosaic_gpu import epilogue
+from pallas_kernels.grouped_gemm.mosaic_gpu_persistent import streaming_multiprocessors
 
 GROUP = 32                 # inputs per scale byte
 CHUNK = 16                 # scale bytes per TMA row piece (TMA's 16-byte minimum)
@@ -81,6 +83,11 @@ class Fp4Config:
     # codes take 2 * word_codes 2-byte ones (0: u8 codes; 2 or 4; "bits_ptx" in registers
     # only; block_k a multiple of 32 * word_codes).
     word_codes: int = 0
+    # Persistent programs, this many per SM (0: one program per pair of a row tile and a block
+    # of weight rows). Each loops over the pairs of the used tiles only: a decode bucket pads
+    # its rows to tiles that mostly hold none (1 token of a 16-token bucket: 6 of 96 used), and
+    # one program per pair launches those empty programs too. Pipelined scales only.
+    programs_per_sm: int = 0
 
     def check(self, k: int, n_out: int) -> None:
         if self.block_m % 8 or not 8 <= self.block_m <= 256:
@@ -106,6 +113,9 @@ class Fp4Config:
                 or self.block_k % (GROUP * self.word_codes) or self.codes_swizzle):
             raise ValueError(f"word_codes: 0, 2 or 4; bits_ptx in registers, block_k a "
                              f"multiple of 32 * word_codes, codes unswizzled ({self})")
+        if self.programs_per_sm < 0 or self.programs_per_sm and not self.scales_in_pipeline:
+            raise ValueError(f"programs_per_sm: 0, or persistent programs with the scales in "
+                             f"the pipeline ({self})")
         if self.dequant not in fp4_dequant.FORMULATIONS:
             raise ValueError(f"dequant: one of {fp4_dequant.FORMULATIONS} ({self})")
 
@@ -124,7 +134,8 @@ def kernel_name(config: Fp4Config, k: int, n_out: int, swiglu: bool) -> str:
                     + ["smem_a"] * (not c.a_in_registers) + ["pipelined_scales"] * c.scales_in_pipeline
                     + [f"chains{c.k_chains}"] * (c.k_chains > 1) + ["tile_major"] * c.tile_major
                     + [f"swizzle{c.codes_swizzle}"] * (c.codes_swizzle > 0)
-                    + ["step_wgmma"] * c.wgmma_per_step + [f"words{c.word_codes}"] * (c.word_codes > 0))
+                    + ["step_wgmma"] * c.wgmma_per_step + [f"words{c.word_codes}"] * (c.word_codes > 0)
+                    + [f"persistent{c.programs_per_sm}"] * (c.programs_per_sm > 0))
 
 
 def inputs_per_element(packed: jax.Array) -> int:
@@ -149,7 +160,9 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
     says so; u32[G, N, K/8] `fp4_dequant.word_major` words with `word_codes` > 0), scale
     u8[G, K/32, N] ->
     out_t [N_out, T * block_m] (N_out = N, or N/2 with the SwiGLU epilogue: rows [0, N/2) of
-    the weight are the gate, the rest the up projection). Unused tiles' columns stay unwritten."""
+    the weight are the gate, the rest the up projection). Unused tiles' columns stay unwritten.
+    The used tiles come first (as layout.tile_layout lays them out): persistent programs
+    count them and stop there."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     k, cols = x_t.shape
     n = scale.shape[-1]
@@ -172,7 +185,21 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
 
     def body(tile_group_ref, x_ref, packed_ref, scale_ref, out_ref, scale_smem=None,
              scale_bars=None, staging=None):
-        tile, col = lax.axis_index("tile"), lax.axis_index("col")
+        pair(lax.axis_index("tile"), lax.axis_index("col"), tile_group_ref, x_ref, packed_ref,
+             scale_ref, out_ref, scale_smem, scale_bars, staging)
+
+    def persistent_body(tile_group_ref, used_tiles_ref, x_ref, packed_ref, scale_ref, out_ref,
+                        staging=None):
+        # the used tiles come first (layout.tile_layout): the loop covers their pairs only
+        @plgpu.nd_loop((used_tiles_ref[0], n_out // bn), collective_axes="program")
+        def _(loop):
+            tile, col = loop.index
+            pair(tile, col, tile_group_ref, x_ref, packed_ref, scale_ref, out_ref, None, None,
+                 staging)
+
+    def pair(tile, col, tile_group_ref, x_ref, packed_ref, scale_ref, out_ref, scale_smem,
+             scale_bars, staging):
+        """One row tile's product with one block of bn weight rows (of each half)."""
         group = tile_group_ref[tile]
 
         def weight_rows(half):            # the block of weight rows a half reads, in blocks
@@ -271,8 +298,16 @@ def tiled_fp4_matmul_t(x_t: jax.Array, packed: jax.Array, scale: jax.Array,
         "scale_bars": plgpu.Barrier(num_barriers=halves * chunks)}
     if not config.a_in_registers:
         scratch["staging"] = plgpu.SMEM((2, bn, 16), jnp.bfloat16, transforms=a_transforms)
-    kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((n_out, cols), out_dtype),
-        scratch_types=scratch, grid=(cols // bm, n_out // bn), grid_names=("tile", "col"),
-        kernel_name=kernel_name(config, k, n_out, swiglu_limit is not None))
-    return kernel(tile_group, x_t, packed, scale)
+    name = kernel_name(config, k, n_out, swiglu_limit is not None)
+    out_type = jax.ShapeDtypeStruct((n_out, cols), out_dtype)
+    if not config.programs_per_sm:
+        kernel = plgpu.kernel(body, out_type=out_type, scratch_types=scratch,
+                              grid=(cols // bm, n_out // bn), grid_names=("tile", "col"),
+                              kernel_name=name)
+        return kernel(tile_group, x_t, packed, scale)
+    pairs = cols // bm * (n_out // bn)
+    programs = min(pairs, config.programs_per_sm * streaming_multiprocessors())
+    kernel = plgpu.kernel(persistent_body, out_type=out_type, scratch_types=scratch,
+                          grid=(programs,), grid_names=("program",), kernel_name=name)
+    used_tiles = jnp.sum(tile_group >= 0, dtype=jnp.int32).reshape(1)
+    return kernel(tile_group, used_tiles, x_t, packed, scale)

@@ -131,6 +131,33 @@ def test_tile_major_codes_give_the_same_bits(swiglu):
     np.testing.assert_array_equal(bits(tiled)[:, used], bits(row_major)[:, used])
 
 
+@pytest.mark.parametrize("swiglu", [None, 7.0])
+@pytest.mark.parametrize("case, padding_rows", [("one token", 60), ("empty experts", 0)])
+def test_persistent_programs_give_the_same_bits(swiglu, case, padding_rows):
+    """Persistent programs looping over the used tiles' pairs only write what one program a
+    pair writes, bit for bit: with most tiles unused (one token's rows padded as a decode
+    bucket pads them: 5 tiles, 1 used) and with every tile used."""
+    rng = np.random.default_rng(9)
+    lhs, sizes = rows(rng, SIZES[case], integers=True)
+    lhs = jnp.pad(lhs, ((0, padding_rows), (0, 0)))            # rows in no group
+    w = fp4_weights(rng, len(SIZES[case]), N, K)
+    config = Fp4Config(block_n=64, a_in_registers=KERNEL != "interpret",
+                       dequant="bits" if KERNEL == "interpret" else "bits_ptx",
+                       scales_in_pipeline=True)
+    with kernel_mode(KERNEL == "interpret"):
+        x_t, tiles = fp4_path.kernel_input(lhs, sizes, config.block_m)
+        call = functools.partial(tiled_fp4_matmul_t, x_t, w.packed, w.scale, tiles.tile_group,
+                                 swiglu_limit=swiglu)
+        per_pair = call(config=config)
+        persistent = call(config=dataclasses_replace(config, programs_per_sm=1))
+    used = np.repeat(np.asarray(tiles.tile_group) >= 0, config.block_m)
+    assert used.sum() < used.size or not padding_rows
+    np.testing.assert_array_equal(bits(persistent)[:, used], bits(per_pair)[:, used])
+    ref = reference.grouped_matmul(lhs, quantized.dequantize(w), sizes, swiglu_limit=swiglu)
+    out = fp4_path._from_kernel_form(persistent, tiles)[:int(sizes.sum())]
+    close(out, ref[:int(sizes.sum())])
+
+
 @pytest.mark.parametrize("vector", [2, 4])
 def test_word_major_gives_each_thread_its_wgmma_bytes(vector):
     """The contract `word_major` keeps with the kernel: in the WGMMA layout a thread of column
@@ -220,7 +247,9 @@ def test_unfit_shapes_fall_through_to_the_reference():
     (10.0, 4096, 4096, "bits_ptx", 1, True, True, {"word_codes": 2}),
     (None, 2048, 4096, "bits_ptx", 2, True, False, {"word_codes": 2}),
     (10.0, 4096, 4096, "bits_ptx", 1, False, True, {"word_codes": 4, "wgmma_per_step": True}),
-    (None, 2048, 4096, "bits_ptx", 1, True, False, {"word_codes": 4})])
+    (None, 2048, 4096, "bits_ptx", 1, True, False, {"word_codes": 4}),
+    (10.0, 4096, 4096, "bits_ptx", 1, True, True, {"word_codes": 4, "wgmma_per_step": True,
+                                                   "programs_per_sm": 4})])
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_kernel_lowers_for_cuda_at_v4_flash_shapes(swiglu, k, n, dequant, chains, pipelined,
                                                     tiled, extra, block_m):
@@ -254,7 +283,8 @@ def dataclasses_replace(config, **changes):
     ({"word_codes": 2, "dequant": "bits"}, "word_codes"),
     ({"word_codes": 3, "dequant": "bits_ptx"}, "word_codes"),
     ({"word_codes": 4, "dequant": "bits_ptx", "block_k": 64}, "word_codes"),
-    ({"word_codes": 2, "dequant": "bits_ptx", "codes_swizzle": 64}, "word_codes")])
+    ({"word_codes": 2, "dequant": "bits_ptx", "codes_swizzle": 64}, "word_codes"),
+    ({"programs_per_sm": 2}, "programs_per_sm")])               # scales staged whole
 def test_config_refuses_options_the_kernel_cannot_build(fields, message):
     with pytest.raises(ValueError, match=message):
         Fp4Config(**fields).check(4096, 2048)
