@@ -4,6 +4,7 @@ against the roofline's slope.
     python bench/depth_slope.py --quantized                     # GPU: V4-Flash slices 2, 4, 8
     python bench/depth_slope.py --layers 1 2 --context 256 --batches 1 --config configs/bench/small-cpu.json
     python bench/depth_slope.py --quantized --layers 4 --batches 1 4 8 --bucket-sets 16,1024 1,4,8,16,1024
+    python bench/depth_slope.py --quantized --layers 4 --batches 1 16 64 --fp4-programs-per-sm 0 4
 
 For each slice (random weights at the config's dimensions, the release's formats with
 --quantized) and batch: the engine loop's median ms per decode step at a `--context`-token
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -42,6 +44,7 @@ from bench.lib.results import environment, write_results  # noqa: E402
 from bench.lib.rooflines import decode_roofline, weight_counts  # noqa: E402
 from deepinfer_jax import LLM, Model  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
+from pallas_kernels.grouped_gemm import fp4_path  # noqa: E402
 
 
 def slope(xs: list[int], ys: list[float]) -> float:
@@ -59,6 +62,10 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--bucket-sets", nargs="+", default=["16,1024"], metavar="B,B,...",
                     help="token buckets of the engines compared (one engine per set and depth)")
+    ap.add_argument("--fp4-programs-per-sm", type=int, nargs="+",
+                    default=[fp4_path.DECODE_PROGRAMS_PER_SM],
+                    help="the FP4 expert kernel's persistent programs an SM at decode sizes "
+                         "(0: a program a tile and weight block), one engine per value")
     ap.add_argument("--name", default=None, help="the result files' name")
     ap.add_argument("--trace", type=Path, default=None,
                     help="profile as many more steps per row under DIR: device busy ms per step "
@@ -73,41 +80,51 @@ def main() -> None:
         params = engine_params(jax.block_until_ready(random_params(
             cfg, 0, jnp.bfloat16, release_formats=args.quantized)))
         counts = weight_counts(params, cfg)
-        for buckets in bucket_sets:
+        for buckets, programs in itertools.product(bucket_sets, args.fp4_programs_per_sm):
+            fp4_path.DECODE_PROGRAMS_PER_SM = programs      # read when the engine's step traces
             rows += measure_depth(args, cfg, params, counts, ceilings, layers, buckets)
+            rows[-len(args.batches):] = [r | {"fp4_programs_per_sm": programs}
+                                         for r in rows[-len(args.batches):]]
         del params
         gc.collect()
     slopes = {}
-    for buckets in bucket_sets:
+    for buckets, programs in itertools.product(bucket_sets, args.fp4_programs_per_sm):
         for batch in args.batches:
-            mine = [r for r in rows if r["batch"] == batch and tuple(r["buckets"]) == buckets]
+            mine = [r for r in rows if r["batch"] == batch and tuple(r["buckets"]) == buckets
+                    and r["fp4_programs_per_sm"] == programs]
             if len({r["layers"] for r in mine}) < 2:
                 continue
             xs = [r["layers"] for r in mine]
             fit = {key: slope(xs, [r[key] for r in mine])
                    for key in ("ms_per_step", "roofline_ms", "datasheet_roofline_ms")}
             fit["ratio"] = fit["ms_per_step"] / fit["roofline_ms"]
-            slopes[f"{batch}@{','.join(map(str, buckets))}"] = {"batch": batch,
-                                                               "buckets": buckets, **fit}
+            slopes[f"{batch}@{','.join(map(str, buckets))}/p{programs}"] = {
+                "batch": batch, "buckets": buckets, "fp4_programs_per_sm": programs, **fit}
     label = f"{args.config.name} slices, {'release formats (FP8/FP4)' if args.quantized else 'bf16'}"
     lines = [f"Model: {label}, random weights; decode at a {args.context}-token context; mean ms "
              f"per step over {args.steps} loop steps (bench/e2e.py decode); copy ceiling "
              f"{ceilings['copy_tbps']:.2f} TB/s measured in this run.", "",
-             "| layers | buckets | batch | ms/step | ITL p50 / p90 ms | host / waiting ms | "
-             "device busy / idle ms (kernels) | roofline ms (measured copy) | roofline ms (4.8 TB/s) |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "FP4 programs/SM: the expert kernel's persistent programs an SM at decode sizes "
+             "(0: a program a tile and weight block).", "",
+             "| layers | buckets | FP4 programs/SM | batch | ms/step | ITL p50 / p90 ms | "
+             "host / waiting ms | device busy / idle ms (kernels) | roofline ms (measured copy) | "
+             "roofline ms (4.8 TB/s) |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         busy = (f"{r['device_busy_ms_per_step']:.3f} / {r['idle']['idle_ms_per_call']:.3f} "
                 f"({r['kernels_per_step']:.0f})" if "device_busy_ms_per_step" in r else "-")
-        lines.append(f"| {r['layers']} | {','.join(map(str, r['buckets']))} | {r['batch']} | "
+        lines.append(f"| {r['layers']} | {','.join(map(str, r['buckets']))} | "
+                     f"{r['fp4_programs_per_sm']} | {r['batch']} | "
                      f"{r['ms_per_step']:.3f} | "
                      f"{r['itl_p50_ms']:.3f} / {r['itl_p90_ms']:.3f} | "
                      f"{r['host_ms_per_step']:.3f} / {r['wait_ms_per_step']:.3f} | {busy} | "
                      f"{r['roofline_ms']:.3f} | {r['datasheet_roofline_ms']:.3f} |")
-    lines += ["", "| batch | buckets | slope ms/layer | roofline slope (measured copy) | (4.8 TB/s) | "
-              "slope / roofline slope |", "|---:|---|---:|---:|---:|---:|"]
+    lines += ["", "| batch | buckets | FP4 programs/SM | slope ms/layer | roofline slope "
+              "(measured copy) | (4.8 TB/s) | slope / roofline slope |",
+              "|---:|---|---:|---:|---:|---:|---:|"]
     for s in slopes.values():
         lines.append(f"| {s['batch']} | {','.join(map(str, s['buckets']))} | "
+                     f"{s['fp4_programs_per_sm']} | "
                      f"{s['ms_per_step']:.3f} | {s['roofline_ms']:.3f} | "
                      f"{s['datasheet_roofline_ms']:.3f} | {s['ratio']:.2f}x |")
     name = args.name or (f"depth-slope-{'quantized-' if args.quantized else ''}"

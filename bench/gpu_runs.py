@@ -102,6 +102,12 @@ RUNS = {
                                "persistent programs over the used tiles, decode 1/4 of a "
                                "16-token bucket, 16 and 64",
                           (bench("fp4_probe.py", "--study", "persistent"),)),
+    "fp4-persistent-engine": Run(480, "decode at batch 1, 16 and 64 (4k context) on 4 quantized "
+                                      "V4-Flash layers, the FP4 expert kernel a program a pair "
+                                      "vs 4 persistent programs an SM",
+                                 (bench("depth_slope.py", "--quantized", "--layers", "4",
+                                        "--batches", "1", "16", "64", "--fp4-programs-per-sm",
+                                        "0", "4", "--name", "fp4-persistent-engine-gpu"),)),
     # the bitwise pair first, on its own: pytest -q reports a failure only at the end, which
     # a run stopped at its limit never reaches
     "spec-shipped-tests": Run(560, "MTP speculation on the trained tiny model: outputs and "

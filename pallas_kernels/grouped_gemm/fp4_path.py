@@ -58,17 +58,25 @@ def stored_tile(w: quantized.Fp4Blocks, op: str, interpret: bool) -> quantized.F
     return tile
 
 
+# Persistent programs an SM at decode sizes (Fp4Config.programs_per_sm; 0: a program a pair,
+# empty tiles' programs included). bench/depth_slope.py --fp4-programs-per-sm sets it per
+# engine for its A/B; nothing else writes it.
+DECODE_PROGRAMS_PER_SM = 0
+
+
 def tiled_config(w: quantized.Fp4Blocks, num_rows: int, interpret: bool) -> Fp4Config:
     """The kernel's config for codes held in a tile order (`quantized.fp4_tile`): its tile's
     rows and inputs a step, tile-major; word codes with one wgmma a step where compiled."""
     tile = quantized.fp4_tile(w)
     if tile.words and interpret:
         raise NotSupported("FP4 kernel: word-ordered codes are read by the compiled kernel only")
-    return Fp4Config(block_m=64 if num_rows >= 4096 else 16, block_n=tile.block_n,
+    decode = num_rows < 4096
+    return Fp4Config(block_m=16 if decode else 64, block_n=tile.block_n,
                      block_k=tile.block_k, max_concurrent_steps=4, a_in_registers=not interpret,
                      dequant="bits" if interpret else "bits_ptx", scales_in_pipeline=True,
                      tile_major=True, word_codes=fp4_layout.STORED_WORD_GROUPS * tile.words,
-                     wgmma_per_step=tile.words)
+                     wgmma_per_step=tile.words,
+                     programs_per_sm=DECODE_PROGRAMS_PER_SM if decode else 0)
 
 
 def _config(w: quantized.Fp4Blocks, num_rows: int, interpret: bool, op: str,
