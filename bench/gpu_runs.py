@@ -106,8 +106,9 @@ RUNS = {
                                       "V4-Flash layers, the FP4 expert kernel a program a pair "
                                       "vs 4 persistent programs an SM",
                                  (bench("depth_slope.py", "--quantized", "--layers", "4",
-                                        "--batches", "1", "16", "64", "--fp4-programs-per-sm",
-                                        "0", "4", "--name", "fp4-persistent-engine-gpu"),)),
+                                        "--batches", "1", "16", "64", "--bucket-sets",
+                                        "16,64,1024", "--fp4-programs-per-sm", "0", "4",
+                                        "--name", "fp4-persistent-engine-gpu"),)),
     # the bitwise pair first, on its own: pytest -q reports a failure only at the end, which
     # a run stopped at its limit never reaches
     "spec-shipped-tests": Run(560, "MTP speculation on the trained tiny model: outputs and "
