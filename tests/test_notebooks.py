@@ -32,7 +32,14 @@ def test_committed_without_outputs(path):
     assert not stale, f"{path.name}: cells {stale} hold outputs; strip them before committing"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+# Two notebooks demonstrate what engine tests assert already (test_batch_invariance.py,
+# test_speculative*.py) and take 35-40 s each on CI's machine: they run in the slow tier.
+SLOW = {"batch_invariance.ipynb", "speculative_decoding.ipynb"}
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW
+                                  else p for p in NOTEBOOKS],
+                         ids=[p.name for p in NOTEBOOKS])
 def test_notebook_executes(path):
     nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3",

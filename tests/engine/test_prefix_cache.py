@@ -120,6 +120,8 @@ def test_preempted_sequences_resume_from_the_cache_exactly(model, cold):
     assert stats.replayed_tokens == extra        # every token fed twice is counted as replayed
 
 
+# a combination (prefix caching x MTP speculation), 50-80 s on CI's machine: the slow tier
+@pytest.mark.slow
 def test_with_mtp_speculation_a_warm_cache_equals_a_cold_run():
     """Prefix caching with MTP speculation on the shipped trained model (whose drafts get
     accepted): the snapshots then hold the MTP block's window too. Warm speculative runs give
