@@ -116,8 +116,14 @@ class CompiledSteps:
 # Batch-invariant mode: XLA may otherwise keep bf16 intermediates in higher precision inside
 # fusions ("excess precision"), and fusion decisions follow the shapes, so a row's rounding
 # would depend on the batch; and GPU scatter-adds / autotuning must be deterministic.
+# XLA's GPU compiler also turns normalizations (a row's reduction and the elementwise ops
+# around it) into Triton fusions whose tile, chosen by a cost model from the whole shape,
+# sets the order a row is summed in: the head's final norm over [slots, D] summed its rows
+# in another order with 16 slots than with 8 (optimized HLO of both on an H100,
+# docs/performance-log.md). Without that rewriter they are XLA's own reductions.
 BATCH_INVARIANT_COMPILER_OPTIONS = {"xla_allow_excess_precision": False,
-                                    "xla_gpu_deterministic_ops": True}
+                                    "xla_gpu_deterministic_ops": True,
+                                    "xla_disable_hlo_passes": "triton-softmax-rewriter"}
 
 
 # Engines of equal shapes in one process (a notebook that builds its LLM again, a test suite)
