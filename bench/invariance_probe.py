@@ -15,7 +15,9 @@ cuBLAS instead of Triton GEMMs) tells which compiler choice moves the bits. On t
 (2026-12-06): every one of the 16 logprobs differed, from the first token on, up to 0.02,
 whatever the flags, with optimization barriers around the head or without; and the
 speculative engine running plain steps only differed as much (docs/performance-log.md).
-`states` asks whether the state's shapes alone move the bits.
+`states` asks whether the state's shapes alone move the bits. On the H100 (session 49) 16
+slots moved them as much as speculation did, through XLA's Triton normalization fusions;
+batch-invariant mode compiles without them since 5c8bb0e, and both probes are bitwise there.
 """
 
 from __future__ import annotations
