@@ -118,9 +118,9 @@ class CompiledSteps:
 # would depend on the batch; and GPU scatter-adds / autotuning must be deterministic.
 # XLA's GPU compiler also turns normalizations (a row's reduction and the elementwise ops
 # around it) into Triton fusions whose tile, chosen by a cost model from the whole shape,
-# sets the order a row is summed in: the head's final norm over [slots, D] summed its rows
-# in another order with 16 slots than with 8 (optimized HLO of both on an H100,
-# docs/performance-log.md). Without that rewriter they are XLA's own reductions.
+# sets the order a row is summed in; where rows are few (the head's, one per slot) that
+# order followed the engine's slot count. Without the rewriter they are XLA's own
+# reductions, whose order per row does not depend on the rows around it.
 BATCH_INVARIANT_COMPILER_OPTIONS = {"xla_allow_excess_precision": False,
                                     "xla_gpu_deterministic_ops": True,
                                     "xla_disable_hlo_passes": "triton-softmax-rewriter"}
