@@ -132,11 +132,13 @@ def test_tile_major_codes_give_the_same_bits(swiglu):
 
 
 @pytest.mark.parametrize("swiglu", [None, 7.0])
-@pytest.mark.parametrize("case, padding_rows", [("one token", 60), ("empty experts", 0)])
-def test_persistent_programs_give_the_same_bits(swiglu, case, padding_rows):
+@pytest.mark.parametrize("case, padding_rows, used_tiles, tiles", [
+    ("one token", 60, 1, 6), ("empty experts", 0, 4, 8)])
+def test_persistent_programs_give_the_same_bits(swiglu, case, padding_rows, used_tiles, tiles):
     """Persistent programs looping over the used tiles' pairs only write what one program a
-    pair writes, bit for bit: with most tiles unused (one token's rows padded as a decode
-    bucket pads them: 5 tiles, 1 used) and with every tile used."""
+    pair writes, bit for bit: one token's rows padded as a decode bucket pads them (1 tile
+    of 6 used), and three experts' rows with no padding (4 of 8 used: without SwiGLU 8 used
+    pairs over the 4 programs interpret mode runs, two each)."""
     rng = np.random.default_rng(9)
     lhs, sizes = rows(rng, SIZES[case], integers=True)
     lhs = jnp.pad(lhs, ((0, padding_rows), (0, 0)))            # rows in no group
@@ -145,16 +147,17 @@ def test_persistent_programs_give_the_same_bits(swiglu, case, padding_rows):
                        dequant="bits" if KERNEL == "interpret" else "bits_ptx",
                        scales_in_pipeline=True)
     with kernel_mode(KERNEL == "interpret"):
-        x_t, tiles = fp4_path.kernel_input(lhs, sizes, config.block_m)
-        call = functools.partial(tiled_fp4_matmul_t, x_t, w.packed, w.scale, tiles.tile_group,
+        x_t, layout = fp4_path.kernel_input(lhs, sizes, config.block_m)
+        call = functools.partial(tiled_fp4_matmul_t, x_t, w.packed, w.scale, layout.tile_group,
                                  swiglu_limit=swiglu)
         per_pair = call(config=config)
         persistent = call(config=dataclasses_replace(config, programs_per_sm=1))
-    used = np.repeat(np.asarray(tiles.tile_group) >= 0, config.block_m)
-    assert used.sum() < used.size or not padding_rows
+    used = np.asarray(layout.tile_group) >= 0
+    assert (int(used.sum()), used.size) == (used_tiles, tiles)
+    used = np.repeat(used, config.block_m)
     np.testing.assert_array_equal(bits(persistent)[:, used], bits(per_pair)[:, used])
     ref = reference.grouped_matmul(lhs, quantized.dequantize(w), sizes, swiglu_limit=swiglu)
-    out = fp4_path._from_kernel_form(persistent, tiles)[:int(sizes.sum())]
+    out = fp4_path._from_kernel_form(persistent, layout)[:int(sizes.sum())]
     close(out, ref[:int(sizes.sum())])
 
 
