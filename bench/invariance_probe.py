@@ -9,6 +9,14 @@ CPU). Two probes, JSON lines on stdout:
 
   python bench/invariance_probe.py states           # plain engines whose states differ in
                                                     # shape only (more slots, more pages)
+  python bench/invariance_probe.py rows             # log-softmax and RMS norm rows at 1-16
+                                                    # rows against the same rows among 48
+  python bench/invariance_probe.py slots [DIR]      # tiny-mixed engines of 8 and 32 slots
+                                                    # (test_batch_invariance's), each in a
+                                                    # process of its own, optimized HLO of
+                                                    # their steps under DIR/slots{8,32}
+                                                    # (default: $BENCH_RESULTS_DIR/
+                                                    # invariance-slots-hlo)
 
 `engines` runs under the caller's XLA_FLAGS, so that one run per flag set (autotuning off,
 cuBLAS instead of Triton GEMMs) tells which compiler choice moves the bits. On the H100
@@ -23,6 +31,7 @@ batch-invariant mode compiles without them since 5c8bb0e, and both probes are bi
 from __future__ import annotations
 
 import json
+import os
 import sys
 import sysconfig
 from pathlib import Path
@@ -48,6 +57,37 @@ def softmax_probe() -> None:
         print(json.dumps({"probe": "softmax", "vocab": vocab, "rows": [8, 48],
                           "bitwise": bool((diff == 0).all()), "max_diff": float(diff.max())}),
               flush=True)
+
+
+def rows_probe() -> None:
+    """Which row counts give a row other bits than it gets among 48 rows: the sampler's
+    log-softmax over V and the RMS norm over D, at the tiny configs' widths and V4-Flash's.
+    (test_batch_invariance's engine of 8 slots samples 8 rows a step where the 32-slot one
+    samples 16 or 32; on the CPU, XLA's log-softmax at V = 512 rounded 1-7 rows apart from 8
+    or more: 70f3a61.)"""
+    from deepinfer_jax.device.sampling import token_logprobs
+    from deepinfer_jax.engine.compile import BATCH_INVARIANT_COMPILER_OPTIONS
+    from deepinfer_jax.model.norms import rms_norm
+
+    cases = [("log_softmax", v) for v in (256, 512, 600, 1000, 6144, 129280)]
+    cases += [("rms_norm", d) for d in (64, 256, 1024, 4096)]
+    for op, width in cases:
+        x = jax.random.normal(jax.random.key(width), (48, width), jnp.float32) * 4
+        if op == "log_softmax":
+            fn = jax.jit(lambda a: token_logprobs(a, jnp.zeros(a.shape[0], jnp.int32), 1).logprob)
+        else:
+            x = x.astype(jnp.bfloat16)
+            fn = jax.jit(lambda a: rms_norm(a, jnp.ones(a.shape[1], jnp.float32), 1e-6))
+        for options in ("default", "batch-invariant"):
+            def run(a, fn=fn, options=options):
+                opts = BATCH_INVARIANT_COMPILER_OPTIONS if options == "batch-invariant" else {}
+                compiled = fn.lower(a).compile(compiler_options=opts or None)
+                return np.asarray(compiled(a).astype(jnp.float32))
+
+            many = run(x)
+            apart = [r for r in range(1, 17) if not np.array_equal(run(x[:r]), many[:r])]
+            print(json.dumps({"probe": "rows", "op": op, "width": width, "options": options,
+                              "row_counts_differing_from_48": apart}), flush=True)
 
 
 def engines_probe() -> None:
@@ -119,5 +159,56 @@ def states_probe() -> None:
                           "max_diff": float(diff.max())}), flush=True)
 
 
+def slots_engine(slots: int) -> None:
+    """One engine of test_batch_invariance's model, `slots` slots, the synchronous loop, one
+    decode bucket of 16 (32 slots sample 16 rows a decode step, 8 slots 8): a JSON line of
+    six prompts' logprobs."""
+    import deepinfer_jax
+    from deepinfer_jax import SamplingParams
+    from deepinfer_jax.config.hf import read_model_config
+
+    cfg = read_model_config(REPO / "configs/tiny/tiny-mixed.json")
+    model = deepinfer_jax.Model(cfg, deepinfer_jax.random_params(cfg, 3, jnp.bfloat16))
+    llm = deepinfer_jax.LLM(model, batch_invariant=True, max_num_seqs=slots, max_model_len=640,
+                            max_num_batched_tokens=32, token_buckets=(16, 32), page_size=64,
+                            show_progress=False, async_scheduling=False)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(2, 512, size=int(n)).tolist() for n in rng.integers(5, 300, size=6)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1),
+                        use_tqdm=False)
+    print(json.dumps([[lp.logprob for lp in o.logprobs] for o in outs]), flush=True)
+
+
+def slots_probe(dump: Path) -> None:
+    """test_batch_invariance's 8-slot engine gave other logprobs than its 32-slot one on an
+    H100 (session 50; the small-chunk engine, sampling 1 and 4 rows a step, did not): the two
+    engines' logprobs, and their steps' optimized HLO to compare."""
+    import subprocess
+
+    runs = {}
+    for slots in (8, 32):
+        flags = (f"--xla_dump_to={dump / f'slots{slots}'} --xla_dump_hlo_as_text "
+                 "--xla_dump_hlo_module_re=.*step.*")
+        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
+        done = subprocess.run([sys.executable, __file__, "slots-engine", str(slots)], env=env,
+                              capture_output=True, text=True, cwd=REPO, check=False)
+        if done.returncode:
+            raise SystemExit(done.stderr[-3000:])
+        runs[slots] = np.array(json.loads(done.stdout.strip().splitlines()[-1]))
+    diff = np.abs(runs[8] - runs[32])
+    print(json.dumps({"probe": "slots", "bitwise": bool((diff == 0).all()),
+                      "max_diff": float(diff.max()),
+                      "differing": [np.flatnonzero(row).tolist() for row in diff],
+                      "hlo": str(dump)}), flush=True)
+
+
 if __name__ == "__main__":
-    {"softmax": softmax_probe, "engines": engines_probe, "states": states_probe}[sys.argv[1]]()
+    if sys.argv[1] == "slots-engine":
+        slots_engine(int(sys.argv[2]))
+        raise SystemExit
+    if sys.argv[1] == "slots":
+        results = os.environ.get("BENCH_RESULTS_DIR", "/tmp")     # (gpu_suite.py sets it)
+        slots_probe(Path(sys.argv[2] if len(sys.argv) > 2 else f"{results}/invariance-slots-hlo"))
+        raise SystemExit
+    {"softmax": softmax_probe, "engines": engines_probe, "states": states_probe,
+     "rows": rows_probe}[sys.argv[1]]()
