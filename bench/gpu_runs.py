@@ -124,10 +124,11 @@ RUNS = {
                             (bench("invariance_probe.py", "softmax"),
                              bench("invariance_probe.py", "states"),
                              bench("invariance_probe.py", "engines"))),
-    "invariance-slots": Run(300, "which op's bits follow the slot count on the tiny model "
+    "invariance-slots": Run(480, "which op's bits follow the slot count on the tiny model "
                                  "(test_batch_invariance's 8- vs 32-slot engines failed on an "
                                  "H100): log-softmax and RMS norm rows at 1-16 rows vs 48, and "
-                                 "both engines' logprobs and optimized step HLO (under results/)",
+                                 "both engines' logprobs and optimized step HLO (under results/), "
+                                 "plain and with row sums over lanes of 32",
                             (bench("invariance_probe.py", "rows"),
                              bench("invariance_probe.py", "slots"))),
     "kernels-moe": Run(420, "grouped MoE GEMM vs XLA and tokamax (.whl)",

@@ -14,7 +14,8 @@ CPU). Two probes, JSON lines on stdout:
   python bench/invariance_probe.py slots [DIR]      # tiny-mixed engines of 8 and 32 slots
                                                     # (test_batch_invariance's), each in a
                                                     # process of its own, optimized HLO of
-                                                    # their steps under DIR/slots{8,32}
+                                                    # their steps under DIR/slots{8,32};
+                                                    # again with row sums over lanes of 32
                                                     # (default: $BENCH_RESULTS_DIR/
                                                     # invariance-slots-hlo)
 
@@ -159,10 +160,47 @@ def states_probe() -> None:
                           "max_diff": float(diff.max())}), flush=True)
 
 
-def slots_engine(slots: int) -> None:
+def lane_sums() -> None:
+    """Patch jnp.mean over a last axis of a multiple of 32, and jax.nn.log_softmax's sum, into
+    sums over lanes of 32 (one element a thread in XLA's GPU row reduction, whatever the
+    fusion: no vector width to follow the fusion's narrowest dtype) whose partials are then
+    added in a fixed pairwise order (ordered_sum). A probe of that hypothesis only, before
+    any model code changes."""
+    from deepinfer_jax.model.invariant import ordered_sum
+
+    def sum_lanes(x: jax.Array) -> jax.Array:
+        parts = jnp.sum(x.reshape(*x.shape[:-1], x.shape[-1] // 32, 32), axis=-1)
+        return ordered_sum(parts, -1)
+
+    def takes(a, axis) -> bool:
+        return (axis in (-1, jnp.ndim(a) - 1) and jnp.ndim(a) > 0 and jnp.shape(a)[-1] % 32 == 0
+                and jnp.issubdtype(jnp.result_type(a), jnp.floating))
+
+    mean = jnp.mean
+
+    def lane_mean(a, axis=None, dtype=None, out=None, keepdims=False, **kwargs):
+        if takes(a, axis) and dtype is None and not kwargs:
+            total = sum_lanes(jnp.asarray(a)) / jnp.shape(a)[-1]
+            return total[..., None] if keepdims else total
+        return mean(a, axis=axis, dtype=dtype, out=out, keepdims=keepdims, **kwargs)
+
+    log_softmax = jax.nn.log_softmax
+
+    def lane_log_softmax(x, axis=-1, **kwargs):
+        if not takes(x, axis) or kwargs:
+            return log_softmax(x, axis=axis, **kwargs)
+        shifted = x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
+        return shifted - jnp.log(sum_lanes(jnp.exp(shifted)))[..., None]
+
+    jnp.mean, jax.nn.log_softmax = lane_mean, lane_log_softmax
+
+
+def slots_engine(slots: int, lanes: bool) -> None:
     """One engine of test_batch_invariance's model, `slots` slots, the synchronous loop, one
-    decode bucket of 16 (32 slots sample 16 rows a decode step, 8 slots 8): a JSON line of
-    six prompts' logprobs."""
+    decode bucket of 16 (32 slots sample 16 rows a decode step, 8 slots 8), with lane_sums'
+    patch or without: a JSON line of six prompts' logprobs."""
+    if lanes:
+        lane_sums()
     import deepinfer_jax
     from deepinfer_jax import SamplingParams
     from deepinfer_jax.config.hf import read_model_config
@@ -182,29 +220,37 @@ def slots_engine(slots: int) -> None:
 def slots_probe(dump: Path) -> None:
     """test_batch_invariance's 8-slot engine gave other logprobs than its 32-slot one on an
     H100 (session 50; the small-chunk engine, sampling 1 and 4 rows a step, did not): the two
-    engines' logprobs, and their steps' optimized HLO to compare."""
+    engines' logprobs, and their steps' optimized HLO to compare; then the same two with
+    lane_sums' patch (whether a fixed reduction shape removes the difference)."""
     import subprocess
 
     runs = {}
-    for slots in (8, 32):
-        flags = (f"--xla_dump_to={dump / f'slots{slots}'} --xla_dump_hlo_as_text "
-                 "--xla_dump_hlo_module_re=.*step.*")
-        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
-        done = subprocess.run([sys.executable, __file__, "slots-engine", str(slots)], env=env,
-                              capture_output=True, text=True, cwd=REPO, check=False)
-        if done.returncode:
-            raise SystemExit(done.stderr[-3000:])
-        runs[slots] = np.array(json.loads(done.stdout.strip().splitlines()[-1]))
-    diff = np.abs(runs[8] - runs[32])
-    print(json.dumps({"probe": "slots", "bitwise": bool((diff == 0).all()),
-                      "max_diff": float(diff.max()),
-                      "differing": [np.flatnonzero(row).tolist() for row in diff],
-                      "hlo": str(dump)}), flush=True)
+    for lanes in (False, True):
+        for slots in (8, 32):
+            name = f"slots{slots}" + ("-lanes" if lanes else "")
+            flags = (f"--xla_dump_to={dump / name} --xla_dump_hlo_as_text "
+                     "--xla_dump_hlo_module_re=.*step.*")
+            env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
+            done = subprocess.run([sys.executable, __file__, "slots-engine", str(slots),
+                                   str(int(lanes))], env=env, capture_output=True, text=True,
+                                  cwd=REPO, check=False)
+            if done.returncode:
+                raise SystemExit(done.stderr[-3000:])
+            runs[slots, lanes] = np.array(json.loads(done.stdout.strip().splitlines()[-1]))
+        diff = np.abs(runs[8, lanes] - runs[32, lanes])
+        print(json.dumps({"probe": "slots", "lane_sums": lanes, "bitwise": bool((diff == 0).all()),
+                          "max_diff": float(diff.max()),
+                          "differing": [np.flatnonzero(row).tolist() for row in diff],
+                          "hlo": str(dump)}), flush=True)
+    # the patch is in use: the lane sums' rounding differs from the plain reductions'
+    moved = np.abs(runs[32, True] - runs[32, False])
+    print(json.dumps({"probe": "slots", "lane_sums_moved_logprobs": int((moved > 0).sum()),
+                      "of": moved.size, "max_diff": float(moved.max())}), flush=True)
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "slots-engine":
-        slots_engine(int(sys.argv[2]))
+        slots_engine(int(sys.argv[2]), bool(int(sys.argv[3])))
         raise SystemExit
     if sys.argv[1] == "slots":
         results = os.environ.get("BENCH_RESULTS_DIR", "/tmp")     # (gpu_suite.py sets it)
