@@ -1,6 +1,7 @@
-"""Where speculative decoding's logprobs part from plain decoding's on a GPU (batch-invariant
-mode; tests/engine/test_speculative_shipped.py's bitwise test fails on the H100, not on the
-CPU). Two probes, JSON lines on stdout:
+"""Where batch-invariant mode's logprobs follow an engine's shape on a GPU: first speculative
+decoding against plain decoding (tests/engine/test_speculative_shipped.py's bitwise test
+failed on the H100, not on the CPU), then one slot count against another
+(test_batch_invariance.py's 8-slot engine, session 50). Probes, JSON lines on stdout:
 
   python bench/invariance_probe.py softmax          # the sampler's log-softmax, [8, V] vs [48, V]
   python bench/invariance_probe.py engines          # the test's engines: where and how much
