@@ -119,5 +119,6 @@ class ComputeConfig:
         row tiles where XLA's elementwise code may give a row other bits in a batch of another
         size: the CPU's vectorised loops do, a GPU's per-element code does not. In the GPU
         formulation each matmul-like op is invariant by itself (kernels by construction, jnp
-        references in row tiles) and the rest runs over the whole batch."""
+        references in row tiles) and the rest of a per-token segment runs over the whole batch;
+        work over the step's sequences runs in row tiles on every device (model/invariant.py)."""
         return self.batch_invariant and not self.launch_bound

@@ -39,7 +39,7 @@ from deepinfer_jax.device.sampling import (
 )
 from deepinfer_jax.device.spec_carry import carry_in, carry_out
 from deepinfer_jax.device.step import record_fed_tokens, resolve_placeholders
-from deepinfer_jax.model.invariant import segments, whole_batch
+from deepinfer_jax.model.invariant import per_sequence, whole_batch
 from deepinfer_jax.model.mtp import mtp_input
 from deepinfer_jax.model.paged_forward import forward_step, layer_step
 from deepinfer_jax.model.params import ModelParams
@@ -67,8 +67,8 @@ def verify(logits: Array, drafted: Array, num_drafts: Array, rows: SamplingRows,
            truncation: bool | None = None, tiled: Callable = whole_batch):
     """logits f32[N, S, V] at positions t..t+k, drafted i32[N, S] (d_{j+1} at column j) ->
     (new tokens i32[N, S], accepted i32[N], SampleOutput of the new tokens, flattened).
-    tiled(fn, *args): how the per-position work runs (the CPU's batch-invariant mode: in
-    fixed row tiles, as step.sample_rows samples)."""
+    tiled(fn, *args): how the per-position work runs (batch-invariant mode: in fixed row
+    tiles, as step.sample_rows samples)."""
     n, s, vocab = logits.shape
     flat = logits.reshape(n * s, vocab)
     d = drafted.reshape(-1)
@@ -127,6 +127,10 @@ def draft(params: ModelParams, state: StateCache, plan, streams: Array, next_tok
     position = plan.positions[last]                        # the MTP block's position for draft 1
     drafts, probs = [], []
     n = plan.seq_slot.shape[0]
+    # From here the rows are the step's sequences, min(bucket, slots) of them: in batch-
+    # invariant mode their work runs in row tiles on every device (model/invariant.py), so
+    # that a sampled row's drafts, and with them its accepted tokens, follow the row alone.
+    per_row = per_sequence(step_cfg.compute)
     for j in range(step_cfg.spec_tokens):
         if j > 0:      # the block again, on its own output and the draft it just made
             ctx1 = TokenContext(positions=position, valid=plan.seq_samples & (cap > j),
@@ -134,9 +138,10 @@ def draft(params: ModelParams, state: StateCache, plan, streams: Array, next_tok
                                 end=position + 1, block_table=plan.block_table)
 
             def again(z_row, token, mtp_state, ctx1=ctx1):
-                z1 = mtp_input(mp, params.embed, z_row, token, cfg, step_cfg.compute)
+                z1 = per_row(lambda z, t: mtp_input(mp, params.embed, z, t, cfg,
+                                                    step_cfg.compute), z_row, token)
                 return layer_step(mp.layer, z1, token, ctx1, AttentionKind.SLIDING, MlpKind.MOE,
-                                  mtp_state, cfg, step_cfg)[:2]
+                                  mtp_state, cfg, step_cfg, segment=per_row)[:2]
 
             # skipped once no row wants this many drafts (large batches draft little), where
             # skipping does not stall the host; rows past their cap write nothing and their
@@ -146,12 +151,13 @@ def draft(params: ModelParams, state: StateCache, plan, streams: Array, next_tok
                                            lambda z, t, st: (z, st), z_row, token, mtp_state)
         # [N, V], or [N, V'] over a draft token map's columns (engine/draft_vocab.py)
         head = params.head if mp.draft_head is None else mp.draft_head
-        logits = project_logits(z_row, mp.hc_head, mp.norm, head, cfg, step_cfg.compute)
+        logits = project_logits(z_row, mp.hc_head, mp.norm, head, cfg, step_cfg.compute,
+                                rows=per_row)
         token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         if mp.draft_ids is not None:
             token = mp.draft_ids[token]
         drafts.append(token)
-        probs.append(jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1))
+        probs.append(per_row(lambda x: jnp.max(jax.nn.softmax(x, axis=-1), axis=-1), logits))
         position = position + 1
     return dataclasses.replace(state, mtp=mtp_state), jnp.stack(drafts, 1), jnp.stack(probs, 1)
 
@@ -172,15 +178,16 @@ def spec_step(params: ModelParams, state: StateCache, plan, *, cfg: ModelConfig,
     columns = first[:, None] + jnp.arange(s)[None]                         # [N, S]
     verify_at = jnp.clip(columns, 0, num_tokens - 1)
     positions = plan.positions[verify_at]
+    per_row = per_sequence(step_cfg.compute)     # (N x S rows: model/invariant.py)
     logits = project_logits(streams[verify_at], params.hc_head, params.norm, params.head, cfg,
-                            step_cfg.compute)
+                            step_cfg.compute, rows=per_row)
     rows = _repeat_rows(plan, positions)
     slot = jnp.minimum(plan.seq_slot, state.last_tokens.shape[0] - 1)
     drafted = token_ids[jnp.clip(columns + 1, 0, num_tokens - 1)]
     new, accepted, lp = verify(logits, drafted, verified, rows,
                                jnp.repeat(state.prompt_mask[slot], s, axis=0),
                                jnp.repeat(state.output_counts[slot], s, axis=0), step_cfg.max_logprobs,
-                               truncation, tiled=segments(step_cfg.compute))
+                               truncation, tiled=per_row)
     bonus = jnp.take_along_axis(new, accepted[:, None], axis=1)[:, 0]
     sink = state.last_tokens.shape[0]
     state = dataclasses.replace(state, last_tokens=state.last_tokens.at[

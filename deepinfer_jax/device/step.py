@@ -20,7 +20,7 @@ from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.contract import BatchPlan, StepOutput
 from deepinfer_jax.device.sampling import SamplingRows, sample
 from deepinfer_jax.model.family import model_family
-from deepinfer_jax.model.invariant import segments
+from deepinfer_jax.model.invariant import per_sequence
 from deepinfer_jax.model.params import ModelParams
 from deepinfer_jax.model.state import StateCache
 
@@ -74,13 +74,14 @@ def sample_rows(last_tokens: jax.Array, prompt_mask: jax.Array, output_counts: j
                         frequency_penalty=plan.frequency_penalty, seed=plan.seed,
                         position=plan.positions[plan.sample_index], allowed=plan.allowed)
     slot = jnp.minimum(plan.seq_slot, last_tokens.shape[0] - 1)
-    # The CPU's batch-invariant mode samples in fixed row tiles, as it runs the model's
-    # segments: XLA's CPU code for a [rows, V] log-softmax rounds by the row count (seen at
-    # V = 512 with 1-7 rows against 8 or more), and buckets set the rows.
+    # Batch-invariant mode samples in fixed row tiles on every device: XLA's CPU code for a
+    # [rows, V] log-softmax rounds by the row count (seen at V = 512 with 1-7 rows against 8 or
+    # more), and on an H100 an 8-slot engine's logprobs differed from a 32-slot one's, whose
+    # steps differed only in the sampled rows' count (min(bucket, slots)).
     sampler = functools.partial(sample, num_logprobs=step_cfg.max_logprobs,
                                 truncation=truncation)
-    out = segments(step_cfg.compute)(sampler, logits, rows, prompt_mask[slot],
-                                     output_counts[slot])
+    out = per_sequence(step_cfg.compute)(sampler, logits, rows, prompt_mask[slot],
+                                         output_counts[slot])
     slots = jnp.where(plan.seq_samples, plan.seq_slot, last_tokens.shape[0])
     last_tokens = last_tokens.at[slots].set(out.tokens, mode="drop", unique_indices=True)
     return last_tokens, StepOutput(out.tokens, out.logprob, out.top_ids, out.top_logprobs)

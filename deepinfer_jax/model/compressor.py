@@ -61,9 +61,10 @@ def pool_rows(kv: jax.Array, score: jax.Array, *, overlap: bool,
 
 
 def finish_rows(pooled: jax.Array, norm: jax.Array, row_positions: jax.Array, freqs: np.ndarray,
-                eps: float, dtype) -> jax.Array:
-    """Normalise and rope pooled rows f32[..., n, d] at their first-token positions i32[..., n]."""
-    rows = rms_norm(pooled, norm, eps)
+                eps: float, dtype, invariant: bool = False) -> jax.Array:
+    """Normalise and rope pooled rows f32[..., n, d] at their first-token positions i32[..., n]
+    (invariant: the norm's sum in a fixed order, norms.rms_norm's `ordered`)."""
+    rows = rms_norm(pooled, norm, eps, ordered=invariant)
     cos, sin = cos_sin(row_positions, freqs)
     return apply_rope(rows, cos, sin).astype(dtype)
 

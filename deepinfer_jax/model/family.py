@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from deepinfer_jax.config.family import V4, V41, FamilyFacts, facts_of
 from deepinfer_jax.model import paged_forward
+from deepinfer_jax.model.invariant import per_sequence
 from deepinfer_jax.model.reference_forward import project_logits
 from deepinfer_jax.model.state import init_state
 from deepinfer_jax.model.v41 import engram_device
@@ -36,7 +37,7 @@ class ModelFamily:
 
 def _v4_logits(params, streams, rows, cfg, step_cfg):
     return project_logits(streams[rows], params.hc_head, params.norm, params.head, cfg,
-                          step_cfg.compute)
+                          step_cfg.compute, rows=per_sequence(step_cfg.compute))
 
 
 def _v41_state(cfg, step_cfg, dtype):

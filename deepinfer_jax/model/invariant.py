@@ -4,9 +4,13 @@ A compiler picks a matmul's algorithm (and its reduction order) from the operand
 XLA fuses differently as shapes change, so a row's result can change with the number of rows
 next to it. In batch-invariant mode every matmul-like op is invariant by itself: the Pallas
 GEMM kernel by construction (fixed K tiles; K split only into ranges fixed by the weight's
-shape), the jnp paths in fixed-size row tiles run one after the other. Elementwise ops and
-row-wise reductions are per row already, on a GPU; on the CPU whole segments run in row tiles
-(ComputeConfig.tile_segments).
+shape), the jnp paths in fixed-size row tiles run one after the other. Elementwise ops are
+per row already on a GPU, and so are the per-token segments' row reductions between steps of
+one token bucket; on the CPU whole segments run in row tiles (ComputeConfig.tile_segments).
+Work over a step's sequences rather than its tokens (the sampled rows' head and sampler, the
+compressor's closed rows) has a row count that follows the engine's size, min(bucket, slots),
+and XLA's GPU row reductions may round a row by the rows beside it: that work runs in row
+tiles (`per_sequence`) or sums in a fixed order (`ordered_sum`) on every device.
 """
 
 from __future__ import annotations
@@ -39,6 +43,28 @@ def rowwise(compute: ComputeConfig) -> Callable:
     if compute.batch_invariant:
         return functools.partial(per_row_tiles, tile=compute.invariant_tile)
     return whole_batch
+
+
+def unrolled_row_tiles(fn: Callable, *args, tile: int):
+    """per_row_tiles without a loop: the tiles are separate copies of fn's program (a loop's
+    iteration is launches of its own on a GPU, and one tile is one copy)."""
+    rows = jax.tree.leaves(args)[0].shape[0]
+    pad = -rows % tile
+    padded = jax.tree.map(lambda a: jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)), args)
+    outs = [fn(*jax.tree.map(lambda a, i=i: a[i: i + tile], padded))
+            for i in range(0, rows + pad, tile)]
+    return jax.tree.map(lambda *o: jnp.concatenate(o)[:rows], *outs)
+
+
+def per_sequence(compute: ComputeConfig) -> Callable:
+    """How work over a step's sequences rather than its tokens runs (the sampled rows' head and
+    sampler, the speculative step's verify and draft rows): their count follows the engine's
+    size, min(bucket, slots), so in batch-invariant mode they run in fixed row tiles on every
+    device, unrolled where launches are dear (a decode batch up to a tile is one copy)."""
+    if not compute.batch_invariant:
+        return whole_batch
+    tiles = unrolled_row_tiles if compute.launch_bound else per_row_tiles
+    return functools.partial(tiles, tile=compute.invariant_tile)
 
 
 def segments(compute: ComputeConfig) -> Callable:

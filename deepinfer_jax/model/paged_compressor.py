@@ -68,7 +68,8 @@ def close_rows(kv: Array, score: Array, p: CompressorParams, tail: CompressorTai
                                invariant=invariant)
         else:
             pooled = pool_rows(g_kv[:, None], g_score[:, None], overlap=False, invariant=invariant)
-        return finish_rows(pooled[:, 0], p.norm, row * rate, freqs, eps, pool.dtype)
+        return finish_rows(pooled[:, 0], p.norm, row * rate, freqs, eps, pool.dtype,
+                           invariant=invariant)
 
     rows = rowwise(pool_and_finish, g_kv, g_score, row)
     dest = settled(ctx.launch_bound,

@@ -16,6 +16,7 @@ else is in the batch.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -143,11 +144,14 @@ def select_rows(t_q: Array, t_w: Array, ls: LayerState, ctx: TokenContext, cfg: 
 
 def layer_step(p: LayerParams, streams: Array, token_ids: Array, ctx: TokenContext,
                kind: AttentionKind, mlp_kind: MlpKind, ls: LayerState, cfg: ModelConfig,
-               step_cfg: StepConfig) -> tuple[Array, LayerState, Array]:
+               step_cfg: StepConfig, segment: Callable | None = None
+               ) -> tuple[Array, LayerState, Array]:
     """One block on the flat batch's residual streams [T, hc, D] -> (streams, the layer's
-    state, the routed experts i32[T, K])."""
+    state, the routed experts i32[T, K]). segment: how the per-token segments run, by default
+    `invariant.segments`; the MTP's draft blocks, whose rows are the step's sequences (their
+    count follows the engine's size), pass `invariant.rowwise`."""
     compute = step_cfg.compute
-    segment = segments(compute)
+    segment = segment or segments(compute)
     shards = token_shards(compute)
     t = shards(lambda p, s, pos: segment(lambda s, pos: token_inputs(p, kind, cfg, compute, s,
                                                                      pos), s, pos),

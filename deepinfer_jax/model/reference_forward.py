@@ -6,6 +6,8 @@ so right-padding a sequence never changes the outputs at its real positions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -13,7 +15,7 @@ from deepinfer_jax.config.compute import ComputeConfig
 from deepinfer_jax.config.model import AttentionKind, MlpKind, ModelConfig
 from deepinfer_jax.model import attention, indexer
 from deepinfer_jax.model.compressor import compress_sequence
-from deepinfer_jax.model.invariant import linear
+from deepinfer_jax.model.invariant import linear, whole_batch
 from deepinfer_jax.model.mhc import hc_head, hc_post, hc_pre
 from deepinfer_jax.model.moe import moe
 from deepinfer_jax.model.norms import rms_norm
@@ -94,11 +96,24 @@ def forward_streams(params: ModelParams, token_ids: jax.Array, cfg: ModelConfig,
 
 
 def project_logits(streams: jax.Array, head_params: HyperHeadParams, norm: jax.Array,
-                   head: jax.Array, cfg: ModelConfig, compute: ComputeConfig) -> jax.Array:
-    """Residual streams [..., hc, D] -> f32 logits [..., V] (hc head, final norm, lm head)."""
-    y = hc_head(streams, head_params, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
-                compute=compute)
-    y = rms_norm(y, norm, cfg.rms_norm_eps)
+                   head: jax.Array, cfg: ModelConfig, compute: ComputeConfig,
+                   rows: Callable = whole_batch) -> jax.Array:
+    """Residual streams [..., hc, D] -> f32 logits [..., V] (hc head, final norm, lm head).
+
+    rows(fn, *args): how the hc head and the norm run over the rows. The engine's steps pass
+    `invariant.per_sequence`: they project their sequences' rows, whose count follows the
+    engine's size, and in batch-invariant mode XLA's GPU row reductions may round a row by the
+    rows beside it (an 8-slot and a 32-slot engine's logprobs differed on an H100). The LM
+    head is invariant itself."""
+    lead = streams.shape[:-2]
+
+    def head_input(s):                                                    # [t, hc, D] -> [t, D]
+        y = hc_head(s, head_params, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
+                    compute=compute)
+        return rms_norm(y, norm, cfg.rms_norm_eps)
+
+    y = rows(head_input, streams.reshape(-1, *streams.shape[-2:]))
+    y = y.reshape(*lead, y.shape[-1])
     # The reference's head runs in float32. bf16 operands with a float32 result are that
     # (exact products, float32 sums) without a float32 copy of the 129280 x 4096 head each
     # step unless the compiler fuses the convert into its GEMM (faster on the CPU; no

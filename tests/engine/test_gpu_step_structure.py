@@ -20,12 +20,13 @@ from deepinfer_jax.model.state import init_state
 from tests.conftest import REPO
 
 
-def traced_engine(**options):
+def traced_engine(max_num_seqs: int = 4, **options):
     """What the engine traces its steps with (cfg, step_cfg, params, state) for the shipped model,
     without compiling them: these tests read the lowered module only."""
     model = deepinfer_jax.load(REPO / "models" / "deepinfer-tiny-v4")
-    step_cfg = EngineConfig(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=16,
-                            token_buckets=(16,), speculative_config={"num_speculative_tokens": 3},
+    step_cfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=128,
+                            max_num_batched_tokens=16, token_buckets=(16,),
+                            speculative_config={"num_speculative_tokens": 3},
                             **options).resolve(model.config)
     cfg = model.config
     return cfg, step_cfg, model.params, init_state(cfg, step_cfg, model.params.embed.dtype)
@@ -120,3 +121,37 @@ def test_invariant_steps_scatter_without_order():
     restore = jax.jit(snapshots.restore).lower(state, pool, ids, ids, tokens, ids, ids)
     assert order_dependent_scatters(save.as_text()) == []
     assert order_dependent_scatters(restore.as_text()) == []
+
+
+def float_sums(module: str) -> set[tuple[str, str]]:
+    """The float sum reductions of a StableHLO module: their operand types and dimensions."""
+    found = set()
+    for match in re.finditer(r"stablehlo\.reduce\((.*?)(?:\n\s*\}|$)", module, re.M | re.S):
+        op = match.group(0)
+        shape = re.search(r"across dimensions = \[([\d, ]*)\] : \((tensor<[^>]*(?:f32|bf16|f16)>)", op)
+        if shape and "stablehlo.add" in op:
+            found.add((shape.group(2), shape.group(1)))
+    return found
+
+
+@pytest.mark.parametrize("step_fn", [step, spec_step], ids=["plain", "speculative"])
+def test_invariant_sums_do_not_follow_the_slot_count(step_fn):
+    """Batch-invariant mode, traced for a GPU: an engine of 4 slots and one of 8, same token
+    bucket, sum over the same float shapes (more row tiles, each a copy of the same program,
+    where rows are more). The work over a step's sequences (the sampled rows' head and
+    sampler, the speculative step's verify and draft rows, the compressor's closed rows) has
+    min(bucket, slots) rows, and XLA's GPU reductions may round a row by the shapes around
+    it: an 8-slot engine's logprobs differed from a 32-slot one's on an H100 while that work
+    was summed over the whole batch."""
+    def sums(slots: int) -> set[tuple[str, str]]:
+        cfg, step_cfg, params, state = traced_engine(max_num_seqs=slots, batch_invariant=True,
+                                                     step_formulation="gpu")
+        wire = Wire.of(build_plan(ScheduleDecision(()), 16, step_cfg))
+        traced = jax.jit(lambda p, s, b: step_fn(p, s, wire.unpack_device(b), cfg=cfg,
+                                                 step_cfg=step_cfg, truncation=True))
+        return float_sums(jax.export.export(traced, platforms=["cuda"])(
+            params, state, wire.spec()).mlir_module())
+
+    few, many = sums(4), sums(8)
+    assert few                                    # (the parse finds the step's sums)
+    assert few == many, (sorted(few - many), sorted(many - few))
