@@ -120,8 +120,8 @@ class CompiledSteps:
 # around it) into Triton fusions whose tile, chosen by a cost model from the whole shape,
 # sets the order a row is summed in; where rows are few (the head's, one per slot) that
 # order followed the engine's slot count. Without the rewriter they are XLA's own
-# reductions; those still may not keep a row's order everywhere (a test model's 8- and
-# 32-slot engines differ on an H100: docs/batch_invariance.md, still open).
+# reductions, which may still round a row by the shapes around it, so the work whose row
+# count follows the slot count runs in fixed row tiles (model/invariant.per_sequence).
 BATCH_INVARIANT_COMPILER_OPTIONS = {"xla_allow_excess_precision": False,
                                     "xla_gpu_deterministic_ops": True,
                                     "xla_disable_hlo_passes": "triton-softmax-rewriter"}
