@@ -118,6 +118,10 @@ RUNS = {
                                 "-k", "bitwise or draft_token_map"),
                                (*PYTEST, "tests/engine/test_speculative_shipped.py", "-k",
                                 "not (bitwise or draft_token_map)"))),
+    "spec-bitwise-tests": Run(300, "spec-shipped-tests' first half alone: speculation's outputs "
+                                   "and logprobs bitwise plain decoding's",
+                              ((*PYTEST, "--tb=short", "tests/engine/test_speculative_shipped.py",
+                                "-k", "bitwise or draft_token_map"),)),
     "invariance-probe": Run(480, "where a speculative step's logprobs part from a plain step's "
                                  "(batch-invariant mode), and whether plain engines whose states "
                                  "differ in shape only agree",
