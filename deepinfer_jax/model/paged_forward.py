@@ -149,7 +149,7 @@ def layer_step(p: LayerParams, streams: Array, token_ids: Array, ctx: TokenConte
     """One block on the flat batch's residual streams [T, hc, D] -> (streams, the layer's
     state, the routed experts i32[T, K]). segment: how the per-token segments run, by default
     `invariant.segments`; the MTP's draft blocks, whose rows are the step's sequences (their
-    count follows the engine's size), pass `invariant.rowwise`."""
+    count follows the engine's size), pass `invariant.per_sequence`."""
     compute = step_cfg.compute
     segment = segment or segments(compute)
     shards = token_shards(compute)
