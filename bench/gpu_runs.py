@@ -137,6 +137,10 @@ RUNS = {
                                  "plain and with row sums over lanes of 32",
                             (bench("invariance_probe.py", "rows"),
                              bench("invariance_probe.py", "slots"))),
+    "invariance-loops": Run(300, "test_sync_loop_on_fewer_slots' engines apart: the test's 34 "
+                                 "prompts alone on 32 slots, then together on 32 and 8 slots, "
+                                 "each loop (which engine's logprobs move)",
+                            (bench("invariance_probe.py", "loops"),)),
     "kernels-moe": Run(420, "grouped MoE GEMM vs XLA and tokamax (.whl)",
                        (bench("kernels_moe.py"),)),
     "kernels-attention": Run(480, "sink attention kernels vs the XLA path",

@@ -19,6 +19,11 @@ failed on the H100, not on the CPU), then one slot count against another
                                                     # again with row sums over lanes of 32
                                                     # (default: $BENCH_RESULTS_DIR/
                                                     # invariance-slots-hlo)
+  python bench/invariance_probe.py loops [N]        # test_batch_invariance's prompts (the
+                                                    # first N) alone on its 32-slot engine,
+                                                    # then all at once on 32 and 8 slots, each
+                                                    # with the asynchronous and the
+                                                    # synchronous loop: which engine differs
 
 `engines` runs under the caller's XLA_FLAGS, so that one run per flag set (autotuning off,
 cuBLAS instead of Triton GEMMs) tells which compiler choice moves the bits. On the H100
@@ -249,6 +254,41 @@ def slots_probe(dump: Path) -> None:
                       "of": moved.size, "max_diff": float(moved.max())}), flush=True)
 
 
+def loops_probe(count: int) -> None:
+    """test_sync_loop_on_fewer_slots failed on the H100 (session 52) where 8 and 32 slots
+    agreed in slots_probe's smaller steps: whether the slot count or the synchronous loop
+    moves the logprobs, at the test's engine options."""
+    import deepinfer_jax
+    from deepinfer_jax import SamplingParams
+    from deepinfer_jax.config.hf import read_model_config
+
+    cfg = read_model_config(REPO / "configs/tiny/tiny-mixed.json")
+    model = deepinfer_jax.Model(cfg, deepinfer_jax.random_params(cfg, 3, jnp.bfloat16))
+    options = dict(max_model_len=640, max_num_batched_tokens=128, token_buckets=(16, 32, 64, 128),
+                   page_size=64, show_progress=False, batch_invariant=True)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(2, 512, size=int(n)).tolist() for n in rng.integers(5, 300, size=34)]
+    prompts = prompts[:count]
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
+
+    def logprobs(outputs) -> np.ndarray:
+        return np.array([[lp.logprob for lp in o.logprobs] for o in outputs], np.float32)
+
+    reference = deepinfer_jax.LLM(model, max_num_seqs=32, **options)
+    alone = np.concatenate([logprobs(reference.generate([p], params, use_tqdm=False))
+                            for p in prompts])
+    for slots in (32, 8):
+        for loop in ("async", "sync"):
+            llm = reference if (slots, loop) == (32, "async") else deepinfer_jax.LLM(
+                model, max_num_seqs=slots, async_scheduling=loop == "async", **options)
+            diff = np.abs(logprobs(llm.generate(prompts, params, use_tqdm=False)) - alone)
+            print(json.dumps({"probe": "loops", "slots": slots, "loop": loop,
+                              "bitwise": bool((diff == 0).all()), "max_diff": float(diff.max()),
+                              "differing": {i: np.flatnonzero(row).tolist()
+                                            for i, row in enumerate(diff) if row.any()},
+                              "prompt_lengths": [len(p) for p in prompts]}), flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "slots-engine":
         slots_engine(int(sys.argv[2]), bool(int(sys.argv[3])))
@@ -256,6 +296,9 @@ if __name__ == "__main__":
     if sys.argv[1] == "slots":
         results = os.environ.get("BENCH_RESULTS_DIR", "/tmp")     # (gpu_suite.py sets it)
         slots_probe(Path(sys.argv[2] if len(sys.argv) > 2 else f"{results}/invariance-slots-hlo"))
+        raise SystemExit
+    if sys.argv[1] == "loops":
+        loops_probe(int(sys.argv[2]) if len(sys.argv) > 2 else 34)
         raise SystemExit
     {"softmax": softmax_probe, "engines": engines_probe, "states": states_probe,
      "rows": rows_probe}[sys.argv[1]]()
