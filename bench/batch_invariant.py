@@ -9,6 +9,12 @@ Decode: tokens/s in steady state at each batch, with `--context` > 0 at that con
 sharing a prefix, bench/lib/decode.py), else from 16-token prompts. Prefill: tokens/s of one
 long prompt processed in chunks of the engine's budget, the median of `--repeats` runs. Both
 engines use the same model and shapes; the output marks which rows ran in batch-invariant mode.
+
+The outputs are checked, in each mode: one prompt's greedy tokens and logprobs alone against the
+same prompt among as many others as the largest decode batch (prompts of other lengths, so its
+rows share steps with prefill chunks and decode rows). The invariant engine must give them
+bitwise (the run fails otherwise); the default engine's difference is reported, and the two
+modes' logprobs of the prompt alone are compared within bf16's rounding.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from bench.lib.engine_loop import prefill_seconds, steady_decode  # noqa: E402
 from bench.lib.models import SMALL_CPU, model_config, model_label  # noqa: E402
 from bench.lib.results import environment, write_results  # noqa: E402
 from bench.lib.timing import MIN_REPEATS  # noqa: E402
-from deepinfer_jax import LLM, Model  # noqa: E402
+from deepinfer_jax import LLM, Model, SamplingParams  # noqa: E402
 from deepinfer_jax.weights import random_params  # noqa: E402
 
 
@@ -44,6 +50,28 @@ def decode_rate(llm: LLM, batch: int, context: int, steps: int) -> float:
         return batch / (steady_decode(llm, batch, steps)["wall_ms"] / 1e3)
     # the median step: decode() times each step of the window
     return batch / decode(llm, batch, context, steps, np.random.default_rng(2))["itl_p50_s"]
+
+
+CHECK_TOKENS = 8
+CHECK_LOGPROB_ATOL = 0.1     # the two modes round bf16 sums differently over 2+ layers
+
+
+def outputs_check(llm: LLM, batch: int) -> dict:
+    """A prompt's greedy tokens and logprobs alone and as the first of `batch` prompts."""
+    vocab = llm.model.config.vocab_size
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(2, vocab, int(n)).tolist() for n in rng.integers(8, 64, batch)]
+    params = SamplingParams(max_tokens=CHECK_TOKENS, ignore_eos=True, logprobs=1)
+
+    def read(output):
+        return output.token_ids, [lp.logprob for lp in output.logprobs]
+
+    alone = read(llm.generate(prompts[:1], params, use_tqdm=False)[0])
+    together = read(llm.generate(prompts, params, use_tqdm=False)[0])
+    diff = np.abs(np.subtract(alone[1], together[1]))
+    return {"batch": batch, "tokens": alone[0], "logprobs": alone[1],
+            "bitwise_alone_and_in_batch": alone == together,
+            "max_logprob_diff_in_batch": float(diff.max())}
 
 
 def main() -> None:
@@ -75,16 +103,27 @@ def main() -> None:
                   token_buckets=args.buckets and tuple(args.buckets),
                   compilation_cache_dir=str(REPO / ".cache" / "xla-bench"))
         tile = llm.engine.step_cfg.compute.invariant_tile
+        check = outputs_check(llm, max(args.decode_batches))
+        if invariant and not check["bitwise_alone_and_in_batch"]:
+            raise SystemExit(f"batch-invariant mode: the prompt's outputs alone and among "
+                             f"{check['batch']} differ (max |logprob diff| "
+                             f"{check['max_logprob_diff_in_batch']:.3g})")
         rates = prefill_rates(llm, args.prefill, args.repeats)
         rows.append({"batch_invariant": invariant,
                      "decode_tokens_per_s": {b: decode_rate(llm, b, args.context, args.steps)
                                              for b in args.decode_batches},
                      "prefill_tokens_per_s": statistics.median(rates),
                      "prefill_tokens_per_s_min": min(rates),
-                     "prefill_tokens_per_s_max": max(rates)})
+                     "prefill_tokens_per_s_max": max(rates), "outputs": check})
         print(rows[-1], flush=True)
         del llm
     base, inv = rows
+    modes = np.abs(np.subtract(base["outputs"]["logprobs"], inv["outputs"]["logprobs"]))
+    # (random weights: a near tie may pick another first token, whose logprob is then as close)
+    if modes[0] > CHECK_LOGPROB_ATOL:
+        raise SystemExit(f"the two modes' first tokens' logprobs are {modes[0]:.3g} apart "
+                         f"(tokens {base['outputs']['tokens'][0]} and "
+                         f"{inv['outputs']['tokens'][0]})")
     cost = {"prefill": 1 - inv["prefill_tokens_per_s"] / base["prefill_tokens_per_s"]} | {
         f"decode b{b}": 1 - inv["decode_tokens_per_s"][b] / base["decode_tokens_per_s"][b]
         for b in args.decode_batches}
@@ -108,6 +147,16 @@ def main() -> None:
               + f". Model: {label}, random bf16 weights. Decode {where}, "
               + (f"the median of {args.steps} steps" if args.context else
                  f"the mean of {args.steps} steps") + f"; prefill median (min-max) of {args.repeats}.")
+    default_check = base["outputs"]
+    table += (f"\n\nOutputs: a prompt's {CHECK_TOKENS} greedy tokens alone and among "
+              f"{default_check['batch']} prompts are bitwise equal in batch-invariant mode (checked); "
+              "in the default mode " + ("bitwise equal too" if default_check["bitwise_alone_and_in_batch"]
+                                        else "their logprobs differ by up to "
+                                        f"{default_check['max_logprob_diff_in_batch']:.3g}")
+              + f". The two modes' first tokens' logprobs are {modes[0]:.3g} apart (at most "
+              f"{CHECK_LOGPROB_ATOL} asked); the {CHECK_TOKENS} tokens "
+              + ("equal" if default_check["tokens"] == inv["outputs"]["tokens"] else "not all equal")
+              + f", their logprobs {float(modes.max()):.3g} apart at most.")
     payload["invariant_tile"] = tile
     default_tile = 8 if device == "cpu" else 64          # config/options.py's per device
     suffix = "" if tile == default_tile else f"-tile{tile}"   # a variant's own file
