@@ -137,10 +137,13 @@ RUNS = {
                                  "plain and with row sums over lanes of 32",
                             (bench("invariance_probe.py", "rows"),
                              bench("invariance_probe.py", "slots"))),
-    "invariance-loops": Run(300, "test_sync_loop_on_fewer_slots' engines apart: the test's 34 "
+    "invariance-loops": Run(420, "test_sync_loop_on_fewer_slots' engines apart: the test's 34 "
                                  "prompts alone on 32 slots, then together on 32 and 8 slots, "
-                                 "each loop (which engine's logprobs move)",
-                            (bench("invariance_probe.py", "loops"),)),
+                                 "each loop (which engine's logprobs move); then the 8- and "
+                                 "32-slot synchronous engines at the test's sizes, each in a "
+                                 "process of its own with its optimized HLO under results/",
+                            (bench("invariance_probe.py", "loops"),
+                             bench("invariance_probe.py", "slots-test"))),
     "kernels-moe": Run(420, "grouped MoE GEMM vs XLA and tokamax (.whl)",
                        (bench("kernels_moe.py"),)),
     "kernels-attention": Run(480, "sink attention kernels vs the XLA path",

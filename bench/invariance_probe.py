@@ -19,6 +19,9 @@ failed on the H100, not on the CPU), then one slot count against another
                                                     # again with row sums over lanes of 32
                                                     # (default: $BENCH_RESULTS_DIR/
                                                     # invariance-slots-hlo)
+  python bench/invariance_probe.py slots-test [DIR] # the same at test_sync_loop_on_fewer_slots'
+                                                    # sizes (buckets 16-128, 34 prompts), no
+                                                    # lane sums
   python bench/invariance_probe.py loops [N]        # test_batch_invariance's prompts (the
                                                     # first N) alone on its 32-slot engine,
                                                     # then all at once on 32 and 8 slots, each
@@ -201,10 +204,12 @@ def lane_sums() -> None:
     jnp.mean, jax.nn.log_softmax = lane_mean, lane_log_softmax
 
 
-def slots_engine(slots: int, lanes: bool) -> None:
-    """One engine of test_batch_invariance's model, `slots` slots, the synchronous loop, one
-    decode bucket of 16 (32 slots sample 16 rows a decode step, 8 slots 8), with lane_sums'
-    patch or without: a JSON line of six prompts' logprobs."""
+def slots_engine(slots: int, lanes: bool, sizes: str = "small") -> None:
+    """One engine of test_batch_invariance's model, `slots` slots, the synchronous loop, with
+    lane_sums' patch or without: a JSON line of the prompts' logprobs. `sizes` "small": one
+    decode bucket of 16 (32 slots sample 16 rows a decode step, 8 slots 8), 32-token chunks,
+    six prompts; "test": test_sync_loop_on_fewer_slots' buckets of 16-128, 128-token chunks
+    and 34 prompts."""
     if lanes:
         lane_sums()
     import deepinfer_jax
@@ -213,17 +218,19 @@ def slots_engine(slots: int, lanes: bool) -> None:
 
     cfg = read_model_config(REPO / "configs/tiny/tiny-mixed.json")
     model = deepinfer_jax.Model(cfg, deepinfer_jax.random_params(cfg, 3, jnp.bfloat16))
+    budget, buckets, count = (32, (16, 32), 6) if sizes == "small" else (128, (16, 32, 64, 128), 34)
     llm = deepinfer_jax.LLM(model, batch_invariant=True, max_num_seqs=slots, max_model_len=640,
-                            max_num_batched_tokens=32, token_buckets=(16, 32), page_size=64,
+                            max_num_batched_tokens=budget, token_buckets=buckets, page_size=64,
                             show_progress=False, async_scheduling=False)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(2, 512, size=int(n)).tolist() for n in rng.integers(5, 300, size=6)]
+    prompts = [rng.integers(2, 512, size=int(n)).tolist()
+               for n in rng.integers(5, 300, size=count)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1),
                         use_tqdm=False)
     print(json.dumps([[lp.logprob for lp in o.logprobs] for o in outs]), flush=True)
 
 
-def slots_probe(dump: Path) -> None:
+def slots_probe(dump: Path, sizes: str = "small") -> None:
     """test_batch_invariance's 8-slot engine gave other logprobs than its 32-slot one on an
     H100 (session 50; the small-chunk engine, sampling 1 and 4 rows a step, did not): the two
     engines' logprobs, and their steps' optimized HLO to compare; then the same two with
@@ -231,14 +238,15 @@ def slots_probe(dump: Path) -> None:
     import subprocess
 
     runs = {}
-    for lanes in (False, True):
+    patches = (False, True) if sizes == "small" else (False,)
+    for lanes in patches:
         for slots in (8, 32):
             name = f"slots{slots}" + ("-lanes" if lanes else "")
             flags = (f"--xla_dump_to={dump / name} --xla_dump_hlo_as_text "
                      "--xla_dump_hlo_module_re=.*step.*")
             env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
             done = subprocess.run([sys.executable, __file__, "slots-engine", str(slots),
-                                   str(int(lanes))], env=env, capture_output=True, text=True,
+                                   str(int(lanes)), sizes], env=env, capture_output=True, text=True,
                                   cwd=REPO, check=False)
             if done.returncode:
                 raise SystemExit(done.stderr[-3000:])
@@ -248,6 +256,8 @@ def slots_probe(dump: Path) -> None:
                           "max_diff": float(diff.max()),
                           "differing": [np.flatnonzero(row).tolist() for row in diff],
                           "hlo": str(dump)}), flush=True)
+    if not patches[-1]:
+        return
     # the patch is in use: the lane sums' rounding differs from the plain reductions'
     moved = np.abs(runs[32, True] - runs[32, False])
     print(json.dumps({"probe": "slots", "lane_sums_moved_logprobs": int((moved > 0).sum()),
@@ -291,11 +301,13 @@ def loops_probe(count: int) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "slots-engine":
-        slots_engine(int(sys.argv[2]), bool(int(sys.argv[3])))
+        slots_engine(int(sys.argv[2]), bool(int(sys.argv[3])), *sys.argv[4:5])
         raise SystemExit
-    if sys.argv[1] == "slots":
+    if sys.argv[1] in ("slots", "slots-test"):
         results = os.environ.get("BENCH_RESULTS_DIR", "/tmp")     # (gpu_suite.py sets it)
-        slots_probe(Path(sys.argv[2] if len(sys.argv) > 2 else f"{results}/invariance-slots-hlo"))
+        default = f"{results}/invariance-{sys.argv[1]}-hlo"
+        slots_probe(Path(sys.argv[2] if len(sys.argv) > 2 else default),
+                    "test" if sys.argv[1] == "slots-test" else "small")
         raise SystemExit
     if sys.argv[1] == "loops":
         loops_probe(int(sys.argv[2]) if len(sys.argv) > 2 else 34)
