@@ -104,10 +104,6 @@ def main() -> None:
                   compilation_cache_dir=str(REPO / ".cache" / "xla-bench"))
         tile = llm.engine.step_cfg.compute.invariant_tile
         check = outputs_check(llm, max(args.decode_batches))
-        if invariant and not check["bitwise_alone_and_in_batch"]:
-            raise SystemExit(f"batch-invariant mode: the prompt's outputs alone and among "
-                             f"{check['batch']} differ (max |logprob diff| "
-                             f"{check['max_logprob_diff_in_batch']:.3g})")
         rates = prefill_rates(llm, args.prefill, args.repeats)
         rows.append({"batch_invariant": invariant,
                      "decode_tokens_per_s": {b: decode_rate(llm, b, args.context, args.steps)
@@ -119,11 +115,17 @@ def main() -> None:
         del llm
     base, inv = rows
     modes = np.abs(np.subtract(base["outputs"]["logprobs"], inv["outputs"]["logprobs"]))
+    # The timings are written either way; a failed check then fails the run.
+    failures = []
+    if not inv["outputs"]["bitwise_alone_and_in_batch"]:
+        failures.append(f"batch-invariant mode: the prompt's outputs alone and among "
+                        f"{inv['outputs']['batch']} differ (max |logprob diff| "
+                        f"{inv['outputs']['max_logprob_diff_in_batch']:.3g})")
     # (random weights: a near tie may pick another first token, whose logprob is then as close)
     if modes[0] > CHECK_LOGPROB_ATOL:
-        raise SystemExit(f"the two modes' first tokens' logprobs are {modes[0]:.3g} apart "
-                         f"(tokens {base['outputs']['tokens'][0]} and "
-                         f"{inv['outputs']['tokens'][0]})")
+        failures.append(f"the two modes' first tokens' logprobs are {modes[0]:.3g} apart "
+                        f"(tokens {base['outputs']['tokens'][0]} and "
+                        f"{inv['outputs']['tokens'][0]})")
     cost = {"prefill": 1 - inv["prefill_tokens_per_s"] / base["prefill_tokens_per_s"]} | {
         f"decode b{b}": 1 - inv["decode_tokens_per_s"][b] / base["decode_tokens_per_s"][b]
         for b in args.decode_batches}
@@ -149,10 +151,13 @@ def main() -> None:
                  f"the mean of {args.steps} steps") + f"; prefill median (min-max) of {args.repeats}.")
     default_check = base["outputs"]
     table += (f"\n\nOutputs: a prompt's {CHECK_TOKENS} greedy tokens alone and among "
-              f"{default_check['batch']} prompts are bitwise equal in batch-invariant mode (checked); "
-              "in the default mode " + ("bitwise equal too" if default_check["bitwise_alone_and_in_batch"]
-                                        else "their logprobs differ by up to "
-                                        f"{default_check['max_logprob_diff_in_batch']:.3g}")
+              f"{default_check['batch']} prompts are "
+              + ("bitwise equal" if inv["outputs"]["bitwise_alone_and_in_batch"] else
+                 "**not** bitwise equal (the run failed)")
+              + " in batch-invariant mode (checked); in the default mode "
+              + ("bitwise equal too" if default_check["bitwise_alone_and_in_batch"]
+                 else f"their logprobs differ by up to "
+                      f"{default_check['max_logprob_diff_in_batch']:.3g}")
               + f". The two modes' first tokens' logprobs are {modes[0]:.3g} apart (at most "
               f"{CHECK_LOGPROB_ATOL} asked); the {CHECK_TOKENS} tokens "
               + ("equal" if default_check["tokens"] == inv["outputs"]["tokens"] else "not all equal")
@@ -160,8 +165,11 @@ def main() -> None:
     payload["invariant_tile"] = tile
     default_tile = 8 if device == "cpu" else 64          # config/options.py's per device
     suffix = "" if tile == default_tile else f"-tile{tile}"   # a variant's own file
+    payload["failures"] = failures
     write_results(args.name or f"batch-invariant-{device}{suffix}", payload, table)
     print(table)
+    if failures:
+        raise SystemExit("output checks failed: " + "; ".join(failures))
 
 
 if __name__ == "__main__":
