@@ -148,6 +148,9 @@ RUNS = {
                        (bench("kernels_moe.py"),)),
     "kernels-attention": Run(480, "sink attention kernels vs the XLA path",
                              (bench("kernels_attention.py"),)),
+    "kernels-attention-quick": Run(300, "sink attention at decode batch 64 (4k context) and the 8k "
+                                        "prefill only, each decode row's time by kernel",
+                                   (bench("kernels_attention.py", "--quick"),)),
     "kernels-indexer": Run(240, "lightning indexer kernel vs the XLA path",
                            (bench("kernels_indexer.py"),)),
     "fp8-probe": Run(300, "the FP8 kernel's configs and ablations at M = 16 (what bounds it)",
