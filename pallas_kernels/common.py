@@ -1,4 +1,5 @@
-"""What every kernel folder shares: the implementation tables' dispatch and GPU interpret mode.
+"""What every kernel folder shares: the implementation tables' dispatch, GPU interpret mode and
+the batch-invariant forms of the jnp references (fixed row tiles, sums in a fixed order).
 
 Each op's `api.py` maps implementation names to functions of the same contract: "mosaic_gpu"
 (the Hopper kernel, compiled), "interpret" (the same kernel simulated on the CPU, which is how
@@ -68,6 +69,20 @@ def in_row_tiles(fn: Callable, tile: int, *args):
 
     out = jax.lax.map(lambda t: fn(*t), jax.tree.map(to_tiles, args))
     return jax.tree.map(lambda o: o.reshape(-1, *o.shape[2:])[:rows], out)
+
+
+def ordered_sum(x: jax.Array, axis: int) -> jax.Array:
+    """Sum over `axis` in a fixed pairwise tree: element i + element i + n/2, halving until one
+    is left (an odd one out joins the next level). The grouping depends on the axis length
+    alone, and each level is elementwise adds that no compiler regroups, unlike a reduction,
+    which may be split into partial sums following the surrounding shapes. log2(n) steps
+    rather than a loop of n (which on a GPU is n launches)."""
+    x = jnp.moveaxis(x, axis, 0)
+    while x.shape[0] > 1:
+        half = x.shape[0] // 2
+        paired = x[:half] + x[half: 2 * half]
+        x = jnp.concatenate([paired, x[2 * half:]]) if x.shape[0] % 2 else paired
+    return x[0]
 
 
 def abstract_gpu(device_kind: str = "NVIDIA H100 80GB HBM3"):

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config.compute import ComputeConfig
-from pallas_kernels.common import NotSupported, in_row_tiles
+from pallas_kernels.common import NotSupported, in_row_tiles, ordered_sum
 from pallas_kernels.grouped_gemm import api as gemm
 from pallas_kernels.grouped_gemm import invariant as invariant_gemm
 from pallas_kernels.quantized import Fp8Blocks, dequantize, kernel_blocks
@@ -154,20 +154,6 @@ def grouped_linear(x: jax.Array, w: jax.Array, compute: ComputeConfig) -> jax.Ar
                                         implementation=compute.kernels.grouped_gemm,
                                         row_tile=compute.invariant_tile).swapaxes(0, 1)
     return out.reshape(*x.shape[:-1], n)
-
-
-def ordered_sum(x: jax.Array, axis: int) -> jax.Array:
-    """Sum over `axis` in a fixed pairwise tree: element i + element i + n/2, halving until one
-    is left (an odd one out joins the next level). The grouping depends on the axis length
-    alone, and each level is elementwise adds that no compiler regroups, unlike a reduction,
-    which may be split into partial sums following the surrounding shapes. log2(n) steps
-    rather than a loop of n (which on a GPU is n launches)."""
-    x = jnp.moveaxis(x, axis, 0)
-    while x.shape[0] > 1:
-        half = x.shape[0] // 2
-        paired = x[:half] + x[half: 2 * half]
-        x = jnp.concatenate([paired, x[2 * half:]]) if x.shape[0] % 2 else paired
-    return x[0]
 
 
 def ordered_softmax(x: jax.Array, axis: int) -> jax.Array:

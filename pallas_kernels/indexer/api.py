@@ -34,7 +34,8 @@ def indexer_scores(q: jax.Array, keys: jax.Array, weights: jax.Array, token_seq:
                    ) -> jax.Array:
     """q [T, H, d], keys [N, R, d], weights f32[T, H], token_seq i32[T] (-1: padding) ->
     f32[T, R]. row_tile: the reference scores the tokens in tiles of this many, one after
-    the other (batch-invariant mode); the kernel scores each token in its own program."""
+    the other, its heads summed in a fixed order (batch-invariant mode); the kernel scores
+    each token in its own program."""
     return dispatch("indexer", _TABLE, implementation, q, keys, weights, token_seq,
                     config=config, row_tile=row_tile)
 
@@ -42,8 +43,9 @@ def indexer_scores(q: jax.Array, keys: jax.Array, weights: jax.Array, token_seq:
 def _reference(q, keys, weights, token_seq, *, config, row_tile):
     if row_tile is None:
         return reference.indexer_scores(q, keys, weights, token_seq)
-    return in_row_tiles(lambda q, w, s: reference.indexer_scores(q, keys, w, s), row_tile,
-                        q, weights, token_seq)
+    return in_row_tiles(lambda q, w, s: reference.indexer_scores(q, keys, w, s,
+                                                                 ordered_heads=True),
+                        row_tile, q, weights, token_seq)
 
 
 def _kernel(q, keys, weights, token_seq, *, config, row_tile, interpret: bool):

@@ -55,6 +55,30 @@ def test_reference_is_the_models_per_token_score():
                                np.asarray(expected), rtol=1e-5, atol=1e-5)
 
 
+def test_heads_in_a_fixed_order_give_the_same_scores():
+    """Batch-invariant mode's form (the weighted heads summed by elementwise adds in a fixed
+    tree): the model's per-token scores to float32 rounding."""
+    q, keys, weights, token_seq = problem([1, 0, 1, -1], seqs=2, rows=40, head_dim=64, seed=5)
+    ordered = reference.indexer_scores(q, keys, weights, token_seq, ordered_heads=True)
+    plain = reference.indexer_scores(q, keys, weights, token_seq)
+    per_token = keys[jnp.maximum(token_seq, 0)].astype(jnp.float32)
+    expected = index_scores(q.astype(jnp.float32)[:, None], weights[:, None], per_token)[:, 0]
+    expected = jnp.where((token_seq >= 0)[:, None], expected, 0.0)
+    np.testing.assert_allclose(np.asarray(ordered), np.asarray(expected), rtol=1e-5, atol=1e-5)
+    assert not np.array_equal(np.asarray(ordered), np.asarray(plain))   # a different order
+
+
+def test_the_invariant_reference_sums_no_heads_by_a_contraction():
+    """In batch-invariant mode (row tiles) the only contraction is q . key over the head dim;
+    the heads are summed by adds, whose grouping no compiler picks."""
+    q, keys, weights, token_seq = problem([0, 1, 1], seqs=2, rows=32, head_dim=64)
+    jaxpr = str(jax.make_jaxpr(functools.partial(
+        api.indexer_scores, implementation="reference", row_tile=2))(q, keys, weights, token_seq))
+    assert jaxpr.count("dot_general[") == 1
+    assert "dimension_numbers=(([2], [2]), ([0], [0]))" in jaxpr     # q . key, per token
+    assert "reduce_sum" not in jaxpr
+
+
 def test_a_tokens_scores_do_not_depend_on_the_batch():
     q, keys, weights, token_seq = problem([0, 1, 1, 0, 1], seqs=2, rows=128, seed=7)
     together = api.indexer_scores(q, keys, weights, token_seq, implementation=KERNEL)
