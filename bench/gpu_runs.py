@@ -144,9 +144,11 @@ RUNS = {
                                  "process of its own with its optimized HLO under results/",
                             (bench("invariance_probe.py", "loops"),
                              bench("invariance_probe.py", "slots-test"))),
-    "invariance-topk": Run(300, "the prompt test_sync_loop_on_fewer_slots' 8-slot engine moved "
+    "invariance-topk": Run(420, "the prompt test_sync_loop_on_fewer_slots' 8-slot engine moved "
                                 "(22), alone on 32 slots and among others on 8: its CSA "
-                                "selections' scores and rows in both engines, where they part",
+                                "selections' scores and rows in both engines, where they part, "
+                                "with the reference indexer's heads in a fixed order and by a "
+                                "contraction",
                            (bench("invariance_probe.py", "topk"),)),
     "kernels-moe": Run(420, "grouped MoE GEMM vs XLA and tokamax (.whl)",
                        (bench("kernels_moe.py"),)),

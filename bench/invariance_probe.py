@@ -309,17 +309,25 @@ def loops_probe(count: int) -> None:
 TOPK_PROMPT = 22        # the prompt loops_probe found moved on 8 slots (H100, session 53)
 
 
-def topk_engine(order: str, slots: int) -> None:
+def topk_engine(order: str, slots: int, heads: str = "ordered") -> None:
     """One engine of loops_probe's options: prompt TOPK_PROMPT's logprobs, alone on 32 slots
     or among the first 30 prompts on 8 (the synchronous loop; its steps up to the prompt's
     last are those of all 34). order "sorted": each token's selected CSA rows sorted by row
     index instead of by score, so that the attention sums them in an order that does not
-    depend on their scores' ranking (a JSON line)."""
+    depend on their scores' ranking; "capture": the selections recorded. heads "einsum": the
+    reference indexer sums its heads by a contraction, as before 15cc997 (a JSON line)."""
     import deepinfer_jax
     import deepinfer_jax.model.paged_forward as paged_forward
+    import pallas_kernels.indexer.reference as indexer_reference
     from deepinfer_jax import SamplingParams
     from deepinfer_jax.config.hf import read_model_config
 
+    if heads == "einsum":
+        scores = indexer_reference.indexer_scores
+
+        def einsum_heads(*args, ordered_heads=False):
+            return scores(*args, ordered_heads=False)
+        indexer_reference.indexer_scores = einsum_heads
     records, context = [], {}
     if order in ("sorted", "capture"):
         select_rows = paged_forward.select_rows
@@ -418,43 +426,47 @@ def topk_sorted_probe() -> None:
 def topk_probe() -> None:
     """Prompt TOPK_PROMPT's CSA selections alone (32 slots) and among others (8 slots), each
     engine in a process of its own: whether the indexer's scores or the rows it selects
-    differ between the two engines, and where first."""
+    differ between the two engines, and where first; with the reference indexer's heads
+    summed in the tree's fixed order, then by a contraction (the form before 15cc997)."""
     import subprocess
 
-    # where the two engines' selections for the prompt part: same position and layer (a
-    # position comes once per CSA layer, in layer order)
-    lines = {}
-    for slots in (32, 8):
-        done = subprocess.run([sys.executable, __file__, "topk-engine", "capture", str(slots)],
-                              capture_output=True, text=True, cwd=REPO, check=False)
-        if done.returncode:           # (an XLA crash's message comes before its stack)
-            raise SystemExit("\n".join(line for line in done.stderr.splitlines()
-                                       if not line.lstrip().startswith("@"))[-3000:])
-        lines[slots] = json.loads(done.stdout.strip().splitlines()[-1])
-
     def keyed(selections):
+        # a position comes once per CSA layer, in layer order
         seen, out = {}, {}
         for position, scores, index in selections:
             layer = seen[position] = seen.get(position, -1) + 1
             out[position, layer] = (np.array(scores, np.int32).view(np.float32), index)
         return out
-    alone, among = keyed(lines[32]["selections"]), keyed(lines[8]["selections"])
-    scores_differ = [k for k in alone if k in among
-                     and not np.array_equal(alone[k][0].view(np.int32), among[k][0].view(np.int32))]
-    sets_differ = [k for k in alone if k in among and set(alone[k][1]) != set(among[k][1])]
-    order_differ = [k for k in alone if k in among and alone[k][1] != among[k][1]]
-    finite = [np.isfinite(alone[k][0]) & np.isfinite(among[k][0]) for k in scores_differ]
-    rel = [float(np.max(np.abs(alone[k][0][f] - among[k][0][f])
-                        / np.maximum(np.abs(alone[k][0][f]), 1e-30), initial=0.0))
-           for k, f in zip(scores_differ, finite)]
-    diff = np.abs(np.array(lines[8]["logprobs"]) - np.array(lines[32]["logprobs"]))
-    print(json.dumps({"probe": "topk-capture", "tokens": [len(alone), len(among)],
-                      "logprobs_bitwise": bool((diff == 0).all()), "max_diff": float(diff.max()),
-                      "scores_differ": len(scores_differ), "max_rel_score_diff": max(rel, default=0),
-                      "first_scores_differ": sorted(scores_differ)[:8],
-                      "sets_differ": sorted(sets_differ)[:16],
-                      "order_differs": len(order_differ)}), flush=True)
 
+    for heads in ("ordered", "einsum"):
+        lines = {}
+        for slots in (32, 8):
+            done = subprocess.run([sys.executable, __file__, "topk-engine", "capture",
+                                   str(slots), heads],
+                                  capture_output=True, text=True, cwd=REPO, check=False)
+            if done.returncode:           # (an XLA crash's message comes before its stack)
+                raise SystemExit("\n".join(line for line in done.stderr.splitlines()
+                                           if not line.lstrip().startswith("@"))[-3000:])
+            lines[slots] = json.loads(done.stdout.strip().splitlines()[-1])
+        alone, among = keyed(lines[32]["selections"]), keyed(lines[8]["selections"])
+        both = [k for k in alone if k in among]
+        scores_differ = [k for k in both if not np.array_equal(alone[k][0].view(np.int32),
+                                                               among[k][0].view(np.int32))]
+        sets_differ = [k for k in both if set(alone[k][1]) != set(among[k][1])]
+        order_differ = [k for k in both if alone[k][1] != among[k][1]]
+        finite = [np.isfinite(alone[k][0]) & np.isfinite(among[k][0]) for k in scores_differ]
+        rel = [float(np.max(np.abs(alone[k][0][f] - among[k][0][f])
+                            / np.maximum(np.abs(alone[k][0][f]), 1e-30), initial=0.0))
+               for k, f in zip(scores_differ, finite)]
+        diff = np.abs(np.array(lines[8]["logprobs"]) - np.array(lines[32]["logprobs"]))
+        print(json.dumps({"probe": "topk-capture", "heads": heads,
+                          "tokens": [len(alone), len(among)],
+                          "logprobs_bitwise": bool((diff == 0).all()),
+                          "max_diff": float(diff.max()), "scores_differ": len(scores_differ),
+                          "max_rel_score_diff": max(rel, default=0),
+                          "first_scores_differ": sorted(scores_differ)[:8],
+                          "sets_differ": sorted(sets_differ)[:16],
+                          "order_differs": len(order_differ)}), flush=True)
 
 if __name__ == "__main__":
     if sys.argv[1] == "slots-engine":
@@ -467,7 +479,7 @@ if __name__ == "__main__":
                     "test" if sys.argv[1] == "slots-test" else "small")
         raise SystemExit
     if sys.argv[1] == "topk-engine":
-        topk_engine(sys.argv[2], int(sys.argv[3]))
+        topk_engine(sys.argv[2], int(sys.argv[3]), *sys.argv[4:5])
         raise SystemExit
     if sys.argv[1] in ("topk", "topk-sorted"):
         {"topk": topk_probe, "topk-sorted": topk_sorted_probe}[sys.argv[1]]()
