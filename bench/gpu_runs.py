@@ -55,6 +55,12 @@ RUNS = {
                                  "on the tiny model and on the kernels",
                             ((*PYTEST, "-rf", "--tb=short", "tests/engine/test_batch_invariance.py",
                               "-k", "not (computes_the_same_model or lowers or no_row_tiles)"),)),
+    "invariance-fewer-slots": Run(300, "test_sync_loop_on_fewer_slots alone (the 8-slot "
+                                       "synchronous engine against the 32-slot one's runs "
+                                       "alone), the check that failed on an H100",
+                                  ((*PYTEST, "-rf", "--tb=short",
+                                    "tests/engine/test_batch_invariance.py", "-k",
+                                    "fewer_slots"),)),
     # issue 35's full GPU test run: the CPU suite's files with the kernels compiled, not
     # interpreted; six workers share the GPU, so none may take 75% of it up front. Longer
     # than one device call: run it detached (bench/README.md). The oracle fixtures travel
