@@ -155,7 +155,7 @@ RUNS = {
                                 "selections' scores and rows in both engines, where they part, "
                                 "with the reference indexer's heads in a fixed order and by a "
                                 "contraction",
-                           (bench("invariance_probe.py", "topk"),)),
+                           (bench("invariance_topk.py"),)),
     "kernels-moe": Run(420, "grouped MoE GEMM vs XLA and tokamax (.whl)",
                        (bench("kernels_moe.py"),)),
     "kernels-attention": Run(480, "sink attention kernels vs the XLA path",
