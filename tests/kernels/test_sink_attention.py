@@ -165,7 +165,11 @@ def test_reference_against_float64_and_the_model():
     out = reference.sink_attention(q, kv, visible, sinks)
     np.testing.assert_allclose(f64(out), expected, rtol=2e-2, atol=2e-2 * np.abs(expected).max())
     model = model_sink_attention(q[:, None], kv, visible[:, None], sinks, ComputeConfig())[:, 0]
-    np.testing.assert_array_equal(np.asarray(model, np.float32), np.asarray(out, np.float32))
+    if jax.default_backend() == "cpu":    # the same jnp ops in the same order: the same bits
+        np.testing.assert_array_equal(np.asarray(model, np.float32), np.asarray(out, np.float32))
+    else:   # a GPU fuses the two programs apart (an H200: 1 element of 8192 a bf16 step off)
+        np.testing.assert_allclose(np.asarray(model, np.float32), np.asarray(out, np.float32),
+                                   rtol=1e-2, atol=0)
 
 
 @pytest.mark.parametrize("warp_specialized", [False, True, "split scores"])
