@@ -156,6 +156,10 @@ RUNS = {
                                 "with the reference indexer's heads in a fixed order and by a "
                                 "contraction",
                            (bench("invariance_topk.py"),)),
+    "invariance-layers": Run(300, "the same prompt's every layer's values (queries, keys, rows, "
+                                  "attention, sublayer outputs, experts) in both engines: the "
+                                  "first layer, value and position that part",
+                             (bench("invariance_layers.py"),)),
     "kernels-moe": Run(420, "grouped MoE GEMM vs XLA and tokamax (.whl)",
                        (bench("kernels_moe.py"),)),
     "kernels-attention": Run(480, "sink attention kernels vs the XLA path",
