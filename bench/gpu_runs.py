@@ -156,10 +156,12 @@ RUNS = {
                                 "with the reference indexer's heads in a fixed order and by a "
                                 "contraction",
                            (bench("invariance_topk.py"),)),
-    "invariance-layers": Run(300, "the same prompt's every layer's values (queries, keys, rows, "
+    "invariance-layers": Run(420, "the same prompt's every layer's values (queries, keys, rows, "
                                   "attention, sublayer outputs, experts) in both engines: the "
-                                  "first layer, value and position that part",
-                             (bench("invariance_layers.py"),)),
+                                  "first layer, value and position that part; then the same "
+                                  "with the closed compressed rows in fixed row tiles",
+                             (bench("invariance_layers.py"),
+                              bench("invariance_layers.py", "tiled-rows"))),
     "kernels-moe": Run(420, "grouped MoE GEMM vs XLA and tokamax (.whl)",
                        (bench("kernels_moe.py"),)),
     "kernels-attention": Run(480, "sink attention kernels vs the XLA path",

@@ -12,8 +12,13 @@ probe names the first (layer, value, position) that differs. JSON lines on stdou
   python bench/invariance_layers.py gpu # the same in the GPU formulation on any device
                                         # (on the CPU: a check of the probe's own alignment,
                                         # whose per-token segments run in row tiles there)
+  python bench/invariance_layers.py tiled-rows
+                                        # with the compressors' closed rows pooled and
+                                        # finished in fixed row tiles (`per_sequence`), not
+                                        # over all of a step's T // rate + N row slots, whose
+                                        # count follows the slot count: a candidate fix
 
-Each engine runs in a process of its own (`engine SLOTS OUT.npz [FORMULATION]`, then
+Each engine runs in a process of its own (`engine SLOTS OUT.npz FORMULATION ROWS`, then
 `compare ALONE.npz AMONG.npz`): the engine's compiled-step memo would otherwise share steps
 across them.
 """
@@ -41,15 +46,18 @@ VALUES = ("q", "kv", "window_keys", "rows", "window_visible", "rows_visible", "a
 VISIBILITY = {"window_keys": "window_visible", "rows": "rows_visible"}
 
 
-def layers_engine(slots: int, out: str, formulation: str | None = None) -> None:
+def layers_engine(slots: int, out: str, formulation: str = "default",
+                  rows: str = "whole") -> None:
     """Prompt TOPK_PROMPT alone on 32 slots or among the first 30 on 8 (the synchronous
     loop), every layer's VALUES for each of its tokens saved to out (npz, keyed
-    "layer/value/position")."""
+    "layer/value/position"). formulation: "default" (the device's) or "gpu"; rows "tiled":
+    the closed rows in `per_sequence` row tiles."""
     import deepinfer_jax
     import deepinfer_jax.model.attention as attention
     import deepinfer_jax.model.paged_forward as paged_forward
     from deepinfer_jax import SamplingParams
     from deepinfer_jax.config.hf import read_model_config
+    from deepinfer_jax.model.invariant import per_sequence
 
     cfg = read_model_config(REPO / "configs/tiny/tiny-mixed.json")
     records, now = [], {"layer": 0, "ctx": None}
@@ -69,6 +77,7 @@ def layers_engine(slots: int, out: str, formulation: str | None = None) -> None:
     def spied_layer_step(p, streams, token_ids, ctx, *args, **kwargs):
         # forward_step's calls, layer by layer (this engine runs no MTP draft blocks)
         now["layer"], now["ctx"] = seen["calls"] % cfg.num_layers, ctx
+        now["compute"] = (kwargs.get("step_cfg") or args[4]).compute
         seen["calls"] += 1
         return layer_step(p, streams, token_ids, ctx, *args, **kwargs)
 
@@ -94,6 +103,12 @@ def layers_engine(slots: int, out: str, formulation: str | None = None) -> None:
         spy("after_ffn", streams)
         return streams, experts
 
+    if rows == "tiled":
+        close_rows = paged_forward.close_rows
+
+        def tiled_close_rows(*args, rowwise, **kwargs):
+            return close_rows(*args, rowwise=per_sequence(now["compute"]), **kwargs)
+        paged_forward.close_rows = tiled_close_rows
     paged_forward.layer_step = spied_layer_step
     paged_forward.attention_outputs = spied_attention_outputs
     paged_forward.ffn_outputs = spied_ffn_outputs
@@ -103,7 +118,8 @@ def layers_engine(slots: int, out: str, formulation: str | None = None) -> None:
     llm = deepinfer_jax.LLM(model, max_num_seqs=slots, max_model_len=640,
                             max_num_batched_tokens=128, token_buckets=(16, 32, 64, 128),
                             page_size=64, show_progress=False, batch_invariant=True,
-                            async_scheduling=False, step_formulation=formulation)
+                            async_scheduling=False,
+                            step_formulation=None if formulation == "default" else formulation)
     assert not llm.engine.step_cfg.compute.tile_segments, \
         "per-token segments in row tiles: the spies' values would not line up with the step's tokens"
     rng = np.random.default_rng(0)
@@ -142,11 +158,15 @@ def prompt_values(records: list, alone: bool) -> dict:
     return out
 
 
-def layers_probe(formulation: str | None = None) -> None:
+def layers_probe(options: list[str]) -> None:
+    formulation = "gpu" if "gpu" in options else "default"
+    rows = "tiled" if "tiled-rows" in options else "whole"
+    print(json.dumps({"probe": "layers", "formulation": formulation, "closed_rows": rows}),
+          flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for slots in (32, 8):
             done = subprocess.run([sys.executable, __file__, "engine", str(slots),
-                                   f"{tmp}/{slots}.npz", *([formulation] if formulation else [])],
+                                   f"{tmp}/{slots}.npz", formulation, rows],
                                   capture_output=True, text=True, cwd=REPO, check=False)
             if done.returncode:
                 raise SystemExit("\n".join(line for line in done.stderr.splitlines()
@@ -185,8 +205,8 @@ def compare(alone_path: str, among_path: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "engine":
-        layers_engine(int(sys.argv[2]), sys.argv[3], *sys.argv[4:5])
+        layers_engine(int(sys.argv[2]), sys.argv[3], *sys.argv[4:6])
     elif len(sys.argv) > 1 and sys.argv[1] == "compare":
         compare(sys.argv[2], sys.argv[3])
     else:
-        layers_probe(*sys.argv[1:2])
+        layers_probe(sys.argv[1:])
