@@ -17,10 +17,13 @@ ORACLE_VENV := .venv-oracle
 ASCEND_VENV := .venv-ascend
 ORACLE_DIR ?= .cache/oracle
 PYTEST_ARGS ?=
-# Test files run on two workers (pytest-xdist), a file's tests on one worker so that its module
-# fixtures (compiled engines) are built once: a test mostly keeps one core busy (tracing is
-# Python; a tiny model's step runs on one thread), and CI's machine has two.
-PYTEST_WORKERS ?= 2
+# Test files run on three workers (pytest-xdist), a file's tests on one worker so that its
+# module fixtures (compiled engines) are built once. A test mostly keeps one core busy
+# (tracing is Python; a tiny model's step runs on one thread) and CI's machine has two, but
+# many tests also wait (engine and server subprocesses, multi-process meshes, the Ascend
+# backend's own interpreter): on that machine the suite took 25:52 on two workers and 23:08
+# on three (the same tree and day, memory at most 5 GiB of 24; docs/performance-log.md).
+PYTEST_WORKERS ?= 3
 # A worker that dies (a native crash) ends the run at once with the test it ran named: with a
 # replacement worker, pytest-xdist 3.8's file scheduler was seen to deadlock (the controller and
 # both workers idle, each waiting on the other: py-spy) until CI's 90 minutes ran out.

@@ -48,8 +48,9 @@ def mixed():
 
 # 1024: the whole prefix is replayed (only the cached rows and tails are reused); 124 =
 # layers * (window - 1), the shortest replay that is exact (bench/prefix_replay.py
-# exactness_bound): it starts inside the prefix, so the rows before it are hidden
-@pytest.mark.parametrize("replay", [1024, 124])
+# exactness_bound): it starts inside the prefix, so the rows before it are hidden. The
+# edge case is CI's; the whole replay, a second case of the same path, is the slow tier's.
+@pytest.mark.parametrize("replay", [pytest.param(1024, marks=pytest.mark.slow), 124])
 def test_a_replay_covering_the_windows_reach_equals_the_cold_run_bitwise(mixed, replay):
     model, base, prompts, reference = mixed
     warm = deepinfer_jax.LLM(model, enable_prefix_caching=True, prefix_replay="bounded",
