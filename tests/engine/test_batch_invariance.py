@@ -164,6 +164,7 @@ def test_rows_stay_invariant_on_the_kernels(monkeypatch, split_k):
     assert same(logprobs(llm.generate(prompts, params, use_tqdm=False)), alone)
 
 
+@pytest.mark.slow       # the GPU formulation on the CPU; `invariance-tests` runs it on a GPU
 def test_untiled_segments_are_the_same_computation():
     """The GPU formulation runs the per-token segments untiled (each matmul-like op invariant
     by itself, fewer loops in the step as lowered for CUDA); they compute what the CPU
