@@ -32,13 +32,12 @@ import tempfile
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.invariance_topk import TOPK_PROMPT  # noqa: E402
+from bench.invariance_topk import moved_prompt_run  # noqa: E402
 
 # in the order a layer computes them
 VALUES = ("q", "kv", "window_keys", "rows", "window_visible", "rows_visible", "attention",
@@ -52,10 +51,8 @@ def layers_engine(slots: int, out: str, formulation: str = "default",
     loop), every layer's VALUES for each of its tokens saved to out (npz, keyed
     "layer/value/position"). formulation: "default" (the device's) or "gpu"; rows "tiled":
     the closed rows in `per_sequence` row tiles."""
-    import deepinfer_jax
     import deepinfer_jax.model.attention as attention
     import deepinfer_jax.model.paged_forward as paged_forward
-    from deepinfer_jax import SamplingParams
     from deepinfer_jax.config.hf import read_model_config
     from deepinfer_jax.model.invariant import per_sequence
 
@@ -78,6 +75,8 @@ def layers_engine(slots: int, out: str, formulation: str = "default",
         # forward_step's calls, layer by layer (this engine runs no MTP draft blocks)
         now["layer"], now["ctx"] = seen["calls"] % cfg.num_layers, ctx
         now["compute"] = (kwargs.get("step_cfg") or args[4]).compute
+        assert not now["compute"].tile_segments, \
+            "per-token segments in row tiles: the spies' values would not line up with the tokens"
         seen["calls"] += 1
         return layer_step(p, streams, token_ids, ctx, *args, **kwargs)
 
@@ -114,20 +113,8 @@ def layers_engine(slots: int, out: str, formulation: str = "default",
     paged_forward.ffn_outputs = spied_ffn_outputs
     attention.sink_attention_parts = spied_sink_attention_parts
 
-    model = deepinfer_jax.Model(cfg, deepinfer_jax.random_params(cfg, 3, jnp.bfloat16))
-    llm = deepinfer_jax.LLM(model, max_num_seqs=slots, max_model_len=640,
-                            max_num_batched_tokens=128, token_buckets=(16, 32, 64, 128),
-                            page_size=64, show_progress=False, batch_invariant=True,
-                            async_scheduling=False,
-                            step_formulation=None if formulation == "default" else formulation)
-    assert not llm.engine.step_cfg.compute.tile_segments, \
-        "per-token segments in row tiles: the spies' values would not line up with the step's tokens"
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(2, 512, size=int(n)).tolist() for n in rng.integers(5, 300, size=34)]
-    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
-    batch = [prompts[TOPK_PROMPT]] if slots == 32 else prompts[:30]
-    outs = llm.generate(batch, params, use_tqdm=False)
-    lp = outs[0 if slots == 32 else TOPK_PROMPT].logprobs
+    options = {} if formulation == "default" else {"step_formulation": formulation}
+    lp = moved_prompt_run(slots, **options).logprobs
     jax.effects_barrier()
     values = prompt_values(records, alone=slots == 32)
     np.savez(out, logprobs=np.array([x.logprob for x in lp]), **values)

@@ -40,11 +40,8 @@ def topk_engine(order: str, slots: int, heads: str = "ordered") -> None:
     index instead of by score, so that the attention sums them in an order that does not
     depend on their scores' ranking; "capture": the selections recorded. heads "einsum": the
     reference indexer sums its heads by a contraction, as before 15cc997 (a JSON line)."""
-    import deepinfer_jax
     import deepinfer_jax.model.paged_forward as paged_forward
     import pallas_kernels.indexer.reference as indexer_reference
-    from deepinfer_jax import SamplingParams
-    from deepinfer_jax.config.hf import read_model_config
 
     if heads == "einsum":
         scores = indexer_reference.indexer_scores
@@ -85,22 +82,34 @@ def topk_engine(order: str, slots: int, heads: str = "ordered") -> None:
                 return getattr(jax, name)
         paged_forward.jax = Jax()
         paged_forward.select_rows = spied_select_rows
+    out = moved_prompt_run(slots)
+    line = {"order": order, "slots": slots, "logprobs": [lp.logprob for lp in out.logprobs]}
+    if order == "capture":
+        line["selections"] = prompt_selections(records, alone=slots == 32)
+    print(json.dumps(line), flush=True)
+
+
+def moved_prompt_run(slots: int, **options):
+    """test_sync_loop_on_fewer_slots' engine and prompts (tiny-mixed, batch-invariant, the
+    synchronous loop): prompt TOPK_PROMPT alone on 32 slots, or among the first 30 prompts
+    on 8 (its steps up to the prompt's last are those of all 34) -> its RequestOutput.
+    options: more `LLM` arguments."""
+    import deepinfer_jax
+    from deepinfer_jax import SamplingParams
+    from deepinfer_jax.config.hf import read_model_config
+
     cfg = read_model_config(REPO / "configs/tiny/tiny-mixed.json")
     model = deepinfer_jax.Model(cfg, deepinfer_jax.random_params(cfg, 3, jnp.bfloat16))
     llm = deepinfer_jax.LLM(model, max_num_seqs=slots, max_model_len=640,
                             max_num_batched_tokens=128, token_buckets=(16, 32, 64, 128),
                             page_size=64, show_progress=False, batch_invariant=True,
-                            async_scheduling=False)
+                            async_scheduling=False, **options)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, 512, size=int(n)).tolist() for n in rng.integers(5, 300, size=34)]
     params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
     batch = [prompts[TOPK_PROMPT]] if slots == 32 else prompts[:30]
     outs = llm.generate(batch, params, use_tqdm=False)
-    out = outs[0] if slots == 32 else outs[TOPK_PROMPT]
-    line = {"order": order, "slots": slots, "logprobs": [lp.logprob for lp in out.logprobs]}
-    if order == "capture":
-        line["selections"] = prompt_selections(records, alone=slots == 32)
-    print(json.dumps(line), flush=True)
+    return outs[0] if slots == 32 else outs[TOPK_PROMPT]
 
 
 def prompt_selections(records: list, alone: bool) -> list:
