@@ -62,12 +62,16 @@ RUNS = {
                                     "tests/engine/test_batch_invariance.py", "-k",
                                     "fewer_slots"),)),
     # issue 35's full GPU test run: the CPU suite's files with the kernels compiled, not
-    # interpreted; six workers share the GPU, so none may take 75% of it up front. Longer
-    # than one device call: run it detached (bench/README.md). The oracle fixtures travel
-    # in .cache/oracle (carry it): the GPU image has no torch CPU environment to build them.
-    "all-tests": Run(1150, "every test file on the GPU (slow tier included), six workers",
+    # interpreted. Eight workers share the GPU, so each takes 11% of it, and only as it needs
+    # it; each test's result is logged as it ends (-vv against PYTEST's -q), so a run cut short
+    # still tells. Longer than one device call: run it detached (bench/README.md). The oracle
+    # fixtures travel in .cache/oracle (carry it): the GPU image has no torch CPU environment
+    # to build them.
+    "all-tests": Run(1150, "every test file on the GPU (slow tier included), eight workers",
                      (("env", "XLA_PYTHON_CLIENT_PREALLOCATE=false",
-                       f"DEEPINFER_ORACLE_DIR={REPO / '.cache' / 'oracle'}", *PYTEST, "-n", "6",
+                       "XLA_PYTHON_CLIENT_MEM_FRACTION=0.11",
+                       f"DEEPINFER_ORACLE_DIR={REPO / '.cache' / 'oracle'}",
+                       *PYTEST, "-vv", "-n", "8",
                        "--dist", "loadfile", "--max-worker-restart=0",
                        "--continue-on-collection-errors", "-rfEs", "--durations=20", "tests"),)),
     "e2e": Run(540, "end to end on a 4-layer V4-Flash slice, beside its roofline and HF's "

@@ -33,10 +33,18 @@ def _bytes_limit(device) -> int | None:
 
 def held_outside_free_block(devices) -> int:
     """The most, over `devices`, of what the allocator holds outside its largest free block:
-    live arrays and the holes between them (0 where it reports no such figures)."""
+    live arrays and the holes between them (0 where it reports no such figures).
+
+    A pool that grows on demand (XLA_PYTHON_CLIENT_PREALLOCATE=false) has reserved only
+    `pool_bytes` of its limit; the rest is one block it can still take, so the largest free
+    block is the larger of the two."""
     held = 0
     for device in devices:
         stats = _stats(device)
         if stats.get("bytes_limit") and "largest_free_block_bytes" in stats:
-            held = max(held, int(stats["bytes_limit"]) - int(stats["largest_free_block_bytes"]))
+            limit = int(stats["bytes_limit"])
+            free_block = int(stats["largest_free_block_bytes"])
+            if "pool_bytes" in stats:
+                free_block = max(free_block, limit - int(stats["pool_bytes"]))
+            held = max(held, limit - free_block)
     return held

@@ -193,6 +193,16 @@ def test_held_outside_the_free_block_is_the_most_over_the_devices():
     assert held_outside_free_block(devices[2:]) == 0
 
 
+def test_a_pool_that_grows_counts_its_unreserved_bytes_as_free():
+    """XLA_PYTHON_CLIENT_PREALLOCATE=false: the allocator has reserved 30 of its 100 bytes
+    and its largest free block among them is 5; the 70 it has not reserved are one block."""
+    grown = _Device({"bytes_limit": 100, "largest_free_block_bytes": 5, "pool_bytes": 30})
+    assert held_outside_free_block([grown]) == 30
+    preallocated = _Device({"bytes_limit": 100, "largest_free_block_bytes": 60,
+                            "pool_bytes": 100})
+    assert held_outside_free_block([preallocated]) == 40
+
+
 def test_the_probed_step_is_the_engines_where_memory_does_not_cap_the_pool():
     """The probe compiles the largest bucket over every slot's reach; where memory leaves the
     pool there, the engine's compile finds that step done (it traces only the bucket's other

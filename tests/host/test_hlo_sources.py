@@ -25,7 +25,9 @@ def test_each_fusion_names_its_op_and_source_line():
     first = inspect.getsourcelines(step)[1]
     scatter = [d for d in described.values() if d.startswith("scatter")]
     assert scatter and all(f"test_hlo_sources.py:{first + 2}" in d for d in scatter)
-    assert any(f"test_hlo_sources.py:{first + 1}" in d and "dot" in d for d in described.values())
+    if jax.default_backend() == "cpu":      # a GPU's dot is a cuBLAS call, not in a fusion
+        assert any(f"test_hlo_sources.py:{first + 1}" in d and "dot" in d
+                   for d in described.values())
 
 
 def test_a_root_without_source_falls_back_to_its_hero_op():

@@ -22,7 +22,9 @@ def test_the_draw_holds_a_few_times_its_result_not_sixteen():
     result = int(np.prod(SHAPE))
     ours = _temporaries(lambda key: random_bytes(key, SHAPE))
     bytewise = _temporaries(lambda key: jax.random.bits(key, SHAPE, jnp.uint8))
-    assert ours <= 4 * result < bytewise
+    assert ours <= 4 * result
+    if jax.default_backend() == "cpu":      # XLA's GPU draw fuses jax.random.bits' bytes
+        assert 4 * result < bytewise
 
 
 def test_the_bytes_are_uniform_and_keyed():
