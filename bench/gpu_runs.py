@@ -73,7 +73,11 @@ RUNS = {
                        f"DEEPINFER_ORACLE_DIR={REPO / '.cache' / 'oracle'}",
                        *PYTEST, "-vv", "-n", "8",
                        "--dist", "loadfile", "--max-worker-restart=0",
-                       "--continue-on-collection-errors", "-rfEs", "--durations=20", "tests"),)),
+                       "--continue-on-collection-errors", "-rfEs", "--durations=20",
+                       # the engine's files first: a run cut short has run those
+                       "tests/engine", "tests/model", "tests/weights", "tests/kernels",
+                       "tests/api", "tests/host", "tests/ascend",
+                       "tests/test_architecture.py", "tests/test_notebooks.py"),)),
     "e2e": Run(540, "end to end on a 4-layer V4-Flash slice, beside its roofline and HF's "
                     "(needs transformers >= 5.23: .whl)",
                (bench("e2e.py", "--peer-timeout", "150"),)),
