@@ -28,6 +28,7 @@ from deepinfer_jax.config.options import resolve_compute
 from deepinfer_jax.engine.devices import local_device_facts
 from deepinfer_jax.model import mtp, reference_forward
 from deepinfer_jax.model.params import ModelParams
+from deepinfer_jax.model.precision import matmul_precision
 from deepinfer_jax.parallel.mesh import param_shardings, split_axes
 from deepinfer_jax.weights import load_params, orbax_store
 
@@ -35,13 +36,15 @@ from deepinfer_jax.weights import load_params, orbax_store
 @functools.partial(jax.jit, static_argnames=("cfg", "compute"))
 def _logits(params: ModelParams, token_ids: jax.Array, cfg: ModelConfig,
             compute: ComputeConfig) -> jax.Array:
-    return reference_forward.logits(params, token_ids, cfg, compute)
+    with matmul_precision(params.embed.dtype):
+        return reference_forward.logits(params, token_ids, cfg, compute)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "compute"))
 def _mtp_logits(params: ModelParams, token_ids: jax.Array, cfg: ModelConfig,
                 compute: ComputeConfig) -> jax.Array:
-    return mtp.mtp_logits(params, token_ids, cfg, compute)
+    with matmul_precision(params.embed.dtype):
+        return mtp.mtp_logits(params, token_ids, cfg, compute)
 
 
 def _as_batch(token_ids, vocab_size: int) -> np.ndarray:

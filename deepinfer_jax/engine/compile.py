@@ -36,6 +36,7 @@ from deepinfer_jax.engine.transfer import Wire
 from deepinfer_jax.host.decision import ScheduleDecision
 from deepinfer_jax.host.plan_builder import build_plan
 from deepinfer_jax.model.params import ModelParams
+from deepinfer_jax.model.precision import matmul_precision
 from deepinfer_jax.model.state import StateCache
 from deepinfer_jax.parallel.mesh import mesh_context, over_ranks, step_out_shardings
 
@@ -265,7 +266,8 @@ def _lower(params, state, cfg, step_cfg, speculative, truncation, plan_wire, pla
     output_wire = []            # the output's layout, read while the step is traced
 
     def wired_step(params, state, buffer):
-        state, output = step_fn(params, state, plan_wire.unpack_device(buffer))
+        with matmul_precision(params.embed.dtype):
+            state, output = step_fn(params, state, plan_wire.unpack_device(buffer))
         output_wire.append(Wire.of(output))
         return state, output_wire[-1].pack_device(output)
 
