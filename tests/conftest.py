@@ -29,6 +29,12 @@ def xla_flags(*extra: str) -> str:
     return " ".join([*flags, *own, *extra])
 
 
+def subprocess_pythonpath() -> str:
+    """PYTHONPATH for a test's subprocess: the repository ahead of this process's own entries
+    (the GPU machine's carried wheels are on it: bench/gpu_suite.py)."""
+    return os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 os.environ["XLA_FLAGS"] = xla_flags()      # (before the CPU client exists, as below)
 # Compiled steps persist across test runs (and are shared by every engine with equal shapes).
 os.environ.setdefault("XDG_CACHE_HOME", str(REPO / ".cache" / "xdg"))

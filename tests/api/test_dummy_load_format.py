@@ -17,6 +17,7 @@ from deepinfer_jax.api.dummy import dummy_model
 from deepinfer_jax.config.model import AttentionKind, MlpKind
 from tests.api.conftest import REPO_ROOT, free_port
 from tests.api.server_process import connect_when_up
+from tests.conftest import subprocess_pythonpath
 
 CONFIG = REPO_ROOT / "configs" / "tiny" / "tiny-mixed.json"
 
@@ -33,7 +34,7 @@ def test_a_dummy_model_is_the_config_sliced_with_weights_fixed_by_the_seed():
 
 def test_deepinfer_serve_a_dummy_model_without_a_tokenizer():
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "PYTHONPATH": subprocess_pythonpath(), "JAX_PLATFORMS": "cpu"}
     process = subprocess.Popen(
         [sys.executable, "-m", "deepinfer_jax.api.cli", "serve", str(CONFIG), "--port", str(port),
          "--load-format", "dummy", "--dummy-layers", "2", "--log-level", "warning",

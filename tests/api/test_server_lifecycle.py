@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.api.conftest import MODEL, PROMPTS, REPO_ROOT, SERVED_OPTIONS, free_port
 from tests.api.server_process import connect_when_up, wait_until
+from tests.conftest import subprocess_pythonpath
 
 
 def _metrics(base_url: str) -> dict[tuple[str, tuple], float]:
@@ -141,7 +142,7 @@ def test_deepinfer_serve_from_the_command_line():
     """The CLI's own server: up, answering, and stopped by SIGINT, its engine process (the
     default) with it."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "PYTHONPATH": subprocess_pythonpath(), "JAX_PLATFORMS": "cpu"}
     process = subprocess.Popen(
         [sys.executable, "-m", "deepinfer_jax.api.cli", "serve", "--port", str(port),
          "--served-model-name", "tiny", "--log-level", "warning", "--batch-invariant"],

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, subprocess_pythonpath
 
 SHIPPED = REPO / "models" / "deepinfer-tiny-v4"
 
@@ -25,7 +25,7 @@ def broken_model(directory, name: str, content: bytes):
 
 
 def run_cli(*args):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": subprocess_pythonpath()}
     return subprocess.run([sys.executable, "-m", "deepinfer_jax.api.cli", *args],
                           capture_output=True, text=True, env=env, timeout=300)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, oracle_case
+from tests.conftest import oracle_case, subprocess_pythonpath
 
 pytestmark = pytest.mark.oracle
 
@@ -41,7 +41,7 @@ os._exit(0)
 
 
 def _start(cache_dir: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "PYTHONPATH": subprocess_pythonpath(), "JAX_PLATFORMS": "cpu",
            "DEEPINFER_STEP_CACHE": "1"}      # (tests/conftest.py turns it off elsewhere)
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(oracle_case("tiny-mixed").checkpoint),
                            str(cache_dir)], env=env, capture_output=True, text=True, timeout=600)

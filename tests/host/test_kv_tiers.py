@@ -17,7 +17,7 @@ from deepinfer_jax.config.errors import EngineConfigError
 from deepinfer_jax.config.kv_tiers import DEFAULT_RETENTION_S, KVTierConfig
 from deepinfer_jax.host.kv_tiers import TierEntry, TierPayloadError, TierStore
 from deepinfer_jax.host.kv_tiers.disk_tier import SUFFIX, TEMP_SUFFIX, file_name
-from tests.conftest import REPO
+from tests.conftest import REPO, subprocess_pythonpath
 from tests.host.kv_tier_writer import payload
 
 HOUR = 3600.0
@@ -206,7 +206,7 @@ def test_damaged_files_are_dropped_never_served(tmp_path, damage):
 def test_a_writer_killed_before_its_rename_leaves_no_corrupt_entry(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "tests.host.kv_tier_writer", str(tmp_path),
                              "stall"], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+                            env={**os.environ, "PYTHONPATH": subprocess_pythonpath()})
     lines = [proc.stdout.readline().strip() for _ in range(6)]
     assert lines == ["0", "1", "2", "3", "4", "renaming"]
     assert any(f.endswith(TEMP_SUFFIX) for f in files(tmp_path))   # killed mid-write
@@ -224,7 +224,7 @@ def test_a_writer_killed_before_its_rename_leaves_no_corrupt_entry(tmp_path):
 def test_a_writer_killed_at_any_point_leaves_a_consistent_index(tmp_path, committed):
     proc = subprocess.Popen([sys.executable, "-m", "tests.host.kv_tier_writer", str(tmp_path),
                              "loop"], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+                            env={**os.environ, "PYTHONPATH": subprocess_pythonpath()})
     for _ in range(committed):
         proc.stdout.readline()
     proc.send_signal(signal.SIGKILL)               # somewhere in a later put: write, rename, evict
