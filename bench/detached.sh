@@ -7,14 +7,14 @@
 #
 # The copy: every device call copies the working tree into the repository root again, and
 # session 55's first all-tests run, collecting while the next call arrived, failed to import
-# a third of its test files. The oracle fixtures travel in a call of their own where the carry
-# cap leaves no room beside .whl (bench/README.md): that call keeps them in /tmp/oracle_keep.
+# a third of its test files. What the carry cap leaves no room for beside .whl (the oracle
+# fixtures) travels in calls of their own before, each keeping its carry under /tmp/keep:
+#   cp -a --parents .cache/oracle /tmp/keep/
+# and the copy takes /tmp/keep's files at their paths.
 set -u
 SRC="$(cd "$(dirname "$0")/.." && pwd)"
 rm -rf /tmp/w /tmp/suite && cp -a "$SRC" /tmp/w && cd /tmp/w
-if [ ! -d .cache/oracle ] && [ -d /tmp/oracle_keep ]; then
-    mkdir -p .cache && cp -a /tmp/oracle_keep .cache/oracle
-fi
+if [ -d /tmp/keep ]; then cp -a /tmp/keep/. /tmp/w/; fi
 mkdir -p /tmp/suite
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1 > /tmp/suite/gpu-name.txt
 for run in "$@"; do
