@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from deepinfer_jax.config.compute import ComputeConfig
 from deepinfer_jax.model.invariant import linear, ordered_sum, per_row_tiles
-from deepinfer_jax.model.norms import unweighted_rms_norm
+from deepinfer_jax.model.norms import mean_of_squares, unweighted_rms_norm
 from deepinfer_jax.model.params import HyperConnectionParams, HyperHeadParams
 from pallas_kernels.sinkhorn import api as sinkhorn_op
 
@@ -26,7 +26,7 @@ MIX_K_RANGE = 1024
 
 
 def _mixes(streams: jax.Array, fn: jax.Array, eps: float, compute: ComputeConfig,
-           parts: jax.Array | None = None) -> jax.Array:
+           parts: jax.Array | None = None, ordered: bool = False) -> jax.Array:
     """streams [..., hc, D] -> f32[..., n_mix]: a linear map of the RMS-normalised flat streams.
 
     bf16 streams: the norm is one factor per token, so it is applied to the n_mix sums
@@ -39,10 +39,11 @@ def _mixes(streams: jax.Array, fn: jax.Array, eps: float, compute: ComputeConfig
     zero-padded and its K in fixed ranges (MIX_COLUMNS, MIX_K_RANGE; float32 operands have no
     kernel: their jnp reference would run in a loop of row tiles). `parts`: those three parts
     side by side, made once (`with_mix_parts`) rather than at every call (a launch a mix on
-    a GPU)."""
+    a GPU). `ordered`: the mean of squares as an `ordered_sum` (norms.rms_norm says why)."""
     flat = streams.reshape(*streams.shape[:-2], -1)
     if flat.dtype != jnp.bfloat16:
-        return linear(unweighted_rms_norm(flat.astype(jnp.float32), eps), fn, compute)
+        return linear(unweighted_rms_norm(flat.astype(jnp.float32), eps, ordered=ordered), fn,
+                      compute)
     n_mix = fn.shape[-1]
     weight = mix_parts(fn) if parts is None else parts                       # [K, 3 n_mix]
     k = flat.shape[-1]
@@ -51,8 +52,7 @@ def _mixes(streams: jax.Array, fn: jax.Array, eps: float, compute: ComputeConfig
     sums = linear(flat, weight, compute, out_dtype=jnp.float32,
                   k_ranges=k // MIX_K_RANGE if k % MIX_K_RANGE == 0 else None)
     projected = (sums[..., :n_mix] + sums[..., n_mix:2 * n_mix]) + sums[..., 2 * n_mix:3 * n_mix]
-    x32 = flat.astype(jnp.float32)
-    return projected * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return projected * jax.lax.rsqrt(mean_of_squares(flat, ordered) + eps)
 
 
 def mix_parts(fn: jax.Array) -> jax.Array:
@@ -151,7 +151,11 @@ def _mix_streams(block_out: jax.Array, streams: jax.Array, post: jax.Array, comb
 
 def hc_head(streams: jax.Array, p: HyperHeadParams, *, hc_eps: float, norm_eps: float,
             compute: ComputeConfig) -> jax.Array:
-    """Final collapse of the streams [..., hc, D] -> [..., D] (sigmoid weights, no Sinkhorn)."""
-    mixes = _mixes(streams, p.fn, norm_eps, compute, p.fn_parts)
+    """Final collapse of the streams [..., hc, D] -> [..., D] (sigmoid weights, no Sinkhorn).
+    Its rows are the step's sequences: in batch-invariant mode their norm is an ordered sum,
+    since XLA merges the row tiles they run in (invariant.per_sequence) back into one
+    reduction whose rounding follows the row count."""
+    mixes = _mixes(streams, p.fn, norm_eps, compute, p.fn_parts,
+                   ordered=compute.batch_invariant)
     pre = jax.nn.sigmoid(mixes * p.scale[0] + p.base) + hc_eps
     return collapse(pre, streams, compute.batch_invariant).astype(streams.dtype)

@@ -110,7 +110,7 @@ def project_logits(streams: jax.Array, head_params: HyperHeadParams, norm: jax.A
     def head_input(s):                                                    # [t, hc, D] -> [t, D]
         y = hc_head(s, head_params, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
                     compute=compute)
-        return rms_norm(y, norm, cfg.rms_norm_eps)
+        return rms_norm(y, norm, cfg.rms_norm_eps, ordered=compute.batch_invariant)
 
     y = rows(head_input, streams.reshape(-1, *streams.shape[-2:]))
     y = y.reshape(*lead, y.shape[-1])

@@ -61,3 +61,53 @@ def test_float32_linears_ask_for_float32_products(invariant):
 
     assert "HIGHEST" in lowered(jnp.float32)
     assert "HIGHEST" not in lowered(jnp.bfloat16)
+
+
+def float_sums(jaxpr) -> list[str]:
+    """The float reduce_sum equations (operand -> result types) of a jaxpr and its
+    sub-jaxprs (Pallas kernels' bodies left out: a kernel's sums are its own, fixed by its
+    tiles)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "reduce_sum" and jnp.issubdtype(eqn.outvars[0].aval.dtype,
+                                                                jnp.floating):
+            found.append(f"{eqn.invars[0].aval} -> {eqn.outvars[0].aval}")
+        if eqn.primitive.name == "pallas_call":
+            continue
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += float_sums(inner)
+    return found
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_the_head_sums_in_a_fixed_order_in_batch_invariant_mode(invariant):
+    """The sampled rows' head (hc head, final norm) runs over the step's sequences, and on a GPU
+    XLA merged its row tiles back into one reduction, [8, 256] in [8, 8] partials on an
+    8-slot engine and [32, 256] at once on a 32-slot one (their optimized HLO, session 55). In
+    batch-invariant mode the head has no reduction left for XLA to split: its sums are
+    ordered sums. The default mode keeps jnp's reductions (the control)."""
+    import jax
+
+    import deepinfer_jax
+    from deepinfer_jax.config.engine import EngineConfig
+    from deepinfer_jax.model.invariant import per_sequence
+    from deepinfer_jax.model.reference_forward import project_logits
+    from tests.conftest import REPO
+
+    model = deepinfer_jax.load(REPO / "models" / "deepinfer-tiny-v4")
+    cfg, params = model.config, model.params
+    compute = EngineConfig(max_num_seqs=8, max_model_len=128, max_num_batched_tokens=16,
+                           step_formulation="gpu", batch_invariant=invariant
+                           ).resolve(cfg).compute
+    streams = jnp.zeros((8, cfg.hc_mult, cfg.hidden_size), params.embed.dtype)
+    jaxpr = jax.make_jaxpr(lambda s: project_logits(
+        s, params.hc_head, params.norm, params.head, cfg, compute,
+        rows=per_sequence(compute)))(streams).jaxpr
+    sums = float_sums(jaxpr)
+    if invariant:
+        assert sums == []
+    else:
+        assert len(sums) >= 2                   # the hc head's norm and the final norm
