@@ -47,11 +47,17 @@ def rowwise(compute: ComputeConfig) -> Callable:
 
 def unrolled_row_tiles(fn: Callable, *args, tile: int):
     """per_row_tiles without a loop: the tiles are separate copies of fn's program (a loop's
-    iteration is launches of its own on a GPU, and one tile is one copy)."""
+    iteration is launches of its own on a GPU, and one tile is one copy).
+
+    Each copy's inputs and outputs pass an optimization barrier: without one XLA's GPU
+    compiler merged the copies back into one computation over all the rows (it sinks slices
+    through the elementwise ops they feed), whose reductions it then split by the row count
+    (the 8- and 32-slot engines' heads, session 55)."""
     rows = jax.tree.leaves(args)[0].shape[0]
     pad = -rows % tile
     padded = jax.tree.map(lambda a: jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)), args)
-    outs = [fn(*jax.tree.map(lambda a, i=i: a[i: i + tile], padded))
+    barrier = jax.lax.optimization_barrier
+    outs = [barrier(fn(*barrier(jax.tree.map(lambda a, i=i: a[i: i + tile], padded))))
             for i in range(0, rows + pad, tile)]
     return jax.tree.map(lambda *o: jnp.concatenate(o)[:rows], *outs)
 

@@ -111,3 +111,22 @@ def test_the_head_sums_in_a_fixed_order_in_batch_invariant_mode(invariant):
         assert sums == []
     else:
         assert len(sums) >= 2                   # the hc head's norm and the final norm
+
+
+def test_unrolled_tiles_are_sealed_copies():
+    """invariant.unrolled_row_tiles: each tile's program between optimization barriers, so
+    that XLA cannot merge the copies back into one computation over every row (it did, on a
+    GPU, before the barriers); the rows are fn's on the whole batch."""
+    import jax
+
+    from deepinfer_jax.model.invariant import unrolled_row_tiles
+
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((20, 16)), jnp.float32)
+
+    def fn(rows):
+        return jnp.tanh(rows) * 2.0
+
+    text = jax.jit(lambda v: unrolled_row_tiles(fn, v, tile=8)).lower(x).as_text()
+    assert text.count("stablehlo.optimization_barrier") == 2 * 3          # 3 tiles of 8 rows
+    np.testing.assert_array_equal(np.asarray(unrolled_row_tiles(fn, x, tile=8)),
+                                  np.asarray(fn(x)))
