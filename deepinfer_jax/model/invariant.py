@@ -49,10 +49,10 @@ def unrolled_row_tiles(fn: Callable, *args, tile: int):
     """per_row_tiles without a loop: the tiles are separate copies of fn's program (a loop's
     iteration is launches of its own on a GPU, and one tile is one copy).
 
-    Each copy's inputs and outputs pass an optimization barrier: without one XLA's GPU
-    compiler merged the copies back into one computation over all the rows (it sinks slices
-    through the elementwise ops they feed), whose reductions it then split by the row count
-    (the 8- and 32-slot engines' heads, session 55)."""
+    Each copy's inputs and outputs pass an optimization barrier, so that XLA keeps the copies
+    apart: its slice sinking may merge them back into one computation over all the rows, whose
+    reductions it splits by the row count, as it split the head's sums when they ran over the
+    whole batch (the 8- and 32-slot engines' HLO in session 50, before the head's tiles)."""
     rows = jax.tree.leaves(args)[0].shape[0]
     pad = -rows % tile
     padded = jax.tree.map(lambda a: jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)), args)

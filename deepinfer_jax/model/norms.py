@@ -15,8 +15,9 @@ def mean_of_squares(x: jax.Array, ordered: bool = False) -> jax.Array:
     row alone. XLA's GPU row reduction may round a row by the shapes around it (it splits a
     reduction into partial sums by the row count, and its vector width follows the fusion it
     builds), which matters where the row count follows the engine's size rather than the
-    token bucket: the 8-slot engine's head summed [8, 256] in [8, 8] partials where the
-    32-slot one's summed [32, 256] at once (the optimized HLO of both, session 55)."""
+    token bucket: the 8-slot engine's head, over the whole batch, summed [8, 256] in [8, 8]
+    partials where the 32-slot one's summed [32, 256] at once (both engines' HLO, session
+    50)."""
     x32 = x.astype(jnp.float32)
     squares = x32 * x32
     if ordered:

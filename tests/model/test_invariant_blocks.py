@@ -84,11 +84,12 @@ def float_sums(jaxpr) -> list[str]:
 
 @pytest.mark.parametrize("invariant", [True, False])
 def test_the_head_sums_in_a_fixed_order_in_batch_invariant_mode(invariant):
-    """The sampled rows' head (hc head, final norm) runs over the step's sequences, and on a GPU
-    XLA merged its row tiles back into one reduction, [8, 256] in [8, 8] partials on an
-    8-slot engine and [32, 256] at once on a 32-slot one (their optimized HLO, session 55). In
-    batch-invariant mode the head has no reduction left for XLA to split: its sums are
-    ordered sums. The default mode keeps jnp's reductions (the control)."""
+    """The sampled rows' head (hc head, final norm) runs over the step's sequences. Over the
+    whole batch XLA split its sums by the row count, [8, 256] in [8, 8] partials on an 8-slot
+    engine and [32, 256] at once on a 32-slot one (their HLO, session 50); its row tiles
+    (invariant.per_sequence) keep one shape per tile, and in batch-invariant mode its sums
+    are ordered sums besides, which no merging of tiles can regroup: no float reduction is
+    left. The default mode keeps jnp's reductions (the control)."""
     import jax
 
     import deepinfer_jax
@@ -115,8 +116,8 @@ def test_the_head_sums_in_a_fixed_order_in_batch_invariant_mode(invariant):
 
 def test_unrolled_tiles_are_sealed_copies():
     """invariant.unrolled_row_tiles: each tile's program between optimization barriers, so
-    that XLA cannot merge the copies back into one computation over every row (it did, on a
-    GPU, before the barriers); the rows are fn's on the whole batch."""
+    that XLA cannot merge the copies back into one computation over every row; the rows are
+    fn's on the whole batch."""
     import jax
 
     from deepinfer_jax.model.invariant import unrolled_row_tiles
