@@ -49,3 +49,21 @@ def test_a_root_without_source_falls_back_to_its_hero_op():
         "}"])
     assert describe(text, ["loop_gather_fusion_7"]) == {
         "loop_gather_fusion_7": "gather -> f32[3,4]{1,0} at model.py:42 (gather)"}
+
+
+def test_hlo_diff_names_the_sums_whose_rows_follow_the_engine():
+    """bench/hlo_diff.py: two compiles of one function, one input's rows 8 and then 32, the
+    other's fixed: only the sum over the varying input is reported, at its source line."""
+    from bench.hlo_diff import differing
+
+    def sums(fixed, varying):
+        return jnp.sum(fixed * fixed, axis=-1), jnp.sum(jnp.exp(varying), axis=-1)
+
+    def compiled(rows: int) -> str:
+        return jax.jit(sums).lower(jnp.ones((16, 64)), jnp.ones((rows, 256))).compile().as_text()
+
+    line = inspect.getsourcelines(sums)[1] + 1
+    rows = differing(compiled(8), compiled(32))
+    assert rows and all(f"test_hlo_sources.py:{line}" in source for _, source, _, _ in rows)
+    assert {(a, b) for _, _, a, b in rows} == {(1, 0), (0, 1)}
+    assert differing(compiled(8), compiled(8)) == []

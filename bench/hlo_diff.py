@@ -1,0 +1,81 @@
+"""Which reductions and dots two compiles of one step give different shapes, by source line.
+
+Two engines whose steps should compute a row alike (batch-invariant mode: 8 slots and 32,
+one token bucket) compile the same program except where a shape follows the engine. A float
+reduction or dot whose operand shape differs between the two at the same source line is
+where XLA may sum a row in another order; everything else is the same per row.
+
+    python bench/hlo_diff.py slots8/module.after_optimizations.txt \\
+        slots32/module.after_optimizations.txt
+
+(the optimized HLO text: `compiled.as_text()`, or an XLA dump's after_optimizations file;
+`bench/invariance_probe.py slots-test` writes both engines').
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.lib.hlo_sources import computations, stack_frames  # noqa: E402
+
+_OP = re.compile(r"=\s+(\S+)\s+(reduce|dot)\(%?([\w.\-]+)")
+_LAYOUT = re.compile(r"\{[^}]*\}")
+
+
+def reductions(hlo_text: str, depth: int = 5) -> collections.Counter:
+    """(op, operand shape -> result shape, source chain) of every float reduce and dot, counted."""
+    frames, bodies = stack_frames(hlo_text), computations(hlo_text)
+
+    def chain(frame: int) -> str:
+        places = []
+        while frame in frames and len(places) < depth:
+            place, frame = frames[frame]
+            places.append(place)
+        return " < ".join(places) or "?"
+
+    found = collections.Counter()
+    for body in bodies.values():
+        shapes = {}
+        for line in body:
+            name = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+)\s", line)
+            if name:
+                shapes[name.group(1)] = _LAYOUT.sub("", name.group(2))
+        for line in body:
+            op = _OP.search(line)
+            if not op or not re.match(r"\(?(f32|bf16|f16|f64)", op.group(1)):
+                continue
+            frame = re.search(r"stack_frame_id=(\d+)", line)
+            operand = shapes.get(op.group(3), "?")
+            found[(op.group(2), f"{operand} -> {_LAYOUT.sub('', op.group(1))}",
+                   chain(int(frame.group(1))) if frame else "?")] += 1
+    return found
+
+
+def differing(a: str, b: str) -> list[tuple[str, str, int, int]]:
+    """(op and shapes, source, count in a, count in b) where the two compiles differ."""
+    ra, rb = reductions(a), reductions(b)
+    return [(f"{op} {shapes}", source, ra[key], rb[key])
+            for key in sorted(set(ra) | set(rb), key=lambda k: k[2])
+            for op, shapes, source in [key] if ra[key] != rb[key]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("a", type=Path)
+    parser.add_argument("b", type=Path)
+    args = parser.parse_args(argv)
+    rows = differing(args.a.read_text(), args.b.read_text())
+    for what, source, in_a, in_b in rows:
+        print(f"{in_a:3d} {in_b:3d}  {what}  at {source}")
+    print(f"{len(rows)} differing (op, shapes, source) rows")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
