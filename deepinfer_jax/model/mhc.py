@@ -153,8 +153,8 @@ def hc_head(streams: jax.Array, p: HyperHeadParams, *, hc_eps: float, norm_eps: 
             compute: ComputeConfig) -> jax.Array:
     """Final collapse of the streams [..., hc, D] -> [..., D] (sigmoid weights, no Sinkhorn).
     Its rows are the step's sequences: in batch-invariant mode their norm is an ordered sum,
-    since XLA merges the row tiles they run in (invariant.per_sequence) back into one
-    reduction whose rounding follows the row count."""
+    which keeps its order however XLA groups the row tiles they run in
+    (invariant.per_sequence); a reduction's split follows the row count."""
     mixes = _mixes(streams, p.fn, norm_eps, compute, p.fn_parts,
                    ordered=compute.batch_invariant)
     pre = jax.nn.sigmoid(mixes * p.scale[0] + p.base) + hc_eps
