@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.lib.hlo_sources import computations, stack_frames  # noqa: E402
+from bench.lib.hlo_sources import computations, source_chain, stack_frames  # noqa: E402
 
 _OP = re.compile(r"=\s+(\S+)\s+(reduce|dot)\(%?([\w.\-]+)")
 _LAYOUT = re.compile(r"\{[^}]*\}")
@@ -31,14 +31,6 @@ _LAYOUT = re.compile(r"\{[^}]*\}")
 def reductions(hlo_text: str, depth: int = 5) -> collections.Counter:
     """(op, operand shape -> result shape, source chain) of every float reduce and dot, counted."""
     frames, bodies = stack_frames(hlo_text), computations(hlo_text)
-
-    def chain(frame: int) -> str:
-        places = []
-        while frame in frames and len(places) < depth:
-            place, frame = frames[frame]
-            places.append(place)
-        return " < ".join(places) or "?"
-
     found = collections.Counter()
     for body in bodies.values():
         shapes = {}
@@ -50,10 +42,9 @@ def reductions(hlo_text: str, depth: int = 5) -> collections.Counter:
             op = _OP.search(line)
             if not op or not re.match(r"\(?(f32|bf16|f16|f64)", op.group(1)):
                 continue
-            frame = re.search(r"stack_frame_id=(\d+)", line)
             operand = shapes.get(op.group(3), "?")
             found[(op.group(2), f"{operand} -> {_LAYOUT.sub('', op.group(1))}",
-                   chain(int(frame.group(1))) if frame else "?")] += 1
+                   source_chain(line, frames, depth))] += 1
     return found
 
 

@@ -59,14 +59,20 @@ def stack_frames(hlo_text: str) -> dict[int, tuple[str, int]]:
     return frames
 
 
-def _where(line: str, frames: dict[int, tuple[str, int]], depth: int = 3) -> str:
-    frame, op = _FRAME.search(line), _OP_NAME.search(line)
+def source_chain(line: str, frames: dict[int, tuple[str, int]], depth: int = 3) -> str:
+    """An instruction's source lines, innermost first ("model.py:42 < step.py:61"), "?" where
+    it has no stack frame."""
+    frame = _FRAME.search(line)
     chain, fid = [], int(frame.group(1)) if frame else 0
     while fid in frames and len(chain) < depth:
         place, parent = frames[fid]
         chain.append(place)
         fid = parent if parent != fid else 0
-    place = " < ".join(chain) or "?"
+    return " < ".join(chain) or "?"
+
+
+def _where(line: str, frames: dict[int, tuple[str, int]], depth: int = 3) -> str:
+    place, op = source_chain(line, frames, depth), _OP_NAME.search(line)
     return f"{place} ({op.group(1).rsplit('/', 1)[-1]})" if op else place
 
 
