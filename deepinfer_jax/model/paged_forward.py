@@ -37,6 +37,7 @@ from deepinfer_jax.model.paged_compressor import (
     visible_rows,
 )
 from deepinfer_jax.model.params import LayerParams, ModelParams
+from deepinfer_jax.model.precision import follows_weights
 from deepinfer_jax.model.ragged import (
     TokenContext,
     row_index,
@@ -215,6 +216,7 @@ def token_shards(compute: ComputeConfig):
     return run
 
 
+@follows_weights
 def forward_step(params: ModelParams, state: StateCache, plan, token_ids: Array,
                  cfg: ModelConfig, step_cfg: StepConfig) -> tuple[StateCache, Array]:
     """One ragged step over token_ids i32[T] -> (new state, final residual streams [T, hc, D])."""

@@ -20,6 +20,7 @@ from deepinfer_jax.model.mhc import hc_head, hc_post, hc_pre
 from deepinfer_jax.model.moe import moe
 from deepinfer_jax.model.norms import rms_norm
 from deepinfer_jax.model.params import AttentionParams, HyperHeadParams, LayerParams, ModelParams
+from deepinfer_jax.model.precision import follows_weights
 from deepinfer_jax.model.rope import cos_sin, layer_inv_freq
 
 
@@ -83,6 +84,7 @@ def layer(p: LayerParams, streams: jax.Array, positions: jax.Array, token_ids: j
     return hc_post(f, streams, post, comb, compute)
 
 
+@follows_weights
 def forward_streams(params: ModelParams, token_ids: jax.Array, cfg: ModelConfig,
                     compute: ComputeConfig) -> jax.Array:
     """token_ids i32[B, S] -> final residual streams [B, S, hc, D] (before the hc head)."""
@@ -121,6 +123,7 @@ def project_logits(streams: jax.Array, head_params: HyperHeadParams, norm: jax.A
     return linear(y, head, compute, out_dtype=jnp.float32)
 
 
+@follows_weights
 def logits(params: ModelParams, token_ids: jax.Array, cfg: ModelConfig,
            compute: ComputeConfig) -> jax.Array:
     """token_ids i32[B, S] -> f32[B, S, V]."""

@@ -20,6 +20,7 @@ from flax import struct
 
 from deepinfer_jax.config.v41 import V41Config
 from deepinfer_jax.model.norms import rms_norm
+from deepinfer_jax.model.precision import follows_weights
 from deepinfer_jax.model.rope import cos_sin, inv_freq
 from deepinfer_jax.model.v41 import blocks, csa
 from deepinfer_jax.model.v41.params import V41LayerParams, V41ModelParams
@@ -48,6 +49,7 @@ def positions_of(live: jax.Array) -> jax.Array:
     return jnp.where(live, csa.live_counts(live) - 1, 0)
 
 
+@follows_weights
 def forward(params: V41ModelParams, cfg: V41Config, tokens: jax.Array, live: jax.Array,
             engram_ids: jax.Array | None, quant: bool = True
             ) -> tuple[jax.Array, V41Selections]:

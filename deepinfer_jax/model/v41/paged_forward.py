@@ -42,6 +42,7 @@ from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.config.v41 import V41Config
 from deepinfer_jax.model.invariant import rowwise
 from deepinfer_jax.model.paged_forward import token_shards
+from deepinfer_jax.model.precision import follows_weights
 from deepinfer_jax.model.ragged import TokenContext, token_context, window_keys, write_ring
 from deepinfer_jax.model.rope import cos_sin, inv_freq
 from deepinfer_jax.model.v41 import csa, engram_tables, paged_csa, segments
@@ -81,6 +82,7 @@ class _Token:
     dtype: jnp.dtype                    # the experts' activations (outside invariant mode)
 
 
+@follows_weights
 def forward_step(params: V41ModelParams, state: V41State, plan, token_ids: Array,
                  engram_ids: Array | None, cfg: V41Config, step_cfg: StepConfig,
                  engram_rows: Array | None = None) -> tuple[V41State, FinalStreams]:
@@ -129,6 +131,7 @@ def dense_dequantized(lp: V41LayerParams, dtype) -> V41LayerParams:
     return rest.replace(moe=rest.moe.replace(experts=moe.experts, shared=moe.shared))
 
 
+@follows_weights
 def final_logits(params: V41ModelParams, final: FinalStreams, cfg: V41Config,
                  compute: ComputeConfig) -> Array:
     """FinalStreams of some tokens [t, ...] -> logits f32[t, V] (the last collapse, norm, head),
