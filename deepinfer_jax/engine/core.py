@@ -42,6 +42,7 @@ from deepinfer_jax.engine.request_checks import request_problems
 from deepinfer_jax.engine.snapshot_copies import SnapshotCopies
 from deepinfer_jax.engine.step_weights import with_step_weights
 from deepinfer_jax.engine.tier_copies import Spilled, TierCopies
+from deepinfer_jax.engine.transfer import start_host_copy
 from deepinfer_jax.host.buckets import token_bucket
 from deepinfer_jax.host.decision import ScheduleDecision
 from deepinfer_jax.host.grammar import GrammarError, StructuredOutputs, grammar_spec
@@ -325,7 +326,7 @@ class EngineCore:
                 self.state = self.snapshots.restore(self.state, restores)
             self.state, output = call(self.params, self.state, plan)
             if not defer:       # a first half's logits stay on the device
-                output.copy_to_host_async()
+                start_host_copy(output)
             if saves:
                 self.snapshots.save(self.state, saves)
             return output

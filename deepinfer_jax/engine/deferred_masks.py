@@ -41,7 +41,7 @@ from deepinfer_jax.engine.compile import (
     _trace_key,
 )
 from deepinfer_jax.engine.launch import Launcher
-from deepinfer_jax.engine.transfer import Wire
+from deepinfer_jax.engine.transfer import Wire, start_host_copy
 from deepinfer_jax.host.decision import ScheduleDecision
 from deepinfer_jax.host.grammar import StructuredOutputs
 from deepinfer_jax.host.plan_builder import suppress_stops
@@ -172,7 +172,7 @@ class DeferredMasks:
                                        state.prompt_mask, state.output_counts, logits.result(),
                                        buffer)
             engine.state = dataclasses.replace(state, last_tokens=last_tokens)
-            output.copy_to_host_async()
+            start_host_copy(output)
             return output
 
         return (launcher.submit(device_calls),
@@ -180,4 +180,4 @@ class DeferredMasks:
 
 
 def _read(wire: Wire, output: jax.Array) -> StepOutput:
-    return wire.unpack_host(np.asarray(output))
+    return wire.unpack_host(jax.device_get(output))     # explicit: a guard lets it by

@@ -22,6 +22,7 @@ from deepinfer_jax.device.snapshot_layout import SNAPSHOT_LAYOUT
 from deepinfer_jax.device.snapshots import SlotRings
 from deepinfer_jax.device.tier_copies import compile_batched_loads, compile_tier_copies, page_pools
 from deepinfer_jax.engine.snapshot_copies import SnapshotCopies
+from deepinfer_jax.engine.transfer import start_host_copy
 from deepinfer_jax.host.decision import TierLoad, TierSpill
 from deepinfer_jax.host.kv_tiers import TierEntry, TierStore
 from deepinfer_jax.host.kv_tiers.prefetch import TierReport, TierWorker
@@ -104,8 +105,7 @@ class TierCopies:
             arrays += self._gather_snapshot(self.snapshots.pool, self._id(op.snapshot, rank))
         if rank is not None:         # the asking rank's row of the stacked results
             arrays = tuple(a[rank] for a in arrays)
-        for a in arrays:
-            a.copy_to_host_async()
+        start_host_copy(*arrays)
         return arrays
 
     def _load(self, state: StateCache, op: TierLoad, rank: int | None) -> StateCache:
