@@ -146,8 +146,12 @@ def test_host_block_sets_load_in_batches_in_order(model, monkeypatch):
     def block_set():            # random bits of each array's dtype: a block set's shapes
         page = [b[:b.shape[0] // engine.step_cfg.num_pages] for b in before[0]]
         snap = [b[0] for b in jax.tree.leaves(before[1])]
-        return tuple(rng.integers(0, 256, a.nbytes, np.uint8).view(a.dtype).reshape(a.shape)
-                     for a in page + snap)
+        drawn = (rng.integers(0, 256, a.nbytes, np.uint8).view(a.dtype).reshape(a.shape)
+                 for a in page + snap)
+        # but no NaNs: a GPU's copy may quiet a signalling NaN's payload, which no cache
+        # entry the engine computes holds (the H200 did, in 34 of 10240 values)
+        return tuple(np.where(np.isnan(a), a.dtype.type(0), a)
+                     if jnp.issubdtype(a.dtype, jnp.floating) else a for a in drawn)
     free_snapshots = iter(range(pool_size))          # distinct, as a decision's are
     loads = [TierLoad(page, next(free_snapshots, None) if page % 3 else None,
                       TierEntry(page, block_set(), {})) for page in range(19)]
@@ -166,10 +170,15 @@ def test_host_block_sets_load_in_batches_in_order(model, monkeypatch):
             for k, e in enumerate(jax.tree.leaves(expected[1])):
                 e[load.snapshot] = load.entry.arrays[n + k]
     for a, e in zip(jax.tree.leaves(after), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_array_equal(a, e)
+        np.testing.assert_array_equal(bits(a), bits(e))
     # the spill ran after the first 10 loads: page 4 as loads[4] wrote it
     for got, want in zip(jax.device_get(spilled[0][1]), loads[4].entry.arrays[:n], strict=True):
-        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(bits(got), bits(want))
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    """An array's bytes as unsigned integers of its width: compared bit for bit."""
+    return np.asarray(a).view(np.dtype(f"u{np.asarray(a).dtype.itemsize}"))
 
 
 @pytest.mark.slow
