@@ -73,6 +73,35 @@ def per_sequence(compute: ComputeConfig) -> Callable:
     return functools.partial(tiles, tile=compute.invariant_tile)
 
 
+# Tiles of a row tile's program up to which `per_closed_row` unrolls copies on a GPU (decode
+# and small chunks); beyond, the rows run at once, padded to a multiple of that many tiles.
+UNROLLED_TILES = 4
+
+
+def per_closed_row(compute: ComputeConfig) -> Callable:
+    """How the compressors' newly closed rows are pooled and finished (paged_compressor.py).
+    Their count, T // rate + N, follows the engine's slot count N, and a GPU compiler fuses
+    the elementwise work around their ordered sums by that count (an 8- and a 32-slot step
+    compiled for the H200 fused it differently, docs/batch_invariance.md). In batch-invariant
+    mode where launches are dear, up to UNROLLED_TILES row tiles run as per_sequence's
+    unrolled copies of one tile's program, the same in every engine; more rows (a long
+    chunk's T // rate) run at once, padded to a multiple of UNROLLED_TILES tiles and sealed
+    by optimization barriers, so that engines whose counts round alike compile them alike,
+    with no loop and no copies by the hundred. Elsewhere it is the per-token segments' rule,
+    row tiles in a loop (the CPU formulation) or the whole batch (the default mode)."""
+    if not compute.batch_invariant:
+        return whole_batch
+    if not compute.launch_bound:
+        return rowwise(compute)
+    tile = compute.invariant_tile
+
+    def tiles(fn: Callable, *args):
+        rows, granule = jax.tree.leaves(args)[0].shape[0], UNROLLED_TILES * tile
+        return unrolled_row_tiles(fn, *args,
+                                  tile=tile if rows <= granule else -(-rows // granule) * granule)
+    return tiles
+
+
 def segments(compute: ComputeConfig) -> Callable:
     """How a per-token segment of the layer (projections, norms, mixing) runs: in row tiles
     only where its elementwise code is not invariant by itself (the CPU formulation)."""

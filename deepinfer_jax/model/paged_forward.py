@@ -26,7 +26,7 @@ from deepinfer_jax.config.compute import ComputeConfig
 from deepinfer_jax.config.model import AttentionKind, MlpKind, ModelConfig
 from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.model import attention, compressor, indexer
-from deepinfer_jax.model.invariant import segments
+from deepinfer_jax.model.invariant import per_closed_row, segments
 from deepinfer_jax.model.mhc import hc_post, hc_pre
 from deepinfer_jax.model.moe import moe
 from deepinfer_jax.model.norms import rms_norm
@@ -161,9 +161,10 @@ def layer_step(p: LayerParams, streams: Array, token_ids: Array, ctx: TokenConte
     ls = dataclasses.replace(ls, window=write_ring(ls.window, t.kv, ctx, compute.batch_invariant))
     if kind is not AttentionKind.SLIDING:
         rate = cfg.compress_rate(kind)
-        # a new row's pooling (ordered sums, its norm and rope) is per row: a segment
+        # a new row's pooling (ordered sums, its norm and rope) is per row, and the rows'
+        # count follows the slot count: fixed row tiles in batch-invariant mode
         common = dict(rate=rate, freqs=layer_inv_freq(cfg, kind), eps=cfg.rms_norm_eps,
-                      page_size=step_cfg.page_size, rowwise=segment,
+                      page_size=step_cfg.page_size, rowwise=per_closed_row(compute),
                       invariant=compute.batch_invariant,
                       max_new_rows=streams.shape[0] // rate + ctx.block_table.shape[0])
         rows, tail = close_rows(t.comp_kv, t.comp_score, p.attn.compressor, ls.tail, ls.rows, ctx,

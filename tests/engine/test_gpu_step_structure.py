@@ -20,12 +20,12 @@ from deepinfer_jax.model.state import init_state
 from tests.conftest import REPO
 
 
-def traced_engine(max_num_seqs: int = 4, **options):
+def traced_engine(max_num_seqs: int = 4, bucket: int = 16, **options):
     """What the engine traces its steps with (cfg, step_cfg, params, state) for the shipped model,
     without compiling them: these tests read the lowered module only."""
     model = deepinfer_jax.load(REPO / "models" / "deepinfer-tiny-v4")
     step_cfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=128,
-                            max_num_batched_tokens=16, token_buckets=(16,),
+                            max_num_batched_tokens=bucket, token_buckets=(bucket,),
                             speculative_config={"num_speculative_tokens": 3},
                             **options).resolve(model.config)
     cfg = model.config
@@ -154,4 +154,36 @@ def test_invariant_sums_do_not_follow_the_slot_count(step_fn):
 
     few, many = sums(4), sums(8)
     assert few                                    # (the parse finds the step's sums)
+    assert few == many, (sorted(few - many), sorted(many - few))
+
+
+# Float arithmetic whose rounding may follow the fusion XLA builds around it (a multiply and an
+# add fused into one FMA or not): any of it over a shape that follows the slot count lets the
+# compiler round a row by the engine's size.
+FLOAT_ARITHMETIC = re.compile(r"stablehlo\.(add|subtract|multiply|divide|exponential|rsqrt|sqrt|"
+                              r"log|power|tanh|logistic)\s[^\n]*?:\s*"
+                              r"(tensor<[^>]*(?:f32|bf16|f16)>)")
+
+
+@pytest.mark.parametrize("step_fn, bucket", [(step, 16), (spec_step, 16), (step, 512)],
+                         ids=["plain", "speculative", "prefill"])
+def test_invariant_arithmetic_does_not_follow_the_slot_count(step_fn, bucket):
+    """Batch-invariant mode, traced for a GPU: an engine of 4 slots and one of 8, same token
+    bucket, do float arithmetic over the same shapes only. The compressors' newly closed rows
+    (T // rate + N of them) ran over their whole count, and an 8-slot step compiled for the
+    H200 fused that work otherwise than a 32-slot one (session 56's dumps), where prompt 22
+    of test_sync_loop_on_fewer_slots moved; they now run in fixed row tiles, or (a chunk's
+    many rows, here 512 // 4 + N) at once padded to a multiple of four tiles."""
+    def arithmetic(slots: int) -> set[tuple[str, str]]:
+        cfg, step_cfg, params, state = traced_engine(max_num_seqs=slots, bucket=bucket,
+                                                     batch_invariant=True,
+                                                     step_formulation="gpu")
+        wire = Wire.of(build_plan(ScheduleDecision(()), bucket, step_cfg))
+        traced = jax.jit(lambda p, s, b: step_fn(p, s, wire.unpack_device(b), cfg=cfg,
+                                                 step_cfg=step_cfg, truncation=True))
+        return set(FLOAT_ARITHMETIC.findall(jax.export.export(traced, platforms=["cuda"])(
+            params, state, wire.spec()).mlir_module()))
+
+    few, many = arithmetic(4), arithmetic(8)
+    assert len(few) > 20                          # (the parse finds the step's arithmetic)
     assert few == many, (sorted(few - many), sorted(many - few))
