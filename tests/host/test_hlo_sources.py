@@ -67,3 +67,28 @@ def test_hlo_diff_names_the_sums_whose_rows_follow_the_engine():
     assert rows and all(f"test_hlo_sources.py:{line}" in source for _, source, _, _ in rows)
     assert {(a, b) for _, _, a, b in rows} == {(1, 0), (0, 1)}
     assert differing(compiled(8), compiled(8)) == []
+
+
+def test_hlo_diff_names_the_kernels_grouped_otherwise():
+    """bench/hlo_diff.py --fusions: one function compiled with its multiply and add in one
+    kernel, then split by an optimization barrier: the kernels of each compile are named by
+    their ops' source lines, and a compile against itself differs nowhere."""
+    from bench.hlo_diff import differing_fusions
+
+    def product_plus(x, y, z, split):
+        p = jnp.exp(x) * y
+        if split:
+            p = jax.lax.optimization_barrier(p)
+        return p + z
+
+    def compiled(split: bool) -> str:
+        ones = jnp.ones((64, 64))
+        return jax.jit(product_plus, static_argnums=3).lower(ones, ones, ones,
+                                                             split).compile().as_text()
+
+    first = inspect.getsourcelines(product_plus)[1]
+    mul, add = (f"test_hlo_sources.py:{first + n}" for n in (1, 4))
+    kernels = {ops: (a, b) for ops, a, b in differing_fusions(compiled(False), compiled(True))}
+    assert kernels[tuple(sorted((f"add@{add}", f"exponential@{mul}", f"multiply@{mul}")))] == (1, 0)
+    assert kernels[(f"exponential@{mul}", f"multiply@{mul}")] == (0, 1)
+    assert differing_fusions(compiled(True), compiled(True)) == []
