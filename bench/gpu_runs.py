@@ -42,6 +42,8 @@ def bench(script: str, *args: str) -> tuple[str, ...]:
     return (PY, f"bench/{script}", *args)
 
 
+V41_GREEDY_A = "tests/engine/test_v41_engine.py::test_v41_engine_greedy_tokens_match_the_reference[a]"
+
 RUNS = {
     "kernel-tests": Run(540, "the kernels against their jnp references, compiled for the GPU",
                         ((*PYTEST, "tests/kernels"),)),
@@ -61,6 +63,16 @@ RUNS = {
                                   ((*PYTEST, "-rf", "--tb=short",
                                     "tests/engine/test_batch_invariance.py", "-k",
                                     "fewer_slots"),)),
+    # V4.1's engine parted from the reference at a prompt's first token on the H200 (session
+    # 56) with its dots at HIGHEST; on float32 weights only the Sinkhorn kernel runs there, so
+    # the jnp reference for every op first, then the default table. Needs .cache/v41-oracle.
+    "v41-engine-kernels": Run(300, "test_v41_engine's greedy check on fixture a with every op "
+                                   "on its jnp reference, then with the device's kernels",
+                              (("env", "DEEPINFER_KERNELS=reference",
+                                f"DEEPINFER_V41_ORACLE_DIR={REPO / '.cache' / 'v41-oracle'}",
+                                *PYTEST, "-rf", "--tb=short", V41_GREEDY_A),
+                               ("env", f"DEEPINFER_V41_ORACLE_DIR={REPO / '.cache' / 'v41-oracle'}",
+                                *PYTEST, "-rf", "--tb=short", V41_GREEDY_A))),
     # issue 35's full GPU test run: the CPU suite's files with the kernels compiled, not
     # interpreted. Ten workers share the GPU (eight reached 98% of the suite in 1150 s on the
     # H200, session 56), so each takes 9% of it, and only as it needs it; each test's result
