@@ -3,12 +3,19 @@ e2m1 casts, both round-to-nearest-even), the e2m1 tie rule, and the unblockable-
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
-from deepinfer_jax.model.v41.fake_quant import fake_quant_fp4, fake_quant_fp8, pow2_ceil, round_e2m1
+from deepinfer_jax.model.v41.fake_quant import (
+    fake_quant_fp4,
+    fake_quant_fp8,
+    pow2_ceil,
+    round_e2m1,
+    round_e4m3,
+)
 
 
 def _sample(shape, seed=0):
@@ -33,6 +40,31 @@ def test_fp8_matches_a_numpy_round_trip():
     scale = _pow2_ceil(np.maximum(np.abs(b).max(-1, keepdims=True), 1e-4) / 448.0)
     want = ((b / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale).reshape(x.shape)
     np.testing.assert_array_equal(fake_quant_fp8(jnp.asarray(x)), want)
+
+
+def test_e4m3_rounding_equals_the_float8_cast():
+    """Every finite e4m3fn value, the midpoints between neighbours (ties to even), a float32
+    step either side of them, and random values: bit for bit ml_dtypes' cast."""
+    codes = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    grid = np.unique(codes[np.isfinite(codes)])
+    mids = (grid[1:] + grid[:-1]) / 2
+    rng = np.random.default_rng(0)
+    x = np.concatenate([grid, mids, np.nextafter(mids, np.inf), np.nextafter(mids, -np.inf),
+                        rng.uniform(-448, 448, 20000), rng.standard_normal(20000) * 0.01,
+                        [0.0, -0.0]]).astype(np.float32)
+    want = x.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(round_e4m3)(x)).view(np.uint32),
+                                  want.view(np.uint32))
+
+
+@pytest.mark.parametrize("quantize", [fake_quant_fp8, lambda x: fake_quant_fp4(x, 32),
+                                      lambda x: fake_quant_fp4(x, 16, e4m3_scales=True)],
+                         ids=["fp8", "fp4 ue8m0", "fp4 e4m3"])
+def test_the_rounding_is_no_float8_round_trip(quantize):
+    """A GPU compile drops a chain of float conversions (f32 -> e4m3 -> f32 is f32 there): the
+    fake quantization must round in float32 arithmetic, with no float8 value in between."""
+    jaxpr = str(jax.make_jaxpr(quantize)(jnp.zeros((4, 64), jnp.float32)))
+    assert "f8" not in jaxpr, jaxpr
 
 
 def test_e2m1_rounding_ties_to_even():

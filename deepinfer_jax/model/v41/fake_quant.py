@@ -6,6 +6,13 @@ reference's rule, which only tiny configs meet).
 * window K=V after RoPE: FP8 e4m3, 32-channel blocks, power-of-two (ue8m0) scales;
 * compressed KV after RoPE: FP4 e2m1, 16-channel blocks, e4m3 scales;
 * indexer keys and queries after RoPE: FP4 e2m1, 32-channel blocks, ue8m0 scales.
+
+Every rounding here is float32 arithmetic onto the grid, never a round trip through a float8
+type: XLA's GPU compiler removes chains of float conversions (`simplify-fp-conversions`, on
+under its default `xla_allow_excess_precision`), so `x.astype(float8_e4m3fn).astype(float32)`
+is x itself there, and V4.1's forward lost its FP8 rounding on an H100 (logits O(1) from the
+reference's, 1e-5 with the fake quantization off). A value already on the grid converts to a
+float8 type exactly, so a conversion that follows (the cache's stored codes) is safe to drop.
 """
 
 from __future__ import annotations
@@ -32,6 +39,21 @@ def pow2_ceil(t: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type((jnp.clip(k, -126, 127) + 127) << 23, jnp.float32)
 
 
+def round_e4m3(q: jax.Array) -> jax.Array:
+    """float32 values within [-448, 448] -> the nearest e4m3fn value (ties to even), as
+    float32: what `q.astype(float8_e4m3fn)` holds, from the IEEE bits. Normals (from 2^-6)
+    keep 3 of float32's 23 mantissa bits; below, the grid is the subnormals' 2^-9 steps."""
+    magnitude = jnp.abs(q.astype(jnp.float32))
+    bits = jax.lax.bitcast_convert_type(magnitude, jnp.uint32)
+    dropped = 20                                        # 23 - 3 mantissa bits
+    half = (1 << (dropped - 1)) - 1 + ((bits >> dropped) & 1)
+    normal = jax.lax.bitcast_convert_type((bits + half) & ~jnp.uint32((1 << dropped) - 1),
+                                          jnp.float32)
+    subnormal = jnp.round(magnitude * 2.0**9) * 2.0**-9     # jnp.round: ties to even
+    rounded = jnp.where(magnitude < 2.0**-6, subnormal, normal)
+    return jnp.where(jnp.signbit(q), -rounded, rounded)
+
+
 def _blocks(x: jax.Array, block: int) -> jax.Array:
     return x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
@@ -43,7 +65,7 @@ def fake_quant_fp8(x: jax.Array, block: int = 32) -> jax.Array:
     b = _blocks(x, block)
     amax = jnp.maximum(jnp.abs(b).max(-1, keepdims=True), 1e-4)
     scale = pow2_ceil(amax * (1.0 / FP8_MAX))
-    q = jnp.clip(b / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    q = round_e4m3(jnp.clip(b / scale, -FP8_MAX, FP8_MAX))
     return (q * scale).reshape(x.shape).astype(x.dtype)
 
 
@@ -73,6 +95,6 @@ def fp4_scales(blocks: jax.Array, e4m3_scales: bool) -> jax.Array:
     grid (e4m3 or a power of two), so that its stored form round-trips exactly."""
     amax = jnp.abs(blocks).max(-1, keepdims=True)
     if e4m3_scales:
-        scale = (jnp.maximum(amax, FP4_MAX * 2.0**-9) / FP4_MAX).astype(jnp.float8_e4m3fn)
-        return scale.astype(jnp.float32)
+        # (past 448, where the float8 conversion gives NaN, the largest e4m3 value)
+        return round_e4m3(jnp.clip(jnp.maximum(amax, FP4_MAX * 2.0**-9) / FP4_MAX, max=FP8_MAX))
     return pow2_ceil(jnp.maximum(amax, FP4_MAX * 2.0**-126) * (1.0 / FP4_MAX))

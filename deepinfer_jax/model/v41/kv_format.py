@@ -26,6 +26,7 @@ from deepinfer_jax.model.v41.fake_quant import (
     fp4_scales,
     pow2_ceil,
     round_e2m1,
+    round_e4m3,
 )
 
 Array = jax.Array
@@ -61,7 +62,7 @@ def encode_fp8(x: Array, block: int = 32) -> Fp8Rows:
     b = _blocks(x, x.shape[-1] // block)
     amax = jnp.maximum(jnp.abs(b).max(-1, keepdims=True), 1e-4)
     scale = pow2_ceil(amax * (1.0 / FP8_MAX))
-    codes = jnp.clip(b / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    codes = round_e4m3(jnp.clip(b / scale, -FP8_MAX, FP8_MAX)).astype(jnp.float8_e4m3fn)
     return Fp8Rows(codes=codes.reshape(x.shape), exps=_exponent(scale[..., 0]))
 
 
