@@ -14,6 +14,7 @@ from deepinfer_jax.config.compute import ComputeConfig
 from deepinfer_jax.model.invariant import linear, ordered_sum, per_row_tiles
 from deepinfer_jax.model.norms import mean_of_squares, unweighted_rms_norm
 from deepinfer_jax.model.params import HyperConnectionParams, HyperHeadParams
+from deepinfer_jax.model.precision import rounded_to
 from pallas_kernels.sinkhorn import api as sinkhorn_op
 
 # Batch-invariant mode's mix projection on the invariant GEMM: its columns padded to a
@@ -143,7 +144,7 @@ def _mix_streams(block_out: jax.Array, streams: jax.Array, post: jax.Array, comb
     # streams: XLA fuses it into one pass over them, where a batched 4 x 4 dot is a GEMM
     # fusion several times slower on the H200 (docs/performance-log.md).
     dtype = streams.dtype
-    weights = comb.astype(dtype).astype(jnp.float32)
+    weights = rounded_to(comb.astype(jnp.float32), dtype)      # (a cast pair: dropped on a GPU)
     mixed = sum(weights[..., j, :, None] * streams[..., j, None, :].astype(jnp.float32)
                 for j in range(streams.shape[-2]))                            # [..., hc, D]
     return post.astype(dtype)[..., None] * block_out[..., None, :] + mixed.astype(dtype)

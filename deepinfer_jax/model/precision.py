@@ -32,3 +32,18 @@ def follows_weights(fn):
         with matmul_precision(params.embed.dtype):
             return fn(params, *args, **kwargs)
     return at_weights_precision
+
+
+def rounded_to(x: jax.Array, dtype) -> jax.Array:
+    """float32 x rounded to dtype's precision, kept in float32: `x.astype(dtype).astype(float32)`
+    as the CPU computes it. Not written as that pair: XLA's GPU compiler drops chains of float
+    conversions (`simplify-fp-conversions`, on under its default `xla_allow_excess_precision`),
+    so there the pair is x. `reduce_precision` is the rounding as an op of its own, equal to the
+    cast for formats with float32's exponent range (bfloat16); V4.1's float8 rounding is
+    model/v41/fake_quant.round_e4m3."""
+    info = jnp.finfo(dtype)
+    if jnp.dtype(dtype) == jnp.float32:
+        return x
+    if info.nexp != 8:
+        raise ValueError(f"rounded_to takes float32's exponent range, not {jnp.dtype(dtype)}")
+    return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
