@@ -36,8 +36,7 @@ from deepinfer_jax.weights import load_params, orbax_store
 @functools.partial(jax.jit, static_argnames=("cfg", "compute"))
 def _logits(params: ModelParams, token_ids: jax.Array, cfg: ModelConfig,
             compute: ComputeConfig) -> jax.Array:
-    with matmul_precision(params.embed.dtype):
-        return reference_forward.logits(params, token_ids, cfg, compute)
+    return reference_forward.logits(params, token_ids, cfg, compute)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "compute"))

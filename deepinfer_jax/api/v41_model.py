@@ -24,7 +24,6 @@ from deepinfer_jax.config.compute import ComputeConfig
 from deepinfer_jax.config.hf import read_model_config
 from deepinfer_jax.config.model import ConfigError
 from deepinfer_jax.config.v41 import V41Config
-from deepinfer_jax.model.precision import matmul_precision
 from deepinfer_jax.model.v41 import engram_hash
 from deepinfer_jax.model.v41.forward import forward
 from deepinfer_jax.model.v41.params import V41ModelParams
@@ -35,8 +34,7 @@ from deepinfer_jax.weights.v41 import load_v41_params
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _logits(params: V41ModelParams, tokens: jax.Array, live: jax.Array,
             engram_ids: jax.Array | None, cfg: V41Config) -> jax.Array:
-    with matmul_precision(params.embed.dtype):
-        return forward(params, cfg, tokens, live, engram_ids)[0]
+    return forward(params, cfg, tokens, live, engram_ids)[0]
 
 
 @dataclasses.dataclass(frozen=True)
