@@ -8,6 +8,7 @@ import urllib.request
 
 import numpy as np
 import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from deepinfer_jax.api.server.metrics import ServerMetrics
@@ -47,6 +48,7 @@ def test_tier_counters_and_latency_reach_the_scrape(tmp_path):
     worker.close()
 
 
+@pytest.mark.slow       # a combination (KV tiers x the server): the counters' scrape stays in CI's tier
 def test_a_served_engine_with_tiers_reports_them(tmp_path):
     """The engine thread hands the tiers' reports to the collector: a server whose LLM has a
     host and a disk tier shows both in /metrics (nothing evicted yet: zeros)."""

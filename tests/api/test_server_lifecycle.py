@@ -194,6 +194,8 @@ def test_prefix_cache_hits_show_in_the_metrics(served):
     assert _value(m, "deepinfer_prefix_cache_hit_tokens_total") >= 32
 
 
+# a combination (MTP speculation x the metrics): the acceptance counters in test_speculative*.py
+@pytest.mark.slow
 def test_speculative_acceptance_shows_in_the_metrics(served):
     """A server with MTP speculation gives the plain server's greedy text, and /metrics counts
     the drafts it verified and accepted (the shipped model's MTP block drafts well)."""

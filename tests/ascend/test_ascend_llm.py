@@ -112,6 +112,8 @@ def test_the_ascend_backend_where_torch_is_missing_is_a_typed_error(monkeypatch)
         deepinfer_jax.LLM(SHIPPED, **ENGINE)
 
 
+# a combination (the CLI and server x the Ascend backend): each in CI's tier on its own
+@pytest.mark.slow
 def test_the_cli_and_the_server_on_the_ascend_backend(capsys):
     """`deepinfer generate` and `deepinfer serve` with DEEPINFER_BACKEND=ascend in .venv-ascend
     (no jax) give the JAX engine's greedy continuations (the JAX CLI's, in this process),

@@ -64,6 +64,8 @@ def test_trained_model_logprobs_equal_plain_decoding_bitwise():
                                   [lp.logprob for lp in ref.logprobs])
 
 
+# a combination (draft vocabulary x the shipped model): test_draft_vocab.py in CI's tier
+@pytest.mark.slow
 def test_a_draft_token_map_keeps_the_outputs_and_drafts_only_its_tokens(tmp_path):
     """speculative_config.draft_token_map: the MTP block drafts from the listed ids only.
     Two maps of one size (so the steps compile once): other modules' most frequent tokens,

@@ -67,6 +67,7 @@ def test_v41_rows_do_not_depend_on_the_batch_or_the_chunks(folder):
                                                          use_tqdm=False))
 
 
+@pytest.mark.slow       # a second guard: test_batch_invariance.py's default-mode check stays in CI's tier
 def test_v41_the_default_mode_moves_with_the_chunks():
     prompts, _, _ = _prompts(FIXTURES[0])
     small, large = _engine(FIXTURES[0], 16, False), _engine(FIXTURES[0], 64, False)

@@ -36,10 +36,10 @@ from tests.kernels.gemm_cases import (
     problem,
     routed_pairs,
 )
+from tests.tiers import covering
 
 
-@pytest.mark.parametrize("case", SIZES)
-@pytest.mark.parametrize("swiglu", [None, 7.0])
+@pytest.mark.parametrize("case, swiglu", covering({"case": SIZES, "swiglu": [None, 7.0]}))
 def test_kernel_matches_reference_bf16(case, swiglu):
     lhs, rhs, sizes, _ = problem(SIZES[case], fp8=False)
     ref = reference.grouped_matmul(lhs, rhs, sizes, swiglu_limit=swiglu)
@@ -55,9 +55,9 @@ WS_SIZES = SIZES | {"halves at the edge": [64, 65, 0, 129, 128]}
 WS_PERSISTENT = mosaic_gpu_persistent.PersistentConfig(block_n=64, programs=3)
 
 
-@pytest.mark.parametrize("case", WS_SIZES)
-@pytest.mark.parametrize("swiglu", [None, 7.0])
-@pytest.mark.parametrize("config", [WS, WS_PERSISTENT], ids=["per tile", "persistent"])
+@pytest.mark.parametrize("case, swiglu, config", covering(
+    {"case": WS_SIZES, "swiglu": [None, 7.0], "config": {"per tile": WS, "persistent": WS_PERSISTENT}},
+    always=[("halves at the edge", None, "per tile")]))
 def test_warp_specialized_kernel_matches_reference(case, swiglu, config):
     lhs, rhs, sizes, _ = problem(WS_SIZES[case], fp8=False)
     ref = reference.grouped_matmul(lhs, rhs, sizes, swiglu_limit=swiglu)
@@ -101,8 +101,8 @@ def test_default_configs_small_and_large_batches(rows):
     close(api.grouped_matmul(lhs, rhs, sizes, swiglu_limit=7.0, implementation=KERNEL), ref)
 
 
-@pytest.mark.parametrize("case", ["balanced", "empty experts"])
-@pytest.mark.parametrize("swiglu", [None, 0.0])
+@pytest.mark.parametrize("case, swiglu", covering({"case": ["balanced", "empty experts"],
+                                                     "swiglu": [None, 0.0]}))
 def test_kernel_matches_reference_fp8_block_scales(case, swiglu):
     lhs, rhs, sizes, scale = problem(SIZES[case], fp8=True)
     ref = reference.grouped_matmul(lhs, rhs, sizes, rhs_scale=scale, swiglu_limit=swiglu)

@@ -18,6 +18,7 @@ from pallas_kernels.grouped_gemm import api, fp4_path, reference
 from pallas_kernels.grouped_gemm.fp4_dequant import word_major
 from pallas_kernels.grouped_gemm.mosaic_gpu_fp4 import Fp4Config, tile_major, tiled_fp4_matmul_t
 from tests.kernels.gemm_cases import KERNEL, close, routed_pairs
+from tests.tiers import covering
 
 K = 512                       # the kernel stages scale rows in 16-byte pieces: K % 512 == 0
 N = 128
@@ -78,8 +79,7 @@ def test_the_dequantized_meaning_against_the_e2m1_table():
     np.testing.assert_array_equal(bits(w)[0, :4, 0], [0.25, 0.5, -0.25, -3.0])
 
 
-@pytest.mark.parametrize("case", SIZES)
-@pytest.mark.parametrize("swiglu", [None, 7.0])
+@pytest.mark.parametrize("case, swiglu", covering({"case": SIZES, "swiglu": [None, 7.0]}))
 def test_kernel_matches_dequantize_and_reference(case, swiglu):
     rng = np.random.default_rng(2)
     lhs, sizes = rows(rng, SIZES[case])
@@ -131,14 +131,14 @@ def test_tile_major_codes_give_the_same_bits(swiglu):
     np.testing.assert_array_equal(bits(tiled)[:, used], bits(row_major)[:, used])
 
 
-@pytest.mark.parametrize("swiglu", [None, 7.0])
-@pytest.mark.parametrize("case, padding_rows, used_tiles, tiles", [
-    ("one token", 60, 1, 6), ("empty experts", 0, 4, 8)])
-def test_persistent_programs_give_the_same_bits(swiglu, case, padding_rows, used_tiles, tiles):
+@pytest.mark.parametrize("swiglu, shape", covering({"swiglu": [None, 7.0], "shape": {
+    "one token": ("one token", 60, 1, 6), "empty experts": ("empty experts", 0, 4, 8)}}))
+def test_persistent_programs_give_the_same_bits(swiglu, shape):
     """Persistent programs looping over the used tiles' pairs only write what one program a
     pair writes, bit for bit: one token's rows padded as a decode bucket pads them (1 tile
     of 6 used), and three experts' rows with no padding (4 of 8 used: without SwiGLU 8 used
     pairs over the 4 programs interpret mode runs, two each)."""
+    case, padding_rows, used_tiles, tiles = shape
     rng = np.random.default_rng(9)
     lhs, sizes = rows(rng, SIZES[case], integers=True)
     lhs = jnp.pad(lhs, ((0, padding_rows), (0, 0)))            # rows in no group

@@ -21,6 +21,7 @@ from pallas_kernels.sink_attention.mosaic_gpu import sink_attention as kernel_on
 from pallas_kernels.sink_attention.mosaic_gpu_ws import WarpSpecializedConfig
 from pallas_kernels.sink_attention.mosaic_gpu_ws import sink_attention as kernel_ws
 from tests.kernels.which import KERNEL
+from tests.tiers import covering
 
 HD = 512
 
@@ -53,8 +54,8 @@ def close(out, ref):
     np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2 * max(np.abs(ref).max(), 1e-3))
 
 
-@pytest.mark.parametrize("pattern", ["all", "random", "none", "first few"])
-@pytest.mark.parametrize("rows", [64, 100, 320])
+@pytest.mark.parametrize("rows, pattern", covering({"rows": [64, 100, 320],
+                                                     "pattern": ["all", "random", "none", "first few"]}))
 def test_kernel_matches_reference(rows, pattern):
     q, kv, visible, sinks = problem(3, 64, rows, pattern, seed=rows)
     close(api.sink_attention(q, kv, visible, sinks, implementation=KERNEL),
@@ -100,8 +101,8 @@ def test_a_tokens_result_does_not_follow_its_batch():
         np.testing.assert_array_equal(np.asarray(alone, np.float32)[0], batched[t])
 
 
-@pytest.mark.parametrize("splits", [2, 4])
-@pytest.mark.parametrize("pattern", ["random", "first few", "none"])
+@pytest.mark.parametrize("splits, pattern", covering({"splits": [2, 4],
+                                                       "pattern": ["random", "first few", "none"]}))
 def test_rows_split_over_programs(splits, pattern):
     """Flash-decoding: a token's rows in `splits` ranges, merged after. "first few" leaves
     the later ranges with no visible row, "none" every range (only the sink's term)."""
@@ -111,14 +112,15 @@ def test_rows_split_over_programs(splits, pattern):
           reference.sink_attention(q, kv, visible, sinks))
 
 
-@pytest.mark.parametrize("split_scores", [False, True])
-@pytest.mark.parametrize("pattern", ["all", "random", "none", "first few"])
-@pytest.mark.parametrize("rows,splits", [(100, 1), (300, 2)])
-def test_warp_specialized_kernel_matches_reference(rows, splits, pattern, split_scores):
+@pytest.mark.parametrize("shape, pattern, split_scores", covering(
+    {"shape": {"100-1": (100, 1), "300-2": (300, 2)},
+     "pattern": ["all", "random", "none", "first few"], "split_scores": [False, True]}))
+def test_warp_specialized_kernel_matches_reference(shape, pattern, split_scores):
     """One program per token (or row range) for all 512 dims, two warpgroups sharing each
     row block: "first few" with 2 ranges leaves the second with no visible row, "none" both.
     With split_scores each warpgroup scores half of a block's rows and they exchange maxima
     and P: "first few" leaves a warpgroup's half with no visible row in every block."""
+    rows, splits = shape
     q, kv, visible, sinks = problem(3, 64, rows, pattern, seed=rows + splits)
     config = WarpSpecializedConfig(num_splits=splits, split_scores=split_scores)
     close(api.sink_attention(q, kv, visible, sinks, implementation=KERNEL, config=config),

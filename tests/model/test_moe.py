@@ -116,6 +116,8 @@ def test_moe_through_the_grouped_gemm_kernel():
     np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2 * np.abs(want).max())
 
 
+# a combination (FP4 tiles x the MoE layer): the tile order's bits in test_grouped_gemm_fp4.py
+@pytest.mark.slow
 def test_moe_on_fp4_tiles_equals_the_moe_on_fp4_rows():
     """FP4 experts in the kernel's stored tile order (weights/fp4_tiles.py: bytes where
     interpreted, 32-bit words where compiled; nibbles re-paired so that the activations come
