@@ -73,6 +73,35 @@ RUNS = {
                                 *PYTEST, "-rf", "--tb=short", V41_GREEDY_A),
                                ("env", f"DEEPINFER_V41_ORACLE_DIR={REPO / '.cache' / 'v41-oracle'}",
                                 *PYTEST, "-rf", "--tb=short", V41_GREEDY_A))),
+    # session 56's GPU failures and the GPU paths changed after them, in one call: the
+    # 1150 s all-tests run does not fit a session that lost device time to failed starts.
+    # V4.1's greedy check on the jnp references first (whether a kernel parts the engine).
+    # Needs .cache/v41-oracle and the oracle's deepinfer-tiny-v4 and tiny-mixed folders
+    # (carried as paths of their own: with the whole .cache/oracle the carry passes 64 MiB).
+    "recheck-56": Run(560, "session 56's GPU failures again: V4.1's forwards and engine, "
+                           "the bf16 top logprobs, the explicit host copies, the KV tiers' "
+                           "and FP4 pad tests, the invariant closed rows",
+                      (("env", "DEEPINFER_KERNELS=reference",
+                        f"DEEPINFER_V41_ORACLE_DIR={REPO / '.cache' / 'v41-oracle'}",
+                        *PYTEST, "-rf", "--tb=short", V41_GREEDY_A),
+                       ("env", "XLA_PYTHON_CLIENT_PREALLOCATE=false",
+                        "XLA_PYTHON_CLIENT_MEM_FRACTION=0.18",
+                        f"DEEPINFER_ORACLE_DIR={REPO / '.cache' / 'oracle'}",
+                        f"DEEPINFER_V41_ORACLE_DIR={REPO / '.cache' / 'v41-oracle'}",
+                        *PYTEST, "-vv", "-n", "5", "--dist", "loadfile", "-rfE",
+                        "--tb=short", "--durations=10",
+                        "tests/engine/test_v41_engine.py", "tests/model/test_v41_paged.py",
+                        "tests/model/test_v41_greedy.py", "tests/model/test_v41_reference_forward.py",
+                        "tests/engine/test_v41_engram_host.py", "tests/engine/test_v41_invariance.py",
+                        "tests/engine/test_matmul_precision.py",
+                        "tests/engine/test_engine_vs_hf_cases.py::test_top_logprobs_match_hf"
+                        "[deepinfer-tiny-v4]",
+                        "tests/engine/test_engine_vs_hf_cases.py::test_chosen_logprobs_match_hf"
+                        "[deepinfer-tiny-v4]",
+                        "tests/engine/test_async.py::test_the_loop_makes_no_implicit_transfers",
+                        "tests/engine/test_kv_tiers_engine.py",
+                        "tests/weights/test_fp4_pad_load.py",
+                        "tests/engine/test_batch_invariance.py::test_sync_loop_on_fewer_slots"),)),
     # issue 35's full GPU test run: the CPU suite's files with the kernels compiled, not
     # interpreted. Ten workers share the GPU (eight reached 98% of the suite in 1150 s on the
     # H200, session 56), so each takes 9% of it, and only as it needs it; each test's result
