@@ -102,6 +102,25 @@ RUNS = {
                         "tests/engine/test_kv_tiers_engine.py",
                         "tests/weights/test_fp4_pad_load.py",
                         "tests/engine/test_batch_invariance.py::test_sync_loop_on_fewer_slots"),)),
+    # Whether XLA's excess precision is what parts the GPU's bf16 runs: under the default
+    # xla_allow_excess_precision the GPU compiler drops float conversion chains (the V4.1
+    # fake quantization lost its FP8 rounding so, session 57) and may keep a bf16 value in
+    # float32 across ops, where the rounding points can follow how a step was fused, i.e. its
+    # shapes. The batch-invariance check across slot counts and the bf16 HF logprob bound,
+    # with the flag off for the whole process, then on (the default) for comparison.
+    "no-excess-precision": Run(560, "test_sync_loop_on_fewer_slots and the bf16 HF logprobs "
+                                    "with xla_allow_excess_precision off, then on",
+                               tuple(("env", f"XLA_FLAGS=--xla_allow_excess_precision={flag}",
+                                      f"DEEPINFER_ORACLE_DIR={REPO / '.cache' / 'oracle'}",
+                                      "XLA_PYTHON_CLIENT_PREALLOCATE=false",
+                                      "XLA_PYTHON_CLIENT_MEM_FRACTION=0.4",
+                                      *PYTEST, "-n", "2", "--dist", "loadfile", "-rf",
+                                      "--tb=line",
+                                      "tests/engine/test_batch_invariance.py::"
+                                      "test_sync_loop_on_fewer_slots",
+                                      "tests/engine/test_engine_vs_hf_cases.py::"
+                                      "test_top_logprobs_match_hf[deepinfer-tiny-v4]")
+                                     for flag in ("false", "true"))),
     # issue 35's full GPU test run: the CPU suite's files with the kernels compiled, not
     # interpreted. Ten workers share the GPU (eight reached 98% of the suite in 1150 s on the
     # H200, session 56), so each takes 9% of it, and only as it needs it; each test's result
