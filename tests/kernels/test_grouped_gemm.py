@@ -39,7 +39,7 @@ from tests.kernels.gemm_cases import (
 from tests.tiers import covering
 
 
-@pytest.mark.parametrize("case, swiglu", covering({"case": SIZES, "swiglu": [None, 7.0]}))
+@pytest.mark.parametrize("case, swiglu", covering({"case": list(SIZES), "swiglu": [None, 7.0]}))
 def test_kernel_matches_reference_bf16(case, swiglu):
     lhs, rhs, sizes, _ = problem(SIZES[case], fp8=False)
     ref = reference.grouped_matmul(lhs, rhs, sizes, swiglu_limit=swiglu)
@@ -56,7 +56,7 @@ WS_PERSISTENT = mosaic_gpu_persistent.PersistentConfig(block_n=64, programs=3)
 
 
 @pytest.mark.parametrize("case, swiglu, config", covering(
-    {"case": WS_SIZES, "swiglu": [None, 7.0], "config": {"per tile": WS, "persistent": WS_PERSISTENT}},
+    {"case": list(WS_SIZES), "swiglu": [None, 7.0], "config": {"per tile": WS, "persistent": WS_PERSISTENT}},
     always=[("halves at the edge", None, "per tile")]))
 def test_warp_specialized_kernel_matches_reference(case, swiglu, config):
     lhs, rhs, sizes, _ = problem(WS_SIZES[case], fp8=False)
