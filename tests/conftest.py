@@ -119,6 +119,27 @@ def oracle_case(name: str) -> OracleCase:
     return _cases[name]
 
 
+# pytest-xdist's `--dist loadfile` work units: a test file each, except in these packages, each
+# of which runs as one unit on one worker: their package-scoped fixture (tests/api's compiled,
+# served engine and its reference outputs, about a minute on CI's machine) would otherwise be
+# built again on every worker that draws one of their files.
+ONE_UNIT_PACKAGES = ("tests/api/",)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesAndPackageUnits(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return next((p for p in ONE_UNIT_PACKAGES if path.startswith(p)), path)
+
+    return FilesAndPackageUnits(config, log)
+
+
 def pytest_sessionstart(session):
     """The machine in the run's log (the controller's; workers print nothing): suite times
     differ between CI machines by a factor of three."""
