@@ -102,6 +102,25 @@ RUNS = {
                         "tests/engine/test_kv_tiers_engine.py",
                         "tests/weights/test_fp4_pad_load.py",
                         "tests/engine/test_batch_invariance.py::test_sync_loop_on_fewer_slots"),)),
+    # What session 58's recheck-56 left (it ran out of its call at 92%): V4.1's fixture-b
+    # failures with their tracebacks, the reference forward's file and the KV tiers' mesh case,
+    # which it did not reach. Carries as recheck-56's.
+    "recheck-58": Run(400, "V4.1's fixture-b failures of session 58 with tracebacks, its "
+                           "reference-forward file, the KV tiers' mesh case",
+                      (("env", "XLA_PYTHON_CLIENT_PREALLOCATE=false",
+                        "XLA_PYTHON_CLIENT_MEM_FRACTION=0.25",
+                        f"DEEPINFER_ORACLE_DIR={REPO / '.cache' / 'oracle'}",
+                        f"DEEPINFER_V41_ORACLE_DIR={REPO / '.cache' / 'v41-oracle'}",
+                        *PYTEST, "-vv", "-n", "4", "--dist", "loadfile", "-rfE", "--tb=short",
+                        "tests/model/test_v41_reference_forward.py",
+                        "tests/model/test_v41_greedy.py::test_greedy_continuation_matches_the_"
+                        "reference[b]",
+                        "tests/model/test_v41_greedy.py::test_unpadded_prompts_agree_with_the_"
+                        "padded_batch[b]",
+                        "tests/engine/test_v41_invariance.py::test_v41_rows_do_not_depend_on_the_"
+                        "batch_or_the_chunks[b]",
+                        "tests/engine/test_kv_tiers_engine.py::test_over_a_device_mesh_a_prefix_"
+                        "back_from_the_host_tier_equals_the_cold_run"),)),
     # Whether XLA's excess precision is what parts the GPU's bf16 runs: under the default
     # xla_allow_excess_precision the GPU compiler drops float conversion chains (the V4.1
     # fake quantization lost its FP8 rounding so, session 57) and may keep a bf16 value in
