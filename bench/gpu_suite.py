@@ -88,6 +88,9 @@ def run_one(name: str, run: Run, log: Path, env: dict, scratch: Path) -> tuple[i
     next), until the run's time is up; its status is the first failure's. A command past the
     limit gets SIGTERM (step_profile.py prints its stacks then), 15 s later SIGKILL."""
     start, status = time.monotonic(), 0
+    # each failing test's traceback as it happens (tests/conftest.py): a run stopped at its
+    # limit never reaches pytest's summary
+    env = {**env, "DEEPINFER_FAILURES_LOG": str(log.with_suffix(".failures.log"))}
     with log.open("w") as out:
         for command in run.commands:
             command = [part.replace("{scratch}", str(scratch)) for part in command]

@@ -119,6 +119,16 @@ def oracle_case(name: str) -> OracleCase:
     return _cases[name]
 
 
+def pytest_runtest_logreport(report):
+    """With DEEPINFER_FAILURES_LOG set, each failure's traceback is appended to that file as
+    its report arrives (in xdist's controller, or the one process without it): a GPU run that
+    its device call's time limit stops ends before pytest's summary prints any traceback."""
+    path = os.environ.get("DEEPINFER_FAILURES_LOG")
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(path, "a") as log:
+            log.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
 # pytest-xdist's `--dist loadfile` work units: a test file each, except in these packages, each
 # of which runs as one unit on one worker: their package-scoped fixture (tests/api's compiled,
 # served engine and its reference outputs, about a minute on CI's machine) would otherwise be
