@@ -22,7 +22,7 @@ import numpy as np
 
 from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.config.v41 import V41Config
-from deepinfer_jax.model.invariant import rowwise
+from deepinfer_jax.model.invariant import per_closed_row
 from deepinfer_jax.model.norms import rms_norm
 from deepinfer_jax.model.ragged import (
     TokenContext,
@@ -113,12 +113,13 @@ def publish(kv: Array, gate: Array | None, p: V41AttentionParams, ls: V41LayerSt
             step_cfg: StepConfig) -> V41LayerState:
     """A KV source: close this step's groups, write their entries (and, at an index source,
     their indexer keys) into the sequence's pages. The closing groups are pooled and coded in
-    row tiles in batch-invariant mode (their number follows the batch)."""
+    row tiles in batch-invariant mode: their number follows the batch, and V4's compressor
+    rows' rule keeps a GPU compiler from fusing them by it (`invariant.per_closed_row`)."""
     order_free = step_cfg.batch_invariant     # each closed entry has its own page row
     ctx = _writing(ctx)
     grouped, logits, row, closer, real, tail = close_groups(kv, gate, ls.tail, ctx, ratio,
                                                             order_free)
-    entries, keys = rowwise(step_cfg.compute)(
+    entries, keys = per_closed_row(step_cfg.compute)(
         lambda g, lg, r: _new_entries(p, ratio, compress_freqs, ls.index_keys is not None, cfg,
                                       g, lg, r), grouped, logits, row)
     dest = row_index(ctx.block_table, ctx.seq[closer], row, ratio, step_cfg.page_size)

@@ -40,7 +40,7 @@ from flax import struct
 from deepinfer_jax.config.compute import ComputeConfig
 from deepinfer_jax.config.step import StepConfig
 from deepinfer_jax.config.v41 import V41Config
-from deepinfer_jax.model.invariant import rowwise
+from deepinfer_jax.model.invariant import per_sequence, rowwise
 from deepinfer_jax.model.paged_forward import token_shards
 from deepinfer_jax.model.precision import follows_weights
 from deepinfer_jax.model.ragged import TokenContext, token_context, window_keys, write_ring
@@ -135,8 +135,9 @@ def dense_dequantized(lp: V41LayerParams, dtype) -> V41LayerParams:
 def final_logits(params: V41ModelParams, final: FinalStreams, cfg: V41Config,
                  compute: ComputeConfig) -> Array:
     """FinalStreams of some tokens [t, ...] -> logits f32[t, V] (the last collapse, norm, head),
-    in row tiles in batch-invariant mode."""
-    return rowwise(compute)(lambda s, p: segments.head_logits(params.norm, params.head, cfg, s, p),
+    in batch-invariant mode in row tiles as V4's head (`invariant.per_sequence`: the sampled
+    rows' count follows the engine's size)."""
+    return per_sequence(compute)(lambda s, p: segments.head_logits(params.norm, params.head, cfg, s, p),
                             final.streams, final.pre)
 
 
