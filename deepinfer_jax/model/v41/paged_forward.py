@@ -137,8 +137,9 @@ def final_logits(params: V41ModelParams, final: FinalStreams, cfg: V41Config,
     """FinalStreams of some tokens [t, ...] -> logits f32[t, V] (the last collapse, norm, head),
     in batch-invariant mode in row tiles as V4's head (`invariant.per_sequence`: the sampled
     rows' count follows the engine's size)."""
-    return per_sequence(compute)(lambda s, p: segments.head_logits(params.norm, params.head, cfg, s, p),
-                            final.streams, final.pre)
+    return per_sequence(compute)(
+        lambda s, p: segments.head_logits(params.norm, params.head, cfg, s, p),
+        final.streams, final.pre)
 
 
 def layer_step(p: V41LayerParams, streams: Array, pre: Array, ls: V41LayerState,
