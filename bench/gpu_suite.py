@@ -90,7 +90,9 @@ def run_one(name: str, run: Run, log: Path, env: dict, scratch: Path) -> tuple[i
     start, status = time.monotonic(), 0
     # each failing test's traceback as it happens (tests/conftest.py): a run stopped at its
     # limit never reaches pytest's summary
-    env = {**env, "DEEPINFER_FAILURES_LOG": str(log.with_suffix(".failures.log"))}
+    failures = log.with_suffix(".failures.log")
+    failures.unlink(missing_ok=True)          # (appended to by each test process)
+    env = {**env, "DEEPINFER_FAILURES_LOG": str(failures)}
     with log.open("w") as out:
         for command in run.commands:
             command = [part.replace("{scratch}", str(scratch)) for part in command]
