@@ -10,12 +10,21 @@ import sys
 import textwrap
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LINT_IMPORTS = pathlib.Path(sys.executable).with_name("lint-imports")
+# import-linter's `lint-imports`, run by this interpreter: where import-linter is installed
+# apart from it (the GPU machine's carried wheels, bench/gpu_suite.py) there is no command
+# beside sys.executable.
+LINT_IMPORTS = [sys.executable, "-c", "import sys; from importlinter.cli import "
+                "lint_imports_command; sys.exit(lint_imports_command())", "--no-cache"]
 
 
 def _lint_imports(cwd: pathlib.Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(LINT_IMPORTS), "--no-cache"], cwd=cwd, capture_output=True,
-                          text=True, env={"PYTHONPATH": str(cwd), "PATH": "/usr/bin:/bin"})
+    """The contracts checked on the packages under `cwd` (first on the path: a copy of the
+    tree is analysed, not this checkout), import-linter found where this process finds it."""
+    import importlinter
+
+    site = pathlib.Path(importlinter.__file__).resolve().parents[1]
+    return subprocess.run(LINT_IMPORTS, cwd=cwd, capture_output=True, text=True,
+                          env={"PYTHONPATH": f"{cwd}:{site}", "PATH": "/usr/bin:/bin"})
 
 
 def test_import_contracts_are_kept():
@@ -82,10 +91,10 @@ def test_host_modules_import_without_jax():
 USED_WITHOUT_IMPORT = {
     "pytest-xdist": "make test's -n workers",
     "pytest-timeout": "[tool.pytest.ini_options] timeout",
-    "import-linter": "the lint-imports command above",
     "ipykernel": "the kernel nbclient starts for the notebooks",
 }
-MODULE_OF = {"pytest-xdist": "xdist", "pytest-timeout": "pytest_timeout", "orbax-checkpoint": "orbax"}
+MODULE_OF = {"pytest-xdist": "xdist", "pytest-timeout": "pytest_timeout", "orbax-checkpoint": "orbax",
+             "import-linter": "importlinter"}
 
 
 def test_every_declared_package_is_used():
