@@ -121,6 +121,18 @@ RUNS = {
                         "batch_or_the_chunks[b]",
                         "tests/engine/test_kv_tiers_engine.py::test_over_a_device_mesh_a_prefix_"
                         "back_from_the_host_tier_equals_the_cold_run"),)),
+    # Session 59's bf16 top-logprob failure: the values matched HF's sorted ones while two
+    # ranks' tokens traded places. The probe reads the engine's top 5 beside the cache-free
+    # forward's on the same device (ids misnamed, or logits off), then the test with its
+    # traceback. Needs the oracle's deepinfer-tiny-v4 folder.
+    "top-logprobs-probe": Run(300, "whether the bf16 engine's top logprobs name the wrong "
+                                   "tokens or its logits err, then the HF top-logprob test",
+                              (("env", f"DEEPINFER_ORACLE_DIR={REPO / '.cache' / 'oracle'}",
+                                *bench("top_logprobs_probe.py")),
+                               ("env", f"DEEPINFER_ORACLE_DIR={REPO / '.cache' / 'oracle'}",
+                                *PYTEST, "-rf", "--tb=short",
+                                "tests/engine/test_engine_vs_hf_cases.py::test_top_logprobs_match_hf"
+                                "[deepinfer-tiny-v4]"))),
     # Whether XLA's excess precision is what parts the GPU's bf16 runs: under the default
     # xla_allow_excess_precision the GPU compiler drops float conversion chains (the V4.1
     # fake quantization lost its FP8 rounding so, session 57) and may keep a bf16 value in
