@@ -133,6 +133,24 @@ RUNS = {
                                 *PYTEST, "-rf", "--tb=short",
                                 "tests/engine/test_engine_vs_hf_cases.py::test_top_logprobs_match_hf"
                                 "[deepinfer-tiny-v4]"))),
+    # Session 59's three GPU failures in one call, each a few minutes: the top-logprob probe
+    # above; V4.1 invariance[b], whose 64-token-chunk engine parts from the 16-token one by
+    # 1e-6 in float32, where batch-invariant mode's dense products are XLA's own dots (the
+    # invariant GEMM kernel takes 16-bit operands only) in padded 64-row tiles: the same shape
+    # in both engines, but XLA picks each program's GEMM kernels by timing them
+    # (xla_gpu_autotune_level, default 4), so two compiles may sum one row differently. The
+    # test as is, then without autotuning; the 8-slot check without autotuning too.
+    "diagnose-59": Run(570, "the bf16 top-logprob probe; V4.1 invariance[b] with XLA's GEMM "
+                            "autotuning on, then off; the 8-slot invariance check with it off",
+                       (("env", f"DEEPINFER_ORACLE_DIR={REPO / '.cache' / 'oracle'}",
+                         *bench("top_logprobs_probe.py")),
+                        *(("env", *flags, f"DEEPINFER_V41_ORACLE_DIR={REPO / '.cache' / 'v41-oracle'}",
+                           *PYTEST, "-rf", "--tb=line",
+                           "tests/engine/test_v41_invariance.py::test_v41_rows_do_not_depend_on_the_"
+                           "batch_or_the_chunks[b]")
+                          for flags in ((), ("XLA_FLAGS=--xla_gpu_autotune_level=0",))),
+                        ("env", "XLA_FLAGS=--xla_gpu_autotune_level=0", *PYTEST, "-rf", "--tb=line",
+                         "tests/engine/test_batch_invariance.py::test_sync_loop_on_fewer_slots"))),
     # Whether XLA's excess precision is what parts the GPU's bf16 runs: under the default
     # xla_allow_excess_precision the GPU compiler drops float conversion chains (the V4.1
     # fake quantization lost its FP8 rounding so, session 57) and may keep a bf16 value in
