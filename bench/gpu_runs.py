@@ -134,12 +134,13 @@ RUNS = {
                                 "tests/engine/test_engine_vs_hf_cases.py::test_top_logprobs_match_hf"
                                 "[deepinfer-tiny-v4]"))),
     # Session 59's three GPU failures in one call, each a few minutes: the top-logprob probe
-    # above; V4.1 invariance[b], whose 64-token-chunk engine parts from the 16-token one by
-    # 1e-6 in float32, where batch-invariant mode's dense products are XLA's own dots (the
-    # invariant GEMM kernel takes 16-bit operands only) in padded 64-row tiles: the same shape
-    # in both engines, but XLA picks each program's GEMM kernels by timing them
-    # (xla_gpu_autotune_level, default 4), so two compiles may sum one row differently. The
-    # test as is, then without autotuning; the 8-slot check without autotuning too.
+    # above; V4.1 invariance[b], whose 64-token-chunk engine parted from the 16-token one by
+    # 1e-6 in float32. Its per-token segments run in 64-row tiles in both engines, a loop of
+    # one trip that XLA removes and fused with the padding (16 rows padded, 64 not): the
+    # tiles are now sealed (invariant.sealed_row_tiles), which the test as is checks. Its
+    # dense products are XLA's own dots (the invariant GEMM kernel takes 16-bit operands
+    # only), whose kernels XLA picks by timing them (xla_gpu_autotune_level, default 4), so
+    # the test again without autotuning, and the 8-slot check without it too.
     "diagnose-59": Run(570, "the bf16 top-logprob probe; V4.1 invariance[b] with XLA's GEMM "
                             "autotuning on, then off; the 8-slot invariance check with it off",
                        (("env", f"DEEPINFER_ORACLE_DIR={REPO / '.cache' / 'oracle'}",

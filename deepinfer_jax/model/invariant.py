@@ -38,11 +38,23 @@ def whole_batch(fn: Callable, *args):
     return fn(*args)
 
 
+def sealed_row_tiles(fn: Callable, *args, tile: int):
+    """per_row_tiles with each tile's program between optimization barriers. Rows that fit one
+    tile make a loop of one trip, which XLA removes, fusing the tile's program with the
+    padding around it: a step padded to the tile and one that fills it would compile the same
+    rows' arithmetic differently, which a GPU compiler may round differently. Sealed, the
+    tile's program compiles alone, the same in every step."""
+    barrier = jax.lax.optimization_barrier
+    return in_row_tiles(lambda *rows: barrier(fn(*barrier(rows))), tile, *args)
+
+
 def rowwise(compute: ComputeConfig) -> Callable:
-    """How a row-wise computation runs: tile by tile in batch-invariant mode, else at once."""
-    if compute.batch_invariant:
-        return functools.partial(per_row_tiles, tile=compute.invariant_tile)
-    return whole_batch
+    """How a row-wise computation runs: tile by tile in batch-invariant mode (each tile
+    sealed where launches are dear: the GPU formulation), else at once."""
+    if not compute.batch_invariant:
+        return whole_batch
+    tiles = sealed_row_tiles if compute.launch_bound else per_row_tiles
+    return functools.partial(tiles, tile=compute.invariant_tile)
 
 
 def unrolled_row_tiles(fn: Callable, *args, tile: int):

@@ -131,3 +131,25 @@ def test_unrolled_tiles_are_sealed_copies():
     assert text.count("stablehlo.optimization_barrier") == 2 * 3          # 3 tiles of 8 rows
     np.testing.assert_array_equal(np.asarray(unrolled_row_tiles(fn, x, tile=8)),
                                   np.asarray(fn(x)))
+
+
+def test_row_tiles_are_sealed_where_launches_are_dear():
+    """invariant.rowwise in the GPU formulation: each tile's program between optimization
+    barriers (rows that fit one tile make a loop of one trip, which XLA removes and would
+    fuse with the padding around it); the CPU formulation's tiles are unsealed. The rows are
+    fn's on the whole batch either way."""
+    import jax
+
+    from deepinfer_jax.model.invariant import rowwise
+
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((5, 16)), jnp.float32)
+
+    def fn(rows):                  # exact in float32 whatever the compiler fuses: rows are rows
+        return rows * 2.0 + 1.0
+
+    for formulation, barriers in (("gpu", 2), ("cpu", 0)):
+        tiles = rowwise(ComputeConfig(formulation=formulation, batch_invariant=True,
+                                      invariant_tile=8))
+        text = jax.jit(lambda v, tiles=tiles: tiles(fn, v)).lower(x).as_text()
+        assert text.count("stablehlo.optimization_barrier") == barriers     # in and out
+        np.testing.assert_array_equal(np.asarray(tiles(fn, x)), np.asarray(fn(x)))
