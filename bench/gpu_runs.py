@@ -42,8 +42,6 @@ def bench(script: str, *args: str) -> tuple[str, ...]:
     return (PY, f"bench/{script}", *args)
 
 
-V41_GREEDY_A = "tests/engine/test_v41_engine.py::test_v41_engine_greedy_tokens_match_the_reference[a]"
-
 RUNS = {
     "kernel-tests": Run(540, "the kernels against their jnp references, compiled for the GPU",
                         ((*PYTEST, "tests/kernels"),)),
@@ -63,64 +61,6 @@ RUNS = {
                                   ((*PYTEST, "-rf", "--tb=short",
                                     "tests/engine/test_batch_invariance.py", "-k",
                                     "fewer_slots"),)),
-    # V4.1's engine parted from the reference at a prompt's first token on the H200 (session
-    # 56) with its dots at HIGHEST; on float32 weights only the Sinkhorn kernel runs there, so
-    # the jnp reference for every op first, then the default table. Needs .cache/v41-oracle.
-    "v41-engine-kernels": Run(300, "test_v41_engine's greedy check on fixture a with every op "
-                                   "on its jnp reference, then with the device's kernels",
-                              (("env", "DEEPINFER_KERNELS=reference",
-                                f"DEEPINFER_V41_ORACLE_DIR={REPO / '.cache' / 'v41-oracle'}",
-                                *PYTEST, "-rf", "--tb=short", V41_GREEDY_A),
-                               ("env", f"DEEPINFER_V41_ORACLE_DIR={REPO / '.cache' / 'v41-oracle'}",
-                                *PYTEST, "-rf", "--tb=short", V41_GREEDY_A))),
-    # session 56's GPU failures and the GPU paths changed after them, in one call: the
-    # 1150 s all-tests run does not fit a session that lost device time to failed starts.
-    # V4.1's greedy check on the jnp references first (whether a kernel parts the engine).
-    # Needs .cache/v41-oracle and the oracle's deepinfer-tiny-v4 and tiny-mixed folders
-    # (carried as paths of their own: with the whole .cache/oracle the carry passes 64 MiB).
-    "recheck-56": Run(560, "session 56's GPU failures again: V4.1's forwards and engine, "
-                           "the bf16 top logprobs, the explicit host copies, the KV tiers' "
-                           "and FP4 pad tests, the invariant closed rows",
-                      (("env", "DEEPINFER_KERNELS=reference",
-                        f"DEEPINFER_V41_ORACLE_DIR={REPO / '.cache' / 'v41-oracle'}",
-                        *PYTEST, "-rf", "--tb=short", V41_GREEDY_A),
-                       ("env", "XLA_PYTHON_CLIENT_PREALLOCATE=false",
-                        "XLA_PYTHON_CLIENT_MEM_FRACTION=0.18",
-                        f"DEEPINFER_ORACLE_DIR={REPO / '.cache' / 'oracle'}",
-                        f"DEEPINFER_V41_ORACLE_DIR={REPO / '.cache' / 'v41-oracle'}",
-                        *PYTEST, "-vv", "-n", "5", "--dist", "loadfile", "-rfE",
-                        "--tb=short", "--durations=10",
-                        "tests/engine/test_v41_engine.py", "tests/model/test_v41_paged.py",
-                        "tests/model/test_v41_greedy.py", "tests/model/test_v41_reference_forward.py",
-                        "tests/engine/test_v41_engram_host.py", "tests/engine/test_v41_invariance.py",
-                        "tests/engine/test_matmul_precision.py",
-                        "tests/engine/test_engine_vs_hf_cases.py::test_top_logprobs_match_hf"
-                        "[deepinfer-tiny-v4]",
-                        "tests/engine/test_engine_vs_hf_cases.py::test_chosen_logprobs_match_hf"
-                        "[deepinfer-tiny-v4]",
-                        "tests/engine/test_async.py::test_the_loop_makes_no_implicit_transfers",
-                        "tests/engine/test_kv_tiers_engine.py",
-                        "tests/weights/test_fp4_pad_load.py",
-                        "tests/engine/test_batch_invariance.py::test_sync_loop_on_fewer_slots"),)),
-    # What session 58's recheck-56 left (it ran out of its call at 92%): V4.1's fixture-b
-    # failures with their tracebacks, the reference forward's file and the KV tiers' mesh case,
-    # which it did not reach. Carries as recheck-56's.
-    "recheck-58": Run(400, "V4.1's fixture-b failures of session 58 with tracebacks, its "
-                           "reference-forward file, the KV tiers' mesh case",
-                      (("env", "XLA_PYTHON_CLIENT_PREALLOCATE=false",
-                        "XLA_PYTHON_CLIENT_MEM_FRACTION=0.25",
-                        f"DEEPINFER_ORACLE_DIR={REPO / '.cache' / 'oracle'}",
-                        f"DEEPINFER_V41_ORACLE_DIR={REPO / '.cache' / 'v41-oracle'}",
-                        *PYTEST, "-vv", "-n", "4", "--dist", "loadfile", "-rfE", "--tb=short",
-                        "tests/model/test_v41_reference_forward.py",
-                        "tests/model/test_v41_greedy.py::test_greedy_continuation_matches_the_"
-                        "reference[b]",
-                        "tests/model/test_v41_greedy.py::test_unpadded_prompts_agree_with_the_"
-                        "padded_batch[b]",
-                        "tests/engine/test_v41_invariance.py::test_v41_rows_do_not_depend_on_the_"
-                        "batch_or_the_chunks[b]",
-                        "tests/engine/test_kv_tiers_engine.py::test_over_a_device_mesh_a_prefix_"
-                        "back_from_the_host_tier_equals_the_cold_run"),)),
     # Session 59's bf16 top-logprob failure: the values matched HF's sorted ones while two
     # ranks' tokens traded places. The probe reads the engine's top 5 beside the cache-free
     # forward's on the same device (ids misnamed, or logits off), then the test with its
