@@ -13,6 +13,9 @@ from deepinfer_jax.api.cli import main as cli_main
 from tests.engine.conftest import ENGINE
 
 pytestmark = pytest.mark.oracle
+# ENGINE's options as flags: the CLI's engines then share the file's compiled steps
+CLI_ENGINE = ["--max-num-seqs", "8", "--max-model-len", "640", "--max-num-batched-tokens", "128",
+              "--token-buckets", "16", "128"]
 
 def test_string_prompt_end_to_end(model_dir):
     llm = deepinfer_jax.LLM(model_dir, **ENGINE)
@@ -35,8 +38,7 @@ def test_text_prompt_without_tokenizer_fails_alone(llm):
 
 
 def test_cli_generate_and_bench(model_dir, capsys):
-    engine = ["--model", str(model_dir), "--max-num-seqs", "8", "--max-model-len", "640",
-              "--max-num-batched-tokens", "128"]
+    engine = ["--model", str(model_dir), *CLI_ENGINE]
     assert cli_main(["generate", *engine, "--prompt", "class Point:", "--prompt-ids", "5,6,7",
                      "--max-tokens", "4", "--ignore-eos"]) == 0
     out = capsys.readouterr().out
@@ -50,14 +52,13 @@ def test_cli_sampling_and_structured_flags_reach_the_request(model_dir, capsys):
     """The CLI's sampling flags become the request's SamplingParams: two seeded completions
     of a regex, the same as the API gives for those parameters, and a bad value fails that
     request with a non-zero exit."""
-    engine = ["--model", str(model_dir), "--max-num-seqs", "8", "--max-model-len", "640",
-              "--max-num-batched-tokens", "128"]
+    engine = ["--model", str(model_dir), *CLI_ENGINE]
     flags = ["--temperature", "1.0", "--seed", "7", "--n", "2", "--regex", "[0-9]{3}",
              "--max-tokens", "8"]
     assert cli_main(["generate", *engine, "--prompt", "x = ", *flags]) == 0
     lines = capsys.readouterr().out.splitlines()
     shown = [line for line in lines if line.startswith("[0.")]
-    llm = deepinfer_jax.LLM(model_dir, max_num_seqs=8, max_model_len=640, max_num_batched_tokens=128)
+    llm = deepinfer_jax.LLM(model_dir, **ENGINE)
     [expected] = llm.generate(["x = "], SamplingParams(temperature=1.0, seed=7, n=2,
                                                        regex="[0-9]{3}", max_tokens=8),
                               use_tqdm=False)
