@@ -17,7 +17,7 @@ from tests.conftest import REPO, oracle_case
 # decode steps take 16 tokens, prefill chunks 128; buckets between would only save padding,
 # and each is a compiled step (most of an engine test's time on the CPU). The choice among
 # several is tested on the host (tests/host/test_sampler_choice.py) and in the engine by
-# test_batch_invariance.py's four buckets.
+# test_batch_invariance.py's bucket sets (16 and 128; 1, 4 and 32).
 ENGINE = dict(max_num_seqs=8, max_model_len=640, max_num_batched_tokens=128,
               token_buckets=(16, 128), page_size=64, show_progress=False)
 
