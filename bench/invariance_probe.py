@@ -20,8 +20,8 @@ failed on the H100, not on the CPU), then one slot count against another
                                                     # (default: $BENCH_RESULTS_DIR/
                                                     # invariance-slots-hlo)
   python bench/invariance_probe.py slots-test [DIR] # the same at test_sync_loop_on_fewer_slots'
-                                                    # sizes (buckets 16-128, 34 prompts), no
-                                                    # lane sums
+                                                    # sizes of session 52 (buckets 16, 32, 64,
+                                                    # 128; 34 prompts), no lane sums
   python bench/invariance_probe.py loops [N]        # test_batch_invariance's prompts (the
                                                     # first N) alone on its 32-slot engine,
                                                     # then all at once on 32 and 8 slots, each
@@ -269,7 +269,8 @@ def slots_probe(dump: Path, sizes: str = "small") -> None:
 def loops_probe(count: int) -> None:
     """test_sync_loop_on_fewer_slots failed on the H100 (session 52) where 8 and 32 slots
     agreed in slots_probe's smaller steps: whether the slot count or the synchronous loop
-    moves the logprobs, at the test's engine options."""
+    moves the logprobs, at the test's engine options of then (buckets 16, 32, 64 and 128;
+    the test compiles 16 and 128 since ec1a3a8)."""
     import deepinfer_jax
     from deepinfer_jax import SamplingParams
     from deepinfer_jax.config.hf import read_model_config
